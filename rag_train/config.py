@@ -1,0 +1,340 @@
+"""Typed run configuration: dataclass schema, YAML files, `key=value` overrides, validation.
+
+Every script takes `--config FILE` plus any number of `section.key=value` overrides. Unknown keys,
+wrong types and impossible values are rejected before any work starts, with a message naming the
+key (and the file it came from). The resolved config is saved into the run directory.
+
+The schema lives here, in one place: the sections below are shared by both recipes
+(`RetrieverTrainConfig` for Algorithm 1, `RLMConfig` for Algorithm 2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, TypeVar
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+
+class ConfigError(ValueError):
+    """A config that cannot be run; the message names the key and, where known, the file."""
+
+
+def _choice(section: str, key: str, value: Any, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{section}.{key}={value!r} is not one of {list(allowed)}")
+
+
+def _positive(section: str, key: str, value: Any, allow_zero: bool = False) -> None:
+    if value is None:
+        return
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(f"{section}.{key}={value!r} must be {'>= 0' if allow_zero else '> 0'}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Shared sections
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TinyModelConfig:
+    """Shape of a randomly initialised T5 built from a config (tests and the offline toy default)."""
+
+    d_model: int = 64
+    d_ff: int = 128
+    d_kv: int = 16
+    num_heads: int = 4
+    num_layers: int = 2
+    num_decoder_layers: int = 2
+
+    def __post_init__(self) -> None:
+        for key in ("d_model", "d_ff", "d_kv", "num_heads", "num_layers", "num_decoder_layers"):
+            _positive("tiny", key, getattr(self, key))
+
+
+@dataclass
+class DataConfig:
+    """Where passages and questions come from.
+
+    With `toy: true` (the default) the toy world is generated into `toy_dir` on first use and
+    `passages` / `train` / `dev` default to its files. Otherwise name local files (JSONL / DPR TSV /
+    MS MARCO / BEIR) or, for QA sets, a `datasets` hub name (`nq_open`, `trivia_qa`, `hotpot_qa`).
+    """
+
+    toy: bool = True
+    toy_dir: str = "data/toy"
+    toy_passages: int = 3000
+    toy_seed: int = 0
+    passages: Optional[str] = None  # passages JSONL {id,title,text} or DPR TSV id\ttext\ttitle
+    train: Optional[str] = None  # training file (QA JSONL for the RLM, DPR JSON / JSONL for retrieval)
+    dev: list[str] = field(default_factory=list)  # evaluation files; metrics are keyed by their stem
+    max_train_examples: Optional[int] = None
+    max_eval_examples: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        _positive("data", "toy_passages", self.toy_passages)
+        _positive("data", "max_train_examples", self.max_train_examples)
+        _positive("data", "max_eval_examples", self.max_eval_examples)
+        if not self.toy and (self.passages is None or self.train is None):
+            raise ConfigError("data.toy=false needs data.passages and data.train")
+
+
+@dataclass
+class RetrieverConfig:
+    """Dual encoder f(x), g(y).
+
+    `model`: `tiny` (random init from `tiny`), a Hugging Face encoder id / path, or a
+    sentence-transformers folder (e.g. `sentence-transformers/gtr-t5-base`: T5 encoder, mean
+    pooling, 768->768 projection, L2 normalisation).
+    """
+
+    model: str = "tiny"
+    tokenizer: Optional[str] = None  # defaults to the model's own (toy tokenizer for `tiny`)
+    pooling: str = "mean"  # mean | cls  (ignored for sentence-transformers folders)
+    projection_dim: Optional[int] = None  # linear projection after pooling, GTR style; None = none
+    normalize: bool = True
+    shared_towers: bool = False  # one encoder for questions and passages
+    train_passage_encoder: bool = True  # false = query-side-only training
+    max_query_length: int = 32
+    max_passage_length: int = 128
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+
+    def __post_init__(self) -> None:
+        _choice("retriever", "pooling", self.pooling, ("mean", "cls"))
+        _positive("retriever", "projection_dim", self.projection_dim)
+        _positive("retriever", "max_query_length", self.max_query_length)
+        _positive("retriever", "max_passage_length", self.max_passage_length)
+
+
+@dataclass
+class ReaderConfig:
+    """Fusion-in-Decoder reader over `T5ForConditionalGeneration`."""
+
+    model: str = "tiny"  # tiny | google/t5-base-lm-adapt | local path
+    tokenizer: Optional[str] = None
+    max_input_length: int = 256  # tokens of "question: .. title: .. context: .." per passage
+    max_answer_length: int = 16
+    gradient_checkpointing: bool = False
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+
+    def __post_init__(self) -> None:
+        _positive("reader", "max_input_length", self.max_input_length)
+        _positive("reader", "max_answer_length", self.max_answer_length)
+
+
+@dataclass
+class CorrectorConfig:
+    """h(b) = b + W2 relu(W1 b + c1) + c2, W2 = 0 at init (seed 000)."""
+
+    hidden: int = 8192
+    loss: str = "ce"  # ce (Eq. 6, preferred) | mse (Eq. 5)
+    weight: float = 10.0
+    lr: float = 1e-4
+
+    def __post_init__(self) -> None:
+        _positive("strategy.corrector", "hidden", self.hidden)
+        _choice("strategy.corrector", "loss", self.loss, ("ce", "mse"))
+        _positive("strategy.corrector", "weight", self.weight, allow_zero=True)
+        _positive("strategy.corrector", "lr", self.lr)
+
+
+@dataclass
+class BufferConfig:
+    """The stale embedding buffer and how it is searched."""
+
+    path: Optional[str] = None  # reuse this buffer dir (manifest decides if it matches); default: run_dir/buffer
+    dtype: str = "float16"  # on-disk dtype
+    shard_rows: int = 1_000_000
+    embed_batch_size: int = 256
+    search: str = "corrector_full"  # exact | corrector_full | corrector_rerank
+    chunk_rows: int = 65536  # rows scored per chunk: peak extra memory O(chunk x (hidden + k))
+    faiss_index: str = "Flat"  # candidate index for corrector_rerank: Flat | IVF{n},Flat | HNSW{m} | any factory string
+    rerank_candidates: int = 1024
+    device: str = "auto"  # where the buffer is searched: auto | cpu | cuda
+
+    def __post_init__(self) -> None:
+        _choice("buffer", "dtype", self.dtype, ("float16", "bfloat16", "float32"))
+        _choice("buffer", "search", self.search, ("exact", "corrector_full", "corrector_rerank"))
+        for key in ("shard_rows", "embed_batch_size", "chunk_rows", "rerank_candidates"):
+            _positive("buffer", key, getattr(self, key))
+
+
+STRATEGIES = ("in_batch", "uniform", "stale", "exhaustive", "snm", "negative_cache", "corrector", "frozen", "closed_book")
+
+
+@dataclass
+class StrategyConfig:
+    """How the passage subset S_x is chosen (one implementation per name, same interface)."""
+
+    name: str = "corrector"
+    top_k: int = 64  # passages retrieved (Alg. 1: shared top-64; Alg. 2: per-question top-32)
+    uniform_negatives: int = 64  # Alg. 1 only: uniform targets added to the shared subset
+    sampling: str = "topk"  # topk | gumbel (Gumbel-max samples without replacement instead of top-k)
+    refresh_every: int = 500  # exhaustive / snm: re-embed every R steps
+    snm_targets: int = 1_000_000  # snm: size M of the re-sampled, re-embedded subset
+    cache_size: int = 65536  # negative_cache: streaming cache size (alpha * m)
+    cache_refresh: int = 256  # negative_cache: entries evicted / inserted per step
+    corrector: CorrectorConfig = field(default_factory=CorrectorConfig)
+
+    def __post_init__(self) -> None:
+        _choice("strategy", "name", self.name, STRATEGIES)
+        _choice("strategy", "sampling", self.sampling, ("topk", "gumbel"))
+        _positive("strategy", "top_k", self.top_k)
+        _positive("strategy", "uniform_negatives", self.uniform_negatives, allow_zero=True)
+        for key in ("refresh_every", "snm_targets", "cache_size", "cache_refresh"):
+            _positive("strategy", key, getattr(self, key))
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation and bookkeeping shared by both recipes."""
+
+    output_dir: str = "runs/default"
+    steps: int = 1000
+    batch_size: int = 16  # global batch (split across processes)
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    max_grad_norm: float = 1.0
+    temperature: float = 1.0  # beta = 1 / temperature on retriever scores
+    seed: int = 0
+    mixed_precision: str = "no"  # no | bf16 | fp16 (passed to accelerate)
+    log_every: int = 10
+    eval_every: int = 0  # 0 = only at the end
+    save_every: int = 0  # 0 = only at the end
+    resume: bool = False
+    max_bad_steps: int = 10  # consecutive non-finite losses before the run stops
+    tracker: Optional[str] = "tensorboard"  # any accelerate tracker name, or None
+
+    def __post_init__(self) -> None:
+        for key in ("steps", "batch_size", "lr", "temperature", "log_every", "max_bad_steps"):
+            _positive("train", key, getattr(self, key))
+        for key in ("warmup_steps", "eval_every", "save_every", "weight_decay", "max_grad_norm"):
+            _positive("train", key, getattr(self, key), allow_zero=True)
+        _choice("train", "mixed_precision", self.mixed_precision, ("no", "bf16", "fp16"))
+
+
+@dataclass
+class EvalConfig:
+    batch_size: int = 64
+    recall_at: list[int] = field(default_factory=lambda: [1, 5, 10, 20, 100])
+    num_passages: Optional[int] = None  # RLM: passages given to the reader at eval (default strategy.top_k)
+
+    def __post_init__(self) -> None:
+        _positive("eval", "batch_size", self.batch_size)
+        for k in self.recall_at:
+            _positive("eval", "recall_at", k)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Recipe schemas
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RetrieverTrainConfig:
+    """Algorithm 1: supervised dense retrieval."""
+
+    data: DataConfig = field(default_factory=DataConfig)
+    retriever: RetrieverConfig = field(default_factory=RetrieverConfig)
+    buffer: BufferConfig = field(default_factory=BufferConfig)
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+
+@dataclass
+class RLMConfig:
+    """Algorithm 2: FiD reader + retriever trained by perplexity distillation."""
+
+    data: DataConfig = field(default_factory=DataConfig)
+    retriever: RetrieverConfig = field(default_factory=RetrieverConfig)
+    reader: ReaderConfig = field(default_factory=ReaderConfig)
+    buffer: BufferConfig = field(default_factory=BufferConfig)
+    strategy: StrategyConfig = field(default_factory=lambda: StrategyConfig(top_k=32, uniform_negatives=0))
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    reader_temperature: float = 1.0  # temperature on reader log-likelihoods in P_a
+    retriever_start_step: int = 0  # retriever loss switched on from this step (reader learns first)
+
+    def __post_init__(self) -> None:
+        _positive("", "reader_temperature", self.reader_temperature)
+        _positive("", "retriever_start_step", self.retriever_start_step, allow_zero=True)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------------------
+
+T = TypeVar("T")
+
+
+def _explain(exc: OmegaConfBaseException, origin: str) -> str:
+    key = getattr(exc, "full_key", None) or ""
+    msg = str(exc).splitlines()[0]
+    if "not in" in msg or "Key '" in msg and "not" in msg:
+        return f"{origin}: unknown config key '{key}'"
+    return f"{origin}: bad value for config key '{key}': {msg}"
+
+
+def load_config(schema: type[T], path: Optional[str | Path] = None, overrides: Optional[list[str]] = None) -> T:
+    """Build a `schema` instance from defaults <- YAML file <- `key=value` overrides, validated."""
+    merged = OmegaConf.structured(schema)
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            from_file = OmegaConf.load(path)
+        except Exception as exc:  # yaml syntax errors carry line numbers in their text
+            raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+        try:
+            merged = OmegaConf.merge(merged, from_file)
+        except OmegaConfBaseException as exc:
+            raise ConfigError(_explain(exc, str(path))) from exc
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError(f"command-line override {item!r} is not of the form key=value")
+        try:
+            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([item]))
+        except OmegaConfBaseException as exc:
+            raise ConfigError(_explain(exc, f"override {item!r}")) from exc
+    try:
+        return OmegaConf.to_object(merged)
+    except OmegaConfBaseException as exc:
+        raise ConfigError(_explain(exc, str(path or "config"))) from exc
+
+
+def to_yaml(cfg: Any) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def save_config(cfg: Any, path: str | Path) -> None:
+    """Write the resolved config (atomically) so a run can be reproduced from its directory alone."""
+    from rag_train.io import atomic_write_text
+
+    atomic_write_text(Path(path), to_yaml(cfg))
+
+
+def parse_cli(schema: type[T], argv: Optional[list[str]] = None, description: str = "") -> T:
+    """`script.py [--config FILE] [key=value ...]`; on a bad config print the reason and exit 2."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=description or schema.__doc__)
+    parser.add_argument("--config", default=None, help="YAML config file")
+    parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    args = parser.parse_args(argv)
+    try:
+        return load_config(schema, args.config, args.overrides)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from exc
+
+
+def replace(cfg: T, **changes: Any) -> T:
+    return dataclasses.replace(cfg, **changes)
