@@ -1,0 +1,327 @@
+"""Random access to a passage collection of tens of millions of rows with flat memory.
+
+The source file (JSONL `{id|_id, title, text}` or TSV: DPR `id<TAB>text<TAB>title` with a header,
+MS MARCO `id<TAB>text` without one) is scanned once; the scan validates every line and writes an
+index directory of numpy arrays that are memory-mapped afterwards:
+
+    offsets.npy     int64[N+1]  byte offset of each passage's line (last entry: file size)
+    ids.npy         S{w}[N]     passage id by row (fixed-width bytes)
+    sorted_ids.npy  S{w}[N]     the same ids sorted, for binary search (id -> row)
+    order.npy       int64[N]    row of each sorted id
+    meta.json       format, row count, source size / mtime, sha256 fingerprint (written last)
+
+Text is never held in memory: `text(row)` reads one line at its offset and parses it.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import os
+from array import array
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Iterable, Optional
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from rag_train.data.errors import DataError, data_error
+from rag_train.io import atomic_open, atomic_write_json
+
+INDEX_VERSION = 1
+_ID_KEYS = ("id", "_id")
+_HEADER_ID = ("id", "_id", "pid", "docid", "doc_id")
+_HEADER_TEXT = ("text", "passage", "contents")
+_HEADER_TITLE = ("title",)
+_PROGRESS_MIN_BYTES = 64 << 20
+_ARRAYS = ("offsets", "ids", "sorted_ids", "order")
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """How one line of the file maps to (id, title, text)."""
+
+    kind: str  # "jsonl" | "tsv"
+    columns: int = 0  # tsv: expected number of columns
+    id_col: int = 0
+    text_col: int = 1
+    title_col: Optional[int] = None
+    quoted: bool = False  # tsv with a header follows DPR's csv quoting ("" escapes)
+
+
+def _detect_layout(path: Path, first_line: str, line: int) -> tuple[_Layout, bool]:
+    """Decide the format from the extension (or the first line) and whether that line is a header."""
+    suffix = path.suffix.lower()
+    if suffix in (".gz", ".bz2", ".xz", ".zst"):
+        raise data_error(path, None, None, "compressed files cannot be read by offset; decompress first")
+    if suffix in (".jsonl", ".json") or (suffix != ".tsv" and first_line.lstrip().startswith("{")):
+        return _Layout("jsonl"), False
+    if suffix != ".tsv" and "\t" not in first_line:
+        raise data_error(path, line, None, "expected passages as JSONL ({id,title,text}) or TSV (id<TAB>text[<TAB>title])")
+    names = [name.strip().lower() for name in first_line.rstrip("\r\n").split("\t")]
+    id_col = next((i for i, n in enumerate(names) if n in _HEADER_ID), None)
+    text_col = next((i for i, n in enumerate(names) if n in _HEADER_TEXT), None)
+    if id_col is not None and text_col is not None:
+        title_col = next((i for i, n in enumerate(names) if n in _HEADER_TITLE), None)
+        return _Layout("tsv", len(names), id_col, text_col, title_col, quoted=True), True
+    if id_col is not None or text_col is not None:
+        raise data_error(path, line, None, f"header {names} needs an id column {_HEADER_ID} and a text column {_HEADER_TEXT}")
+    if len(names) not in (2, 3):
+        raise data_error(path, line, None, f"headerless TSV needs 2 (id, text) or 3 (id, text, title) columns, got {len(names)}")
+    return _Layout("tsv", len(names), 0, 1, 2 if len(names) == 3 else None), False
+
+
+def _parse(layout: _Layout, line_text: str, path: Path, line: Optional[int]) -> tuple[str, str, str]:
+    """(id, title, text) of one line; DataError naming the line and field when it is malformed."""
+    if layout.kind == "jsonl":
+        try:
+            record = json.loads(line_text)
+        except json.JSONDecodeError as exc:
+            raise data_error(path, line, None, f"bad JSON ({exc.msg} at column {exc.colno})") from None
+        if not isinstance(record, dict):
+            raise data_error(path, line, None, f"expected a JSON object, got {type(record).__name__}")
+        id_key = next((k for k in _ID_KEYS if k in record), "id")
+        pid, title, text = record.get(id_key), record.get("title"), record.get("text")
+        if isinstance(pid, int) and not isinstance(pid, bool):
+            pid = str(pid)
+        if not isinstance(pid, str):
+            raise data_error(path, line, id_key, "missing or not a string / integer")
+        if not isinstance(text, str):
+            raise data_error(path, line, "text", "missing or not a string")
+        if title is not None and not isinstance(title, str):
+            raise data_error(path, line, "title", "not a string")
+        title = title or ""
+    else:
+        stripped = line_text.rstrip("\r\n")
+        if layout.quoted:
+            try:
+                fields = next(csv.reader([stripped], delimiter="\t", strict=True))
+            except csv.Error as exc:
+                raise data_error(path, line, None, f"bad TSV quoting ({exc})") from None
+        else:
+            fields = stripped.split("\t")
+        if len(fields) != layout.columns:
+            field = "text" if len(fields) <= layout.text_col else None
+            raise data_error(path, line, field, f"expected {layout.columns} tab-separated columns, got {len(fields)}")
+        pid, text = fields[layout.id_col], fields[layout.text_col]
+        title = fields[layout.title_col] if layout.title_col is not None else ""
+    if not pid.strip():
+        raise data_error(path, line, "id", "empty passage id")
+    if "\n" in pid or "\x00" in pid:
+        raise data_error(path, line, "id", "passage id contains a newline or NUL byte")
+    return pid, title, text
+
+
+def _line_number(path: Path, offset: int) -> int:
+    """1-based line number of the byte at `offset` (error path only: rescans the file)."""
+    count, done = 1, 0
+    with open(path, "rb") as handle:
+        while done < offset:
+            chunk = handle.read(min(1 << 22, offset - done))
+            count, done = count + chunk.count(b"\n"), done + len(chunk)
+    return count
+
+
+def _fixed_width(blob: bytearray, lengths: array) -> np.ndarray:
+    """Pack variable-length ids (concatenated in `blob`) into an S{w} array, column by column."""
+    sizes = np.frombuffer(lengths, dtype=np.uint32).astype(np.int64)
+    width = int(sizes.max())
+    starts = np.cumsum(sizes) - sizes
+    raw = np.frombuffer(blob, dtype=np.uint8)
+    table = np.zeros((len(sizes), width), dtype=np.uint8)
+    for col in range(width):
+        rows = np.flatnonzero(sizes > col)
+        table[rows, col] = raw[starts[rows] + col]
+    return table.view(f"S{width}").reshape(len(sizes))
+
+
+def _build_index(path: Path, index_dir: Path, stat: os.stat_result) -> None:
+    """Scan `path` once: validate every line, hash the content, write the memmappable index."""
+    digest = hashlib.sha256()
+    offsets, id_lengths, id_blob = array("q"), array("I"), bytearray()
+    layout, position = None, 0
+    quiet = stat.st_size < _PROGRESS_MIN_BYTES or os.environ.get("RANK", "0") != "0"
+    with open(path, "rb") as handle, tqdm(total=stat.st_size, unit="B", unit_scale=True,
+                                          desc=f"indexing {path.name}", disable=quiet) as bar:
+        for line_no, raw in enumerate(handle, start=1):
+            digest.update(raw)
+            start, position = position, position + len(raw)
+            bar.update(len(raw))
+            if not raw.rstrip(b"\r\n"):
+                continue
+            try:
+                line_text = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise data_error(path, line_no, None, f"not valid UTF-8 (byte {exc.start} of the line)") from None
+            if layout is None:
+                layout, is_header = _detect_layout(path, line_text, line_no)
+                if is_header:
+                    continue
+            key = _parse(layout, line_text, path, line_no)[0].encode("utf-8")
+            offsets.append(start)
+            id_lengths.append(len(key))
+            id_blob += key
+    if not offsets:
+        raise data_error(path, None, None, "no passages (the file is empty)")
+    offsets.append(position)
+    after = path.stat()
+    if (after.st_size, after.st_mtime_ns) != (stat.st_size, stat.st_mtime_ns):
+        raise data_error(path, None, None, "the file changed while it was being indexed")
+
+    ids = _fixed_width(id_blob, id_lengths)
+    del id_blob
+    order = np.argsort(ids, kind="stable")
+    sorted_ids = ids[order]
+    offsets_np = np.frombuffer(offsets, dtype=np.int64)
+    duplicates = np.flatnonzero(sorted_ids[1:] == sorted_ids[:-1])
+    if duplicates.size:
+        first, second = sorted(int(r) for r in order[duplicates[0]: duplicates[0] + 2])
+        raise data_error(path, _line_number(path, int(offsets_np[second])), "id",
+                         f"duplicate passage id {ids[second].decode()!r} (first seen on line "
+                         f"{_line_number(path, int(offsets_np[first]))}); {duplicates.size} duplicate(s) in all")
+
+    index_dir.mkdir(parents=True, exist_ok=True)
+    for name, values in zip(_ARRAYS, (offsets_np, ids, sorted_ids, order.astype(np.int64))):
+        with atomic_open(index_dir / f"{name}.npy", "wb") as out:
+            np.save(out, values)
+    atomic_write_json(index_dir / "meta.json", {
+        "version": INDEX_VERSION, "source": str(path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
+        "rows": len(ids), "id_width": ids.dtype.itemsize, "fingerprint": digest.hexdigest(),
+        "layout": asdict(layout),
+    })
+
+
+def _default_index_dir(path: Path, cache_dir: Optional[str | Path]) -> Path:
+    """`<file>.index/` beside the file; under `cache_dir` (or the user cache) when given / read-only."""
+    if cache_dir is None and os.access(path.parent, os.W_OK):
+        return path.parent / f"{path.name}.index"
+    root = Path(cache_dir) if cache_dir is not None else Path(
+        os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "rag_train" / "corpus-index"
+    tag = hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:12]
+    return root / f"{path.name}.{tag}.index"
+
+
+class Corpus:
+    """Passages by row (0..N-1, file order) and by id, read lazily from the source file."""
+
+    def __init__(self, path: Path, index_dir: Path) -> None:
+        meta_path = index_dir / "meta.json"
+        self.path, self.index_dir = path, index_dir
+        self._meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        self._layout = _Layout(**self._meta["layout"])
+        arrays = {name: np.load(index_dir / f"{name}.npy", mmap_mode="r") for name in _ARRAYS}
+        self._offsets, self._ids = arrays["offsets"], arrays["ids"]
+        self._sorted_ids, self._order = arrays["sorted_ids"], arrays["order"]
+        rows = self._meta["rows"]
+        if len(self._offsets) != rows + 1 or len(self._ids) != rows or len(self._order) != rows:
+            raise data_error(meta_path, None, "rows", f"index arrays do not hold {rows} rows; delete {index_dir}")
+        self._fd, self._fd_pid = -1, -1
+
+    @classmethod
+    def open(cls, path: str | Path, cache_dir: Optional[str | Path] = None) -> "Corpus":
+        """Open `path`, building (or rebuilding, if the file's size / mtime changed) its index first."""
+        path = Path(path)
+        if not path.is_file():
+            raise data_error(path, None, None, "passages file not found")
+        stat = path.stat()
+        index_dir = _default_index_dir(path, cache_dir)
+        if not cls._index_is_current(index_dir, stat):
+            _build_index(path, index_dir, stat)
+        return cls(path, index_dir)
+
+    @staticmethod
+    def _index_is_current(index_dir: Path, stat: os.stat_result) -> bool:
+        try:
+            meta = json.loads((index_dir / "meta.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return False
+        current = (meta.get("version"), meta.get("size"), meta.get("mtime_ns"))
+        return current == (INDEX_VERSION, stat.st_size, stat.st_mtime_ns) and all(
+            (index_dir / f"{name}.npy").is_file() for name in _ARRAYS)
+
+    # Pickling (DataLoader workers, spawn) must not copy the memmaps: reopen from the index instead.
+    def __getstate__(self) -> dict:
+        return {"path": self.path, "index_dir": self.index_dir}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["path"], state["index_dir"])
+
+    def __len__(self) -> int:
+        return int(self._meta["rows"])
+
+    def __repr__(self) -> str:
+        return f"Corpus({str(self.path)!r}, rows={len(self)})"
+
+    @property
+    def fingerprint(self) -> str:
+        """sha256 of the source file's bytes (ties buffers and checkpoints to this exact corpus)."""
+        return self._meta["fingerprint"]
+
+    def id(self, row: int) -> str:
+        return self._ids[self._check_row(row)].decode("utf-8")
+
+    def row(self, pid: str | int) -> int:
+        return int(self.rows([pid])[0])
+
+    def rows(self, pids: Iterable[str | int]) -> np.ndarray:
+        """Rows of passage ids (int64); DataError naming the first unknown id."""
+        keys = [str(p).encode("utf-8") for p in pids]
+        if not keys:
+            return np.zeros(0, dtype=np.int64)
+        width = self._sorted_ids.dtype.itemsize
+        fits = np.array([len(k) <= width and b"\x00" not in k for k in keys])
+        probe = np.array([k if ok else b"" for k, ok in zip(keys, fits)], dtype=f"S{width}")
+        slots = np.minimum(np.searchsorted(self._sorted_ids, probe), len(self) - 1)
+        found = fits & (self._sorted_ids[slots] == probe)
+        if not found.all():
+            missing = [k.decode("utf-8", "replace") for k, ok in zip(keys, found) if not ok]
+            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+            raise data_error(self.path, None, "id", f"unknown passage id {missing[0]!r}{more}")
+        return np.asarray(self._order[slots], dtype=np.int64)
+
+    def title(self, row: int) -> str:
+        return self._record(row)[1]
+
+    def text(self, row: int) -> str:
+        return self._record(row)[2]
+
+    def passage(self, row: int) -> dict:
+        pid, title, text = self._record(row)
+        return {"id": pid, "title": title, "text": text}
+
+    def passages(self, rows: Iterable[int]) -> list[dict]:
+        return [self.passage(int(r)) for r in rows]
+
+    def byte_lengths(self) -> np.ndarray:
+        """Bytes per row's line: a cheap length proxy for length-sorted batching without reading text."""
+        return np.diff(self._offsets)
+
+    def close(self) -> None:
+        if self._fd >= 0 and self._fd_pid == os.getpid():
+            os.close(self._fd)
+        self._fd, self._fd_pid = -1, -1
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except (AttributeError, OSError):
+            pass
+
+    def _check_row(self, row: int) -> int:
+        row = int(row)
+        if not 0 <= row < len(self):
+            raise IndexError(f"row {row} out of range for {self.path} ({len(self)} rows)")
+        return row
+
+    def _record(self, row: int) -> tuple[str, str, str]:
+        row = self._check_row(row)
+        if self._fd_pid != os.getpid():  # a forked worker must not share the parent's file position
+            self._fd, self._fd_pid = os.open(self.path, os.O_RDONLY), os.getpid()
+        start, end = int(self._offsets[row]), int(self._offsets[row + 1])
+        raw = os.pread(self._fd, end - start, start)
+        return _parse(self._layout, raw.decode("utf-8"), self.path, None)
+
+
+__all__ = ["Corpus", "DataError"]
