@@ -1,0 +1,109 @@
+"""QA and retrieval metrics with the field's exact definitions.
+
+- `normalize_answer` / `exact_match`: the SQuAD v1.1 evaluation script (used by FiD, Atlas, seed 000).
+- `has_answer`: DPR's answer-string match (its SimpleTokenizer, uncased, NFD-normalised): a passage
+  "has" an answer when the answer's token sequence occurs in the passage's token sequence.
+- `recall_at_k` / `mrr_at_k` over ranked ids and gold (qrels) ids; `answer_recall_at_k` is DPR's
+  top-k retrieval accuracy (the NQ "R@k" of seed 000's tables).
+"""
+
+from __future__ import annotations
+
+import re
+import string
+import unicodedata
+from typing import Hashable, Iterable, Sequence
+
+import regex
+
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+_PUNCTUATION = set(string.punctuation)
+# DPR SimpleTokenizer: runs of letters / numbers / marks, or any other single non-space character.
+_DPR_TOKEN = regex.compile(r"([\p{L}\p{N}\p{M}]+)|([^\p{Z}\p{C}])", flags=regex.IGNORECASE | regex.UNICODE | regex.MULTILINE)
+
+
+def normalize_answer(text: str) -> str:
+    """Lower case, drop punctuation, drop articles a/an/the, collapse whitespace (SQuAD v1.1 order)."""
+    text = "".join(ch for ch in text.lower() if ch not in _PUNCTUATION)
+    return " ".join(_ARTICLES.sub(" ", text).split())
+
+
+def exact_match(prediction: str, answers: Iterable[str]) -> float:
+    """1.0 when the normalised prediction equals any normalised gold answer, else 0.0."""
+    normalized = normalize_answer(prediction)
+    return float(any(normalized == normalize_answer(answer) for answer in answers))
+
+
+def dpr_tokens(text: str) -> list[str]:
+    """DPR's uncased SimpleTokenizer words of NFD-normalised text."""
+    return [match.group().lower() for match in _DPR_TOKEN.finditer(unicodedata.normalize("NFD", text))]
+
+
+def has_answer(text: str, answers: Iterable[str]) -> bool:
+    """True when some answer's DPR token sequence occurs contiguously in the text's (an answer with no
+    tokens matches nothing, where DPR's loop would match it everywhere)."""
+    tokens = dpr_tokens(text)
+    for answer in answers:
+        needle = dpr_tokens(answer)
+        if not needle:
+            continue
+        width = len(needle)
+        if any(tokens[i : i + width] == needle for i in range(len(tokens) - width + 1)):
+            return True
+    return False
+
+
+def _check_ks(ks: Sequence[int]) -> None:
+    for k in ks:
+        if k <= 0:
+            raise ValueError(f"cut-off k={k} must be > 0")
+
+
+def _check_lengths(ranked: Sequence, gold: Sequence) -> None:
+    if len(ranked) != len(gold):
+        raise ValueError(f"{len(ranked)} rankings but {len(gold)} gold sets")
+    if not ranked:
+        raise ValueError("no queries to evaluate")
+
+
+def recall_at_k(
+    ranked_ids: Sequence[Sequence[Hashable]], gold_ids: Sequence[Iterable[Hashable]], ks: Sequence[int]
+) -> dict[int, float]:
+    """Mean over queries of |gold in top-k| / |gold| (BEIR / MS MARCO recall; with one gold id per query
+    it is the hit rate). Queries without gold ids are an error: drop them before evaluating."""
+    _check_ks(ks)
+    _check_lengths(ranked_ids, gold_ids)
+    totals = {k: 0.0 for k in ks}
+    for i, (ranking, gold) in enumerate(zip(ranked_ids, gold_ids)):
+        gold = set(gold)
+        if not gold:
+            raise ValueError(f"query {i} has no gold ids")
+        for k in ks:
+            totals[k] += len(gold.intersection(ranking[:k])) / len(gold)
+    return {k: total / len(ranked_ids) for k, total in totals.items()}
+
+
+def mrr_at_k(ranked_ids: Sequence[Sequence[Hashable]], gold_ids: Sequence[Iterable[Hashable]], k: int = 10) -> float:
+    """Mean reciprocal rank of the first gold id within the top k (0 when none), MS MARCO MRR@10."""
+    _check_ks([k])
+    _check_lengths(ranked_ids, gold_ids)
+    total = 0.0
+    for ranking, gold in zip(ranked_ids, gold_ids):
+        gold = set(gold)
+        total += next((1.0 / rank for rank, pid in enumerate(ranking[:k], start=1) if pid in gold), 0.0)
+    return total / len(ranked_ids)
+
+
+def answer_recall_at_k(
+    ranked_texts: Sequence[Sequence[str]], answers: Sequence[Iterable[str]], ks: Sequence[int]
+) -> dict[int, float]:
+    """Fraction of questions with a passage containing an answer (`has_answer`) in the top k (DPR)."""
+    _check_ks(ks)
+    _check_lengths(ranked_texts, answers)
+    totals = {k: 0 for k in ks}
+    for texts, golds in zip(ranked_texts, answers):
+        golds = list(golds)
+        first = next((rank for rank, text in enumerate(texts, start=1) if has_answer(text, golds)), None)
+        for k in ks:
+            totals[k] += first is not None and first <= k
+    return {k: total / len(ranked_texts) for k, total in totals.items()}
