@@ -54,8 +54,6 @@ class _Layout:
 def _detect_layout(path: Path, first_line: str, line: int) -> tuple[_Layout, bool]:
     """Decide the format from the extension (or the first line) and whether that line is a header."""
     suffix = path.suffix.lower()
-    if suffix in (".gz", ".bz2", ".xz", ".zst"):
-        raise data_error(path, None, None, "compressed files cannot be read by offset; decompress first")
     if suffix in (".jsonl", ".json") or (suffix != ".tsv" and first_line.lstrip().startswith("{")):
         return _Layout("jsonl"), False
     if suffix != ".tsv" and "\t" not in first_line:
@@ -139,6 +137,8 @@ def _fixed_width(blob: bytearray, lengths: array) -> np.ndarray:
 
 def _build_index(path: Path, index_dir: Path, stat: os.stat_result) -> None:
     """Scan `path` once: validate every line, hash the content, write the memmappable index."""
+    if path.suffix.lower() in (".gz", ".bz2", ".xz", ".zst"):
+        raise data_error(path, None, None, "compressed files cannot be read by offset; decompress first")
     digest = hashlib.sha256()
     offsets, id_lengths, id_blob = array("q"), array("I"), bytearray()
     layout, position = None, 0
