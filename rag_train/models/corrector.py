@@ -1,0 +1,71 @@
+"""Corrector network h (seed 000): maps stale buffer vectors towards the current passage encoder.
+
+h(b) = b + W2 relu(W1 b + c1) + c2 with W2 = 0 and c2 = 0 at init, so training starts exactly at
+the stale buffer. Search never materialises h(B) for the whole buffer: since
+<q, h(b)> = <q, b> + <W2^T q, relu(W1 b + c1)> + <q, c2>, the second layer is folded into the
+queries (`fold_queries`) and only `hidden_activations` is computed per buffer row.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import torch
+from safetensors.torch import load_file, save
+from torch import nn
+
+from rag_train.io import atomic_open
+
+
+class Corrector(nn.Module):
+    """Two-layer residual ReLU MLP, identity at initialisation."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        if dim <= 0 or hidden <= 0:
+            raise ValueError(f"Corrector needs dim > 0 and hidden > 0, got dim={dim}, hidden={hidden}")
+        self.dim = dim
+        self.hidden = hidden
+        self.first = nn.Linear(dim, hidden)  # W1, c1
+        self.second = nn.Linear(hidden, dim)  # W2, c2
+        nn.init.zeros_(self.second.weight)
+        nn.init.zeros_(self.second.bias)
+
+    def forward(self, stale: torch.Tensor) -> torch.Tensor:
+        return stale + self.second(torch.relu(self.first(stale)))
+
+    def hidden_activations(self, stale: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """relu(W1 b + c1) for a block of rows, written into `out` (reused across chunks) when given."""
+        weight = self.first.weight.to(stale.dtype)
+        bias = self.first.bias.to(stale.dtype)
+        activations = torch.addmm(bias, stale, weight.t(), out=out)
+        return activations.relu_()
+
+    def fold_queries(self, queries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W2^T q [B, hidden], <q, c2> [B]): the query side of <q, h(b)>."""
+        return queries @ self.second.weight.to(queries.dtype), queries @ self.second.bias.to(queries.dtype)
+
+    def save(self, path: str | Path) -> None:
+        """Weights as safetensors with the shape in the metadata (atomic write)."""
+        state = {name: tensor.detach().cpu().contiguous() for name, tensor in self.state_dict().items()}
+        metadata = {"corrector": json.dumps({"dim": self.dim, "hidden": self.hidden})}
+        with atomic_open(path, "wb") as handle:
+            handle.write(save(state, metadata=metadata))
+
+    @classmethod
+    def load(cls, path: str | Path, map_location: str | torch.device = "cpu") -> "Corrector":
+        from safetensors import safe_open
+
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"corrector weights not found: {path}")
+        with safe_open(str(path), framework="pt") as handle:
+            meta = (handle.metadata() or {}).get("corrector")
+        if meta is None:
+            raise ValueError(f"{path}: not a corrector file (no 'corrector' metadata with dim/hidden)")
+        shape = json.loads(meta)
+        corrector = cls(int(shape["dim"]), int(shape["hidden"]))
+        corrector.load_state_dict(load_file(str(path), device=str(map_location)))
+        return corrector.to(map_location)
