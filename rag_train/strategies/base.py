@@ -1,0 +1,205 @@
+"""The one interface every passage-selection strategy implements, and the pieces they share.
+
+A strategy (a) proposes passages for a batch — per question for Algorithm 2 (`retrieve`), one subset
+shared by the whole global batch for Algorithm 1 (`subset`) — and (b) updates its own state after the
+optimizer step (`after_step`: refresh, FIFO, ...). It may add trainable modules (the corrector) and an
+auxiliary loss over the same subset. Training loops never look at a strategy's name.
+
+Sharding: with N processes each process holds rows [start, end) of the index. Queries are gathered so every
+process searches its rows for the whole global batch, and `rag_train.buffer.search` merges the per-process
+top-k, so every process sees the same answer as a single process would.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+from accelerate import Accelerator
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from rag_train.buffer.distributed import shard_range
+from rag_train.buffer.embed import embed_rows
+from rag_train.buffer.store import Buffer
+from rag_train.buffer.search import search
+from rag_train.config import BufferConfig, StrategyConfig
+from rag_train.data.corpus import Corpus
+from rag_train.io import atomic_write_json
+from rag_train.losses import truncated_softmax_ce
+
+
+@dataclass
+class StrategyContext:
+    """What a strategy may use: the (unwrapped) dual encoder to embed passages, the corpus, the stale buffer."""
+
+    accelerator: Accelerator
+    model: nn.Module  # rag_train.models.retriever.DualEncoder, unwrapped
+    corpus: Corpus
+    buffer_cfg: BufferConfig
+    buffer_dir: Optional[Path]  # the stale buffer (built before training); None for strategies without one
+    temperature: float
+    seed: int
+
+
+@dataclass
+class Subset:
+    """Algorithm 1's shared passage subset for the global batch."""
+
+    rows: torch.Tensor  # [S] global corpus rows, sorted, unique
+    positive_index: torch.Tensor  # [B_local] index of each local question's positive in `rows`
+
+
+def read_rows(buffer: Buffer, rows: torch.Tensor) -> torch.Tensor:
+    """buffer[rows] as fp32 for any shape of global row ids, read in ascending order from the memmap."""
+    flat = rows.reshape(-1).cpu().numpy()
+    order = np.argsort(flat, kind="stable")
+    picked = np.empty((len(flat), buffer.dim), dtype=np.float32)
+    picked[order] = buffer.array()[flat[order]]
+    return torch.from_numpy(picked).reshape(*rows.shape, buffer.dim)
+
+
+def gather_queries(queries: torch.Tensor, accelerator: Accelerator) -> torch.Tensor:
+    return accelerator.gather(queries.detach().contiguous()) if accelerator.num_processes > 1 else queries.detach()
+
+
+def my_part(global_rows: torch.Tensor, accelerator: Accelerator) -> torch.Tensor:
+    """The rows of a gathered [B_global, ...] answer that belong to this process's questions."""
+    per_rank = global_rows.shape[0] // accelerator.num_processes
+    start = accelerator.process_index * per_rank
+    return global_rows[start : start + per_rank]
+
+
+class Strategy:
+    """Default behaviour: no index, no state. Subclasses override `retrieve` and, if needed, the rest."""
+
+    needs_buffer = False  # True: the recipe builds the stale buffer before step 0
+    retrieves = True  # False: the reader sees no passages (closed book)
+    trains_retriever = True  # False: the retriever is frozen (RLM baseline)
+
+    def __init__(self, cfg: StrategyConfig, ctx: StrategyContext):
+        self.cfg = cfg
+        self.ctx = ctx
+        self.embedded = 0  # passages embedded or re-embedded after the initial buffer build
+        self.step = 0
+        self.generator = torch.Generator().manual_seed(ctx.seed + 7919)
+
+    def embed(self, rows: np.ndarray) -> torch.Tensor:
+        """Current passage-encoder vectors for corpus rows (no gradient). Callers count `embedded`."""
+        return embed_rows(self.ctx.model, self.ctx.corpus, rows, self.ctx.buffer_cfg.embed_batch_size,
+                          self.ctx.accelerator.device)
+
+    # -- proposals ---------------------------------------------------------------------------------
+
+    def retrieve(self, queries: torch.Tensor, k: int) -> torch.Tensor:
+        """[B_local, k] global corpus rows for each local question (queries detached)."""
+        return my_part(self.retrieve_global(queries, k), self.ctx.accelerator)
+
+    def retrieve_global(self, queries: torch.Tensor, k: int) -> torch.Tensor:
+        """[B_global, k] rows for every question of the global batch, the same on every process.
+        The base strategy has no index (in-batch negatives only): it proposes nothing."""
+        batch = queries.shape[0] * self.ctx.accelerator.num_processes
+        return torch.zeros(batch, 0, dtype=torch.long)
+
+    def uniform_rows(self, count: int) -> torch.Tensor:
+        """Uniform targets, drawn identically on every process (shared generator state)."""
+        return torch.randint(len(self.ctx.corpus), (count,), generator=self.generator)
+
+    def subset(self, queries: torch.Tensor, positive_rows: torch.Tensor) -> Subset:
+        """Algorithm 1: union over the global batch of top-k + uniform targets + positives, shared."""
+        acc = self.ctx.accelerator
+        positives = acc.gather(positive_rows.contiguous()) if acc.num_processes > 1 else positive_rows
+        parts = [positives.cpu(), self.uniform_rows(self.cfg.uniform_negatives * len(positives))]
+        if self.cfg.top_k > 0:
+            parts.append(self.retrieve_global(queries, self.cfg.top_k).reshape(-1).cpu())
+        rows = torch.unique(torch.cat(parts))  # sorted: the same order on every process
+        positive_index = torch.searchsorted(rows, positive_rows.cpu())
+        return Subset(rows=rows, positive_index=positive_index)
+
+    # -- losses ------------------------------------------------------------------------------------
+
+    def task_loss(self, scores: torch.Tensor, subset: Subset) -> tuple[torch.Tensor, dict[str, float]]:
+        """Algorithm 1 task loss from fresh inner products [B_local, S] (beta = 1 / temperature applied here)."""
+        return truncated_softmax_ce(scores, subset.positive_index.to(scores.device), self.ctx.temperature), {}
+
+    def auxiliary_loss(
+        self, queries: torch.Tensor, rows: torch.Tensor, fresh_vectors: torch.Tensor, fresh_scores: torch.Tensor
+    ) -> Optional[torch.Tensor]:
+        """Extra loss on the same passages (the corrector's). `rows` is [S] (shared subset) or [B, k];
+        all inputs are detached, so it can only train the strategy's own modules. None: no extra loss."""
+        return None
+
+    def prepare(self, accelerator: Accelerator) -> list[dict]:
+        """Prepare the strategy's trainable modules; return their optimizer param groups (none here)."""
+        return []
+
+    # -- state ---------------------------------------------------------------------------------------
+
+    def after_step(self, step: int) -> None:
+        """Called after each optimizer step with the number of steps done."""
+        self.step = step
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """Tensors to checkpoint (this process's share); subclasses add their index or cache."""
+        return {"generator": self.generator.get_state()}
+
+    def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.generator.set_state(tensors["generator"])
+
+    def save(self, directory: Path) -> None:
+        """Write this process's strategy state into a checkpoint folder (safetensors + json)."""
+        rank = self.ctx.accelerator.process_index
+        tensors = {k: v.detach().cpu().contiguous() for k, v in self.state_tensors().items()}
+        save_file(tensors, str(directory / f"strategy-rank{rank}.safetensors"))
+        atomic_write_json(directory / f"strategy-rank{rank}.json", {"embedded": self.embedded, "step": self.step})
+
+    def load(self, directory: Path) -> None:
+        rank = self.ctx.accelerator.process_index
+        meta = json.loads((directory / f"strategy-rank{rank}.json").read_text())
+        self.embedded, self.step = int(meta["embedded"]), int(meta["step"])
+        self.load_state_tensors(load_file(str(directory / f"strategy-rank{rank}.safetensors")))
+
+
+class IndexedStrategy(Strategy):
+    """A strategy that searches an index of passage vectors, sharded over processes.
+
+    This process holds `self.vectors`, the index entries [row_offset, row_offset + len) of the whole
+    index. `self.index_rows` maps index positions to corpus rows (None: the index is the whole corpus).
+    Subclasses decide what fills them and when.
+    """
+
+    corrector: Optional[nn.Module] = None
+    search_mode = "exact"
+
+    def __init__(self, cfg: StrategyConfig, ctx: StrategyContext):
+        super().__init__(cfg, ctx)
+        self.vectors: torch.Tensor = torch.zeros(0)
+        self.index_rows: Optional[torch.Tensor] = None
+        self.row_offset = 0
+
+    def local_range(self, total: int) -> tuple[int, int]:
+        return shard_range(total, self.ctx.accelerator.process_index, self.ctx.accelerator.num_processes)
+
+    def retrieve_global(self, queries: torch.Tensor, k: int) -> torch.Tensor:
+        all_queries = gather_queries(queries, self.ctx.accelerator).float().to(self.vectors.device)
+        with torch.no_grad():
+            result = search(
+                all_queries,
+                self.vectors,
+                k,
+                corrector=self.corrector,
+                mode=self.search_mode,
+                chunk_rows=self.ctx.buffer_cfg.chunk_rows,
+                sampling=self.cfg.sampling,
+                temperature=self.ctx.temperature,
+                generator=self.generator,
+                row_offset=self.row_offset,
+            )
+        rows = result.rows.cpu()
+        if self.index_rows is not None:  # positions in a sampled index -> corpus rows
+            rows = self.index_rows[rows]
+        return rows

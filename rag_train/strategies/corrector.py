@@ -1,0 +1,42 @@
+"""Corrector networks (seed 000): search <f(x), h(B[y])> over the never-refreshed stale buffer, and train h
+on the same passages so that the corrected scores match the fresh ones."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from accelerate import Accelerator
+
+from rag_train.config import StrategyConfig
+from rag_train.losses import corrector_ce, corrector_mse, retrieval_scores
+from rag_train.models.corrector import Corrector
+from rag_train.strategies.base import StrategyContext
+from rag_train.strategies.buffered import Stale, search_device
+
+
+class CorrectorStrategy(Stale):
+    """Stale buffer + corrector h. Search uses h (no gradient); the corrector loss — CE(P~ || P~_h) or MSE —
+    sees only detached encoder outputs, so it updates h alone, and the task loss never reaches h."""
+
+    def __init__(self, cfg: StrategyConfig, ctx: StrategyContext):
+        super().__init__(cfg, ctx)
+        self.search_mode = ctx.buffer_cfg.search if ctx.buffer_cfg.search != "exact" else "corrector_full"
+        self.corrector = Corrector(self.buffer.dim, cfg.corrector.hidden).to(search_device(ctx))
+        self.trained_corrector: torch.nn.Module = self.corrector  # the prepared (e.g. DDP) module
+
+    def prepare(self, accelerator: Accelerator) -> list[dict]:
+        self.trained_corrector = accelerator.prepare(self.corrector)
+        self.corrector = accelerator.unwrap_model(self.trained_corrector)
+        return [{"params": list(self.corrector.parameters()), "lr": self.cfg.corrector.lr, "weight_decay": 0.0}]
+
+    def auxiliary_loss(
+        self, queries: torch.Tensor, rows: torch.Tensor, fresh_vectors: torch.Tensor, fresh_scores: torch.Tensor
+    ) -> Optional[torch.Tensor]:
+        device = fresh_scores.device
+        corrected = self.trained_corrector(self.stale_vectors(rows).to(device))
+        weight = self.cfg.corrector.weight
+        if self.cfg.corrector.loss == "mse":
+            return weight * corrector_mse(fresh_vectors, corrected)
+        corrected_scores = retrieval_scores(queries, corrected)  # [B, S] shared subset or [B, k] per question
+        return weight * corrector_ce(fresh_scores, corrected_scores, self.ctx.temperature)

@@ -1,0 +1,142 @@
+"""Algorithm 1 of seed 000: supervised dense retrieval with a truncated softmax over a shared subset.
+
+Per step, for a batch of (question x_i, positive y_i):
+  1. S = union over the global batch of the strategy's top-k for each x_i (stale buffer, corrector-scored
+     buffer, refreshed buffer, cache, ...) + uniform targets + every positive;
+  2. fresh f(x_i) and g(y) for y in S, with gradient (each process encodes 1/N of S, gathered with grad);
+  3. task loss = cross-entropy of softmax(beta <f(x_i), g(y)>) over S against y_i (the strategy may replace
+     it, e.g. the negative cache's surrogate); auxiliary loss (the corrector's) on the same subset;
+  4. one optimizer step; then the strategy updates its own state (refresh, FIFO, ...).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from rag_train.config import RetrieverTrainConfig
+from rag_train.data.corpus import Corpus
+from rag_train.data.sources import dataset_name, resolve_data
+from rag_train.data.supervised import load_retrieval
+from rag_train.eval.retrieval import EvalSet, evaluate_retrieval
+from rag_train.models.retriever import DualEncoder
+from rag_train.strategies import REGISTRY, StrategyContext, build_strategy
+from rag_train.train.common import NonFiniteGuard, TrainingRun, global_batch, linear_warmup, local_slice
+from rag_train.train.stages import ensure_buffer, gather_with_grad, my_share
+
+
+def train_retriever(cfg: RetrieverTrainConfig) -> dict:
+    run = TrainingRun(cfg, "retriever")
+    acc = run.accelerator
+    files = resolve_data(cfg.data, acc, "retrieval-train", ["retrieval-dev"])
+    corpus = Corpus.open(files.passages)
+    train_set = load_retrieval(files.train, corpus=corpus, limit=cfg.data.max_train_examples)
+    dev_sets = {dataset_name(p): load_retrieval(p, corpus=corpus, limit=cfg.data.max_eval_examples) for p in files.dev}
+    dev_sets = {name: EvalSet([e.question for e in ex], [e.positive_ids for e in ex], [e.answers for e in ex])
+                for name, ex in dev_sets.items()}
+
+    model = DualEncoder.from_config(cfg.retriever, tokenizer=cfg.retriever.tokenizer or files.tokenizer)
+    buffer_dir = ensure_buffer(run, cfg.buffer, model, corpus) if REGISTRY[cfg.strategy.name].needs_buffer else None
+    ctx = StrategyContext(acc, model, corpus, cfg.buffer, buffer_dir, cfg.train.temperature, cfg.train.seed)
+    strategy = build_strategy(cfg.strategy, ctx)
+
+    params = [{"params": [p for p in model.parameters() if p.requires_grad], "lr": cfg.train.lr,
+               "weight_decay": cfg.train.weight_decay}] + strategy.prepare(acc)
+    optimizer = torch.optim.AdamW(params, lr=cfg.train.lr)
+    scheduler = linear_warmup(optimizer, cfg.train.warmup_steps)
+    model, optimizer, scheduler = acc.prepare(model, optimizer, scheduler)
+    ctx.model = acc.unwrap_model(model)
+    guard = NonFiniteGuard(cfg.train.max_bad_steps)
+    step = run.resume()
+    if step:
+        strategy.load(run.latest_checkpoint())
+
+    history = []
+    bar = tqdm(total=cfg.train.steps, initial=step, desc="retriever", disable=not acc.is_main_process)
+    while step < cfg.train.steps:
+        batch = [train_set[i] for i in local_slice(global_batch(len(train_set), cfg.train.batch_size, cfg.train.seed, step), acc)]
+        questions = [ex.question for ex in batch]
+        positives = torch.as_tensor(corpus.rows([ex.positive_ids[0] for ex in batch]))
+
+        # 1. the passage subset, from query vectors without gradient (same questions, eval mode)
+        with torch.no_grad():
+            ctx.model.eval()
+            query_probe = ctx.model.encode_queries(questions).float()
+            ctx.model.train()
+        subset = strategy.subset(query_probe, positives)
+
+        # 2. fresh f(x) and g(y), y in S: one forward per step (DDP), each process 1/N of S
+        mine = my_share(subset.rows, acc)
+        queries, passage_part = model(questions, corpus.passages(mine.tolist()))
+        passages = gather_with_grad(passage_part, len(subset.rows), acc)
+
+        # 3. losses over the subset
+        scores = queries.float() @ passages.float().t()
+        task_loss, logged = strategy.task_loss(scores, subset)
+        aux = strategy.auxiliary_loss(queries.detach(), subset.rows, passages.detach(), scores.detach())
+        loss = task_loss + (aux if aux is not None else 0.0)
+
+        # 4. update, then let the strategy refresh its state with the new parameters
+        if guard.ok(loss, acc):
+            acc.backward(loss)
+            if cfg.train.max_grad_norm > 0:
+                acc.clip_grad_norm_(model.parameters(), cfg.train.max_grad_norm)
+            optimizer.step()
+            scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        strategy.after_step(step)
+        bar.update(1)
+
+        if step % cfg.train.log_every == 0 or step == cfg.train.steps:
+            values = {"loss": task_loss.item(), "subset": len(subset.rows), "embedded": strategy.embedded,
+                      "skipped_steps": guard.skipped, **logged}
+            if aux is not None:
+                values["corrector_loss"] = aux.item()
+            run.log(values, step)
+            bar.set_postfix(loss=f"{values['loss']:.3f}")
+        if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < cfg.train.steps:
+            history.append({"step": step, **evaluate_retrieval(ctx.model, corpus, dev_sets, cfg.eval.recall_at, acc, cfg.eval.batch_size)})
+            run.log(flat_metrics(history[-1]), step)
+        if cfg.train.save_every and step % cfg.train.save_every == 0 and step < cfg.train.steps:
+            run.save(step, extra=strategy.save)
+    bar.close()
+
+    final = evaluate_retrieval(ctx.model, corpus, dev_sets, cfg.eval.recall_at, acc, cfg.eval.batch_size)
+    run.save(step, extra=strategy.save)
+    if acc.is_main_process:
+        ctx.model.save(run.dir / "retriever")
+    main_set = next(iter(final.values()))
+    metrics = {
+        "recall": main_set.get("recall", {}),
+        "mrr@10": main_set.get("mrr@10"),
+        "answer_recall": main_set.get("answer_recall", {}),
+        "datasets": final,
+        "reembedded_passages": strategy.embedded,
+        "skipped_steps": guard.skipped,
+        "steps": step,
+        "strategy": cfg.strategy.name,
+        "history": history,
+    }
+    run.log(flat_metrics({"step": step, **final}), step)
+    run.write_metrics(metrics)
+    run.end()
+    return metrics
+
+
+def flat_metrics(entry: dict) -> dict[str, float]:
+    """{"nq": {"recall": {"5": .4}}} -> {"eval/nq/recall@5": .4} for trackers."""
+    out = {}
+    for name, values in entry.items():
+        if not isinstance(values, dict):
+            continue
+        for key, value in values.items():
+            if isinstance(value, dict):
+                out.update({f"eval/{name}/{key}@{k}": v for k, v in value.items()})
+            elif isinstance(value, (int, float)):
+                out[f"eval/{name}/{key}"] = value
+    return out
