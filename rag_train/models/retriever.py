@@ -1,0 +1,248 @@
+"""Dual-encoder retriever f(x), g(y): two sentence-transformers towers (or one shared).
+
+Each tower is a `SentenceTransformer` made of Transformer -> Pooling -> optional Dense -> optional
+Normalize, so a trained retriever saves as ordinary sentence-transformers folders that any ST / FAISS
+tooling can load, and GTR checkpoints (`sentence-transformers/gtr-t5-base`) load unchanged.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import shutil
+import socket
+import tempfile
+from pathlib import Path
+from typing import Optional, Sequence, Union
+from urllib.parse import urlparse
+
+import torch
+from torch import nn
+
+from rag_train.config import ConfigError, RetrieverConfig
+from rag_train.io import atomic_write_json
+
+SAVE_FORMAT_VERSION = 1
+META_FILE = "dual_encoder.json"
+Passage = Union[dict, str]
+
+
+def format_passage(passage: Passage) -> str:
+    """The one text a passage is encoded as (buffer build, training and eval must agree)."""
+    if isinstance(passage, str):
+        return passage
+    title = (passage.get("title") or "").strip()
+    text = passage.get("text") or ""
+    return f"title: {title} | {text}" if title else text
+
+
+def _st_modules():
+    from sentence_transformers.sentence_transformer import modules
+
+    return modules
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    """A short TCP probe, so an offline machine fails in seconds instead of retrying for minutes."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return False
+    url = urlparse(constants.ENDPOINT)
+    try:
+        with socket.create_connection((url.hostname, url.port or 443), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def resolve_model_path(name_or_path: str) -> Path:
+    """A local folder for `name_or_path`: itself, the HF cache's snapshot, or a download when online."""
+    path = Path(name_or_path)
+    if path.exists():
+        if not path.is_dir():
+            raise ConfigError(f"retriever.model={name_or_path!r} is a file; give a model folder")
+        return path
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(name_or_path, local_files_only=True))
+    except Exception:
+        pass
+    if not _hub_reachable():
+        raise ConfigError(
+            f"retriever.model={name_or_path!r} is not a local folder, is not in the Hugging Face cache, and the hub "
+            f"is unreachable (offline). Download it on a connected machine (e.g. `huggingface-cli download "
+            f"{name_or_path} --local-dir DIR`) and set retriever.model=DIR, or use retriever.model=tiny."
+        )
+    return Path(snapshot_download(name_or_path))
+
+
+def _tiny_encoder_folder(cfg: RetrieverConfig, tokenizer, seed: int, folder: Path) -> None:
+    """Save a randomly initialised (seeded) T5 encoder + tokenizer so ST loads it like any checkpoint."""
+    from transformers import T5EncoderModel
+
+    from rag_train.models.tiny import tiny_t5_config
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        encoder = T5EncoderModel(tiny_t5_config(tokenizer, cfg.tiny))
+    encoder.save_pretrained(str(folder))
+    tokenizer.save_pretrained(str(folder))
+
+
+def _build_tower(cfg: RetrieverConfig, tokenizer=None, seed: int = 0):
+    """One SentenceTransformer tower as described by `cfg`."""
+    from sentence_transformers import SentenceTransformer
+
+    modules = _st_modules()
+    if cfg.model == "tiny":
+        if tokenizer is None and cfg.tokenizer is None:
+            raise ConfigError("retriever.model=tiny needs a tokenizer: pass one or set retriever.tokenizer")
+        if tokenizer is None or isinstance(tokenizer, (str, Path)):
+            from rag_train.models.tokenizer import load_tokenizer
+
+            tokenizer = load_tokenizer(tokenizer or cfg.tokenizer)
+        with tempfile.TemporaryDirectory(prefix="tiny-retriever-") as tmp:
+            _tiny_encoder_folder(cfg, tokenizer, seed, Path(tmp))
+            transformer = modules.Transformer(tmp)
+    else:
+        folder = resolve_model_path(cfg.model)
+        if (folder / "modules.json").is_file():
+            if cfg.tokenizer is not None:
+                raise ConfigError(
+                    f"retriever.tokenizer={cfg.tokenizer!r} cannot override the tokenizer of the "
+                    f"sentence-transformers folder {folder}; leave it unset"
+                )
+            tower = SentenceTransformer(str(folder), device="cpu", local_files_only=True)
+            if cfg.normalize and not isinstance(tower[len(tower) - 1], modules.Normalize):
+                tower.append(modules.Normalize())
+            return tower
+        extra = {"tokenizer_name_or_path": str(resolve_model_path(cfg.tokenizer))} if cfg.tokenizer else {}
+        transformer = modules.Transformer(str(folder), **extra)
+    width = transformer.get_embedding_dimension()
+    stack = [transformer, modules.Pooling(width, pooling_mode=cfg.pooling)]
+    if cfg.projection_dim is not None:
+        stack.append(modules.Dense(width, cfg.projection_dim, bias=False, activation_function=nn.Identity()))
+    if cfg.normalize:
+        stack.append(modules.Normalize())
+    return SentenceTransformer(modules=stack, device="cpu")
+
+
+class DualEncoder(nn.Module):
+    """f(x) = query tower, g(y) = passage tower; scores are inner products of their outputs."""
+
+    def __init__(self, query_tower, passage_tower=None, max_query_length: int = 32, max_passage_length: int = 128,
+                 train_passage_encoder: bool = True):
+        super().__init__()
+        self.query_encoder = query_tower
+        self.passage_encoder = passage_tower if passage_tower is not None else query_tower
+        self.max_query_length = max_query_length
+        self.max_passage_length = max_passage_length
+        self.train_passage_encoder = train_passage_encoder
+        if not self.shared_towers:
+            query_tower.max_seq_length = max_query_length
+            passage_tower.max_seq_length = max_passage_length
+            passage_tower.requires_grad_(train_passage_encoder)
+        if self.query_encoder.get_embedding_dimension() != self.passage_encoder.get_embedding_dimension():
+            raise ValueError("query and passage towers give vectors of different sizes")
+
+    @property
+    def shared_towers(self) -> bool:
+        return self.query_encoder is self.passage_encoder
+
+    @property
+    def dim(self) -> int:
+        return int(self.query_encoder.get_embedding_dimension())
+
+    @classmethod
+    def from_config(cls, cfg: RetrieverConfig, tokenizer=None, seed: int = 0) -> "DualEncoder":
+        """Build from config; separate towers start as copies (like GTR's f and g from one checkpoint)."""
+        query_tower = _build_tower(cfg, tokenizer, seed)
+        passage_tower = None if cfg.shared_towers else copy.deepcopy(query_tower)
+        return cls(query_tower, passage_tower, cfg.max_query_length, cfg.max_passage_length, cfg.train_passage_encoder)
+
+    def _encode(self, tower, texts: Sequence[str], max_length: int) -> torch.Tensor:
+        if len(texts) == 0:
+            raise ValueError("nothing to encode: empty list of texts")
+        features = tower.preprocess(list(texts), max_length=max_length)
+        device = next(tower.parameters()).device
+        features = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in features.items()}
+        return tower(features)["sentence_embedding"]
+
+    def encode_queries(self, texts: Sequence[str]) -> torch.Tensor:
+        """f(x) for raw question strings: [B, D], differentiable unless under no_grad / inference_mode."""
+        return self._encode(self.query_encoder, texts, self.max_query_length)
+
+    def encode_passages(self, passages: Sequence[Passage]) -> torch.Tensor:
+        """g(y) for passage dicts {title, text} (or preformatted strings): [B, D]."""
+        texts = [format_passage(p) for p in passages]
+        if self.train_passage_encoder:
+            return self._encode(self.passage_encoder, texts, self.max_passage_length)
+        with torch.no_grad():
+            return self._encode(self.passage_encoder, texts, self.max_passage_length)
+
+    def fingerprint(self, tower: Optional[str] = None) -> str:
+        """sha256 over parameter names, shapes, dtypes and bytes: the whole model, or tower='query'/'passage'."""
+        modules = {None: self, "query": self.query_encoder, "passage": self.passage_encoder}
+        if tower not in modules:
+            raise ValueError(f"tower={tower!r}: expected None, 'query' or 'passage'")
+        digest = hashlib.sha256()
+        for name, param in modules[tower].named_parameters():
+            tensor = param.detach().to("cpu").contiguous()
+            digest.update(f"{name}|{tuple(tensor.shape)}|{tensor.dtype}|".encode())
+            digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+        return digest.hexdigest()
+
+    def save(self, directory: Union[str, Path]) -> None:
+        """Write `query/` + `passage/` (or `shared/`) sentence-transformers folders and dual_encoder.json.
+
+        Written into a temporary sibling and swapped in, so an existing save is never half-overwritten.
+        """
+        directory = Path(directory)
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+        try:
+            towers = {"shared": self.query_encoder} if self.shared_towers else {
+                "query": self.query_encoder, "passage": self.passage_encoder}
+            for name, tower in towers.items():
+                tower.save(str(tmp / name))
+            atomic_write_json(tmp / META_FILE, {
+                "format_version": SAVE_FORMAT_VERSION,
+                "shared_towers": self.shared_towers,
+                "max_query_length": self.max_query_length,
+                "max_passage_length": self.max_passage_length,
+                "train_passage_encoder": self.train_passage_encoder,
+                "fingerprint": self.fingerprint(),
+            })
+            old = directory.with_name(f".{directory.name}.old")
+            if directory.exists():
+                os.replace(directory, old)
+            os.replace(tmp, directory)
+            shutil.rmtree(old, ignore_errors=True)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    @classmethod
+    def load(cls, directory: Union[str, Path]) -> "DualEncoder":
+        """Restore a model written by `save` (weights and lengths; byte-identical parameters)."""
+        from sentence_transformers import SentenceTransformer
+
+        directory = Path(directory)
+        meta_path = directory / META_FILE
+        if not meta_path.is_file():
+            raise FileNotFoundError(f"{meta_path}: missing; {directory} is not a saved DualEncoder")
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        if meta.get("format_version") != SAVE_FORMAT_VERSION:
+            raise ValueError(f"{meta_path}: field 'format_version': {meta.get('format_version')!r} is not supported")
+
+        def tower(name: str):
+            return SentenceTransformer(str(directory / name), device="cpu", local_files_only=True)
+
+        if meta["shared_towers"]:
+            towers = (tower("shared"), None)
+        else:
+            towers = (tower("query"), tower("passage"))
+        return cls(*towers, meta["max_query_length"], meta["max_passage_length"], meta["train_passage_encoder"])
