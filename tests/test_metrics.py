@@ -1,0 +1,90 @@
+"""Metrics against hand cases reproducing the SQuAD v1.1 script and DPR's has_answer behaviour.
+
+(`evaluate.load("squad")` needs the hub, unreachable here, so the reference is the scripts' behaviour.)
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from rag_train.eval.metrics import (
+    answer_recall_at_k,
+    dpr_tokens,
+    exact_match,
+    has_answer,
+    mrr_at_k,
+    normalize_answer,
+    recall_at_k,
+)
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("The  Cat!", "cat"),
+        ("A man, a plan, a canal: Panama", "man plan canal panama"),
+        ("an Apple", "apple"),
+        ("Theatre anathema", "theatre anathema"),  # articles only as whole words
+        ("the-end", "theend"),  # punctuation removed first, so no word boundary appears
+        ("a.b", "ab"),
+        ("  spaced\tout\n", "spaced out"),
+        ("“curly”", "“curly”"),  # only ASCII punctuation, as in the script
+        ("THE", ""),
+    ],
+)
+def test_normalize_answer_squad_v11(text, expected):
+    assert normalize_answer(text) == expected
+
+
+def test_exact_match_is_max_over_answers():
+    assert exact_match("The Paris", ["London", "paris."]) == 1.0
+    assert exact_match("Pariss", ["paris"]) == 0.0
+    assert exact_match("", ["the"]) == 1.0  # both normalise to the empty string
+    assert exact_match("x", []) == 0.0
+
+
+def test_dpr_tokens_split_punctuation_and_keep_marks():
+    assert dpr_tokens("U.S. Army's 1st!") == ["u", ".", "s", ".", "army", "'", "s", "1st", "!"]
+    assert dpr_tokens("Café") == ["cafe\u0301"]  # NFD: e + combining accent stay in one token
+
+
+@pytest.mark.parametrize(
+    "text, answers, expected",
+    [
+        ("The Eiffel Tower is in Paris.", ["paris"], True),
+        ("Parisian food is good", ["Paris"], False),  # token match, not substring
+        ("born in 1879 in Ulm", ["1879"], True),
+        ("born in 1879 in Ulm", ["879"], False),
+        ("new york city", ["New York"], True),
+        ("new york city", ["York New"], False),
+        ("the U.S. army", ["U.S."], True),
+        ("Caf\u00e9 de Flore", ["Cafe\u0301"], True),  # composed vs decomposed: equal after NFD
+        ("Caf\u00e9 de Flore", ["Cafe"], False),
+        ("anything", ["", "zzz"], False),
+        ("x", ["q", "X"], True),
+    ],
+)
+def test_has_answer_dpr(text, answers, expected):
+    assert has_answer(text, answers) is expected
+
+
+def test_recall_and_mrr_hand_computed():
+    ranked = [["a", "b", "c"], ["x", "y", "z"], ["m", "n", "o"]]
+    gold = [{"b"}, ["q", "z"], {"m", "o"}]
+    assert recall_at_k(ranked, gold, [1, 2, 3, 10]) == pytest.approx(
+        {1: (0 + 0 + 0.5) / 3, 2: (1 + 0 + 0.5) / 3, 3: (1 + 0.5 + 1) / 3, 10: (1 + 0.5 + 1) / 3}
+    )
+    assert mrr_at_k(ranked, gold, 10) == pytest.approx((1 / 2 + 1 / 3 + 1) / 3)
+    assert mrr_at_k(ranked, gold, 2) == pytest.approx((1 / 2 + 0 + 1) / 3)
+    with pytest.raises(ValueError, match="query 0 has no gold ids"):
+        recall_at_k([["a"]], [[]], [1])
+    with pytest.raises(ValueError, match="k=0"):
+        recall_at_k(ranked, gold, [0])
+    with pytest.raises(ValueError, match="3 rankings but 2 gold"):
+        mrr_at_k(ranked, gold[:2])
+
+
+def test_answer_recall_is_dpr_top_k_accuracy():
+    texts = [["nothing here", "Paris is big", "paris again"], ["no", "none", "nope"]]
+    answers = [["Paris"], ["yes"]]
+    assert answer_recall_at_k(texts, answers, [1, 2, 5]) == {1: 0.0, 2: 0.5, 5: 0.5}
