@@ -267,19 +267,28 @@ class Corpus:
 
     def rows(self, pids: Iterable[str | int]) -> np.ndarray:
         """Rows of passage ids (int64); DataError naming the first unknown id."""
-        keys = [str(p).encode("utf-8") for p in pids]
-        if not keys:
-            return np.zeros(0, dtype=np.int64)
-        width = self._sorted_ids.dtype.itemsize
-        fits = np.array([len(k) <= width and b"\x00" not in k for k in keys])
-        probe = np.array([k if ok else b"" for k, ok in zip(keys, fits)], dtype=f"S{width}")
-        slots = np.minimum(np.searchsorted(self._sorted_ids, probe), len(self) - 1)
-        found = fits & (self._sorted_ids[slots] == probe)
+        keys = [str(p) for p in pids]
+        found, slots = self._lookup(keys)
         if not found.all():
-            missing = [k.decode("utf-8", "replace") for k, ok in zip(keys, found) if not ok]
+            missing = [k for k, ok in zip(keys, found) if not ok]
             more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
             raise data_error(self.path, None, "id", f"unknown passage id {missing[0]!r}{more}")
         return np.asarray(self._order[slots], dtype=np.int64)
+
+    def contains(self, pids: Iterable[str | int]) -> np.ndarray:
+        """Whether each id is in the corpus (bool array), for callers that report their own errors."""
+        return self._lookup([str(p) for p in pids])[0]
+
+    def _lookup(self, keys: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """Binary search of the memmapped sorted ids: (found mask, slot in the sorted order)."""
+        if not keys:
+            return np.zeros(0, dtype=bool), np.zeros(0, dtype=np.int64)
+        encoded = [k.encode("utf-8") for k in keys]
+        width = self._sorted_ids.dtype.itemsize
+        fits = np.array([len(k) <= width and b"\x00" not in k for k in encoded])
+        probe = np.array([k if ok else b"" for k, ok in zip(encoded, fits)], dtype=f"S{width}")
+        slots = np.minimum(np.searchsorted(self._sorted_ids, probe), len(self) - 1)
+        return fits & (self._sorted_ids[slots] == probe), slots
 
     def title(self, row: int) -> str:
         return self._record(row)[1]
