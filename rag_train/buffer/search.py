@@ -266,7 +266,8 @@ def _scan(queries, rows, k, corrector, exclude, noise, row_offset, chunk_rows):
         _mask_excluded(keys, exclude, global_start)
         values, index = _chunk_topk(keys, k)
         chunk_best = (values, index + global_start, scores.gather(1, index) if noise is not None else values)
-        best = chunk_best if best is None else merge_topk(*(torch.cat(p, 1) for p in zip(best, chunk_best)), k)
+        merged = chunk_best if best is None else tuple(torch.cat(p, 1) for p in zip(best, chunk_best))
+        best = merge_topk(*merged, k)  # also orders the first chunk's ties by row
     return _pad_to_k(*best, k)
 
 

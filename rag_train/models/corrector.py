@@ -36,13 +36,16 @@ class Corrector(nn.Module):
     def forward(self, stale: torch.Tensor) -> torch.Tensor:
         return stale + self.second(torch.relu(self.first(stale)))
 
+    @torch.no_grad()
     def hidden_activations(self, stale: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """relu(W1 b + c1) for a block of rows, written into `out` (reused across chunks) when given."""
+        """relu(W1 b + c1) for a block of rows, written into `out` (reused across chunks) when given.
+        Search-time only (no autograd); training uses `forward` on the retrieved subset."""
         weight = self.first.weight.to(stale.dtype)
         bias = self.first.bias.to(stale.dtype)
         activations = torch.addmm(bias, stale, weight.t(), out=out)
         return activations.relu_()
 
+    @torch.no_grad()
     def fold_queries(self, queries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(W2^T q [B, hidden], <q, c2> [B]): the query side of <q, h(b)>."""
         return queries @ self.second.weight.to(queries.dtype), queries @ self.second.bias.to(queries.dtype)
