@@ -249,6 +249,32 @@ class RetrieverTrainConfig:
 
 
 @dataclass
+class WarmStartConfig:
+    """Stand-ins for pre-training when models start from random weights (the toy default).
+
+    A real run starts from T5 that can read and GTR that can retrieve. Tiny random models cannot, and
+    perplexity distillation from a reader that cannot read has no signal (it collapses the retriever).
+    So the toy pipeline first trains the reader on gold passages mixed with random ones, and the retriever
+    with the supervised recipe (Algorithm 1) on the gold passages; both stages are skipped at 0 steps.
+    """
+
+    reader_steps: int = 0
+    reader_lr: float = 1e-3
+    retriever_steps: int = 0
+    retriever_strategy: str = "in_batch"
+    retriever_lr: float = 1e-3
+    retriever_batch_size: int = 32
+    retriever_train: Optional[str] = None  # DPR-format file; default: the toy world's retrieval-train
+
+    def __post_init__(self) -> None:
+        _positive("warm_start", "reader_steps", self.reader_steps, allow_zero=True)
+        _positive("warm_start", "retriever_steps", self.retriever_steps, allow_zero=True)
+        _positive("warm_start", "reader_lr", self.reader_lr)
+        _positive("warm_start", "retriever_lr", self.retriever_lr)
+        _choice("warm_start", "retriever_strategy", self.retriever_strategy, ("in_batch", "uniform", "stale"))
+
+
+@dataclass
 class RLMConfig:
     """Algorithm 2: FiD reader + retriever trained by perplexity distillation."""
 
@@ -259,12 +285,47 @@ class RLMConfig:
     strategy: StrategyConfig = field(default_factory=lambda: StrategyConfig(top_k=32, uniform_negatives=0))
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
     reader_temperature: float = 1.0  # temperature on reader log-likelihoods in P_a
-    retriever_start_step: int = 0  # retriever loss switched on from this step (reader learns first)
+    retriever_start_step: int = 0  # retriever loss switched on no earlier than this step
+    # ...and only once the reader's answer likelihoods discriminate between passages: the running mean of
+    # H(P_a) / log k must fall below this (1.0 = no gate).
+    pdist_entropy_gate: float = 1.0
+    # collapse guard: retriever updates stop (with a warning) if the spread of the batch's passage vectors,
+    # 1 - mean pairwise cosine, falls below this (0 = off).
+    min_embedding_spread: float = 0.0
 
     def __post_init__(self) -> None:
         _positive("", "reader_temperature", self.reader_temperature)
         _positive("", "retriever_start_step", self.retriever_start_step, allow_zero=True)
+        _positive("", "min_embedding_spread", self.min_embedding_spread, allow_zero=True)
+        if not 0 < self.pdist_entropy_gate <= 1:
+            raise ConfigError(f"pdist_entropy_gate={self.pdist_entropy_gate} must be in (0, 1]")
+        if self.strategy.name in ("in_batch", "negative_cache"):
+            raise ConfigError(f"strategy.name={self.strategy.name!r} proposes no per-question passages; the RLM "
+                              "takes corrector, stale, frozen, exhaustive, snm, uniform or closed_book")
+
+
+@dataclass
+class EmbedConfig:
+    """scripts/embed_corpus.py: embed a corpus once into a stale buffer (multi-process, resumable).
+
+    The buffer goes to `output` (default `buffer.path`); rerunning the same command resumes a killed
+    build. Embeds with a saved DualEncoder (`model_dir`) or with `retriever` built from its config.
+    """
+
+    data: DataConfig = field(default_factory=DataConfig)
+    retriever: RetrieverConfig = field(default_factory=RetrieverConfig)
+    buffer: BufferConfig = field(default_factory=BufferConfig)
+    passages: Optional[str] = None  # corpus to embed; default data.passages or the toy world's
+    output: Optional[str] = None  # buffer directory; default buffer.path
+    model_dir: Optional[str] = None  # a DualEncoder.save folder (e.g. a trained retriever)
+    seed: int = 0  # init seed of `tiny` models: equal to the training run's so its buffer matches
+    overwrite: bool = False  # replace a complete buffer of another model / corpus in `output`
+
+    def __post_init__(self) -> None:
+        if self.output is None and self.buffer.path is None:
+            raise ConfigError("embed: set output=DIR (or buffer.path=DIR) for the buffer")
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -32,9 +32,9 @@ from rag_train.train.stages import ensure_buffer, gather_with_grad, my_share
 def train_retriever(cfg: RetrieverTrainConfig) -> dict:
     run = TrainingRun(cfg, "retriever")
     acc = run.accelerator
-    files = resolve_data(cfg.data, acc, "retrieval-train", ["retrieval-dev"])
+    files = resolve_data(cfg.data, acc, ["retrieval-train"], ["retrieval-dev"])
     corpus = Corpus.open(files.passages)
-    train_set = load_retrieval(files.train, corpus=corpus, limit=cfg.data.max_train_examples)
+    train_set = [ex for path in files.train for ex in load_retrieval(path, corpus=corpus)][: cfg.data.max_train_examples]
     dev_sets = {dataset_name(p): load_retrieval(p, corpus=corpus, limit=cfg.data.max_eval_examples) for p in files.dev}
     dev_sets = {name: EvalSet([e.question for e in ex], [e.positive_ids for e in ex], [e.answers for e in ex])
                 for name, ex in dev_sets.items()}

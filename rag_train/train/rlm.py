@@ -1,0 +1,223 @@
+"""Algorithm 2 of seed 000: a FiD reader and a dense retriever trained together by perplexity distillation,
+each question's passages picked from the never-refreshed stale buffer through the corrector.
+
+Per step, for questions x with answers a:
+  1. S_x = top-k of <f(x), h(B[y])> over the whole buffer (or the strategy's other rule);
+  2. P~(y|x)   = softmax over S_x of beta <f(x), g(y)>, g fresh, with gradient;
+  3. P~_h(y|x) = softmax over S_x of beta <f(x), h(B[y])>          (inside the strategy's auxiliary loss);
+  4. P_a(y|x)  = softmax over S_x of log P(a | y, x), from the reader's encoder states, no gradient;
+  5. reader loss L' = NLL of a given x and all of S_x (FiD);
+  6. retriever loss L = KL(P_a || P~) (perplexity distillation);
+  7. corrector loss = CE(P~ || P~_h), which reaches only the corrector;
+  8. Theta <- Theta - eta grad (L + L') / 2 ; Psi <- Psi - eta grad (corrector loss).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from rag_train.config import RLMConfig
+from rag_train.data.collate import answer_labels, fid_inputs
+from rag_train.data.corpus import Corpus
+from rag_train.data.qa import load_qa
+from rag_train.data.sources import dataset_name, resolve_data
+from rag_train.eval.qa import EMPTY_PASSAGE, QAEvalSettings, evaluate_qa
+from rag_train.io import atomic_write_text
+from rag_train.losses import perplexity_distillation, retrieval_scores
+from rag_train.models.reader import FiDReader
+from rag_train.models.tokenizer import load_tokenizer
+from rag_train.strategies import REGISTRY, StrategyContext, build_strategy
+from rag_train.train.common import NonFiniteGuard, TrainingRun, global_batch, linear_warmup, local_slice
+from rag_train.train.stages import ensure_buffer
+from rag_train.train.warm_start import warm_start_reader, warm_start_retriever
+
+TOY_TRAIN_SETS = ["nq-train", "tqa-train", "hotpotqa-train"]
+TOY_DEV_SETS = ["nq-dev", "tqa-dev", "hotpotqa-dev"]
+
+
+class RetrieverGate:
+    """Retriever updates start once the reader's P_a discriminates between passages (running mean of the
+    normalised entropy below `threshold`, after `start_step`) and stop for good if embeddings collapse."""
+
+    def __init__(self, cfg: RLMConfig, enabled: bool, accelerator):
+        self.cfg = cfg
+        self.enabled = enabled
+        self.accelerator = accelerator  # decisions use values averaged over processes: DDP needs them equal
+        self.entropy = 1.0
+        self.opened_at = None
+        self.collapsed_at = None
+
+    @property
+    def open(self) -> bool:
+        return self.opened_at is not None and self.collapsed_at is None
+
+    def update(self, step: int, reader_loglik: torch.Tensor) -> bool:
+        if not self.enabled or self.collapsed_at is not None:
+            return False
+        p_a = torch.softmax(reader_loglik.float() / self.cfg.reader_temperature, dim=-1)
+        entropy = -(p_a * p_a.clamp_min(1e-12).log()).sum(-1).mean() / math.log(max(2, p_a.shape[-1]))
+        self.entropy = 0.9 * self.entropy + 0.1 * self.accelerator.reduce(entropy, "mean").item()
+        if self.opened_at is None and step >= self.cfg.retriever_start_step and self.entropy < self.cfg.pdist_entropy_gate:
+            self.opened_at = step
+        return self.open
+
+    def check_collapse(self, step: int, passages: torch.Tensor) -> float:
+        """1 - mean pairwise cosine of the step's passage vectors (0 = all the same vector)."""
+        unit = torch.nn.functional.normalize(passages.detach().float().reshape(-1, passages.shape[-1]), dim=-1)
+        n = unit.shape[0]
+        spread = 1.0 - (unit.sum(0).pow(2).sum() - n) / max(1, n * (n - 1))
+        spread = self.accelerator.reduce(spread, "mean").item()
+        if spread < self.cfg.min_embedding_spread and self.collapsed_at is None:
+            self.collapsed_at = step
+            self.accelerator.print(f"warning: retriever embeddings collapsed at step {step} (spread {spread:.4f} < "
+                                   f"min_embedding_spread={self.cfg.min_embedding_spread}); retriever updates stop")
+        return spread
+
+
+def train_rlm(cfg: RLMConfig) -> dict:
+    run = TrainingRun(cfg, "rlm")
+    acc = run.accelerator
+    files = resolve_data(cfg.data, acc, TOY_TRAIN_SETS, TOY_DEV_SETS)
+    corpus = Corpus.open(files.passages)
+    train_set = [ex for path in files.train for ex in load_qa(path, corpus=corpus)][: cfg.data.max_train_examples]
+    dev_sets = {dataset_name(p): load_qa(p, corpus=corpus, limit=cfg.data.max_eval_examples) for p in files.dev}
+    tokenizer = load_tokenizer(cfg.reader.tokenizer or files.tokenizer)
+
+    # Stand-ins for pre-training (toy default): a retriever that can retrieve, a reader that can read.
+    retriever = warm_start_retriever(cfg, files, run)
+    reader = FiDReader.from_config(cfg.reader, tokenizer)
+    warm_start_reader(cfg, reader, tokenizer, corpus, train_set, run)
+
+    strategy_cls = REGISTRY[cfg.strategy.name]
+    buffer_dir = ensure_buffer(run, cfg.buffer, retriever, corpus) if strategy_cls.needs_buffer else None
+    ctx = StrategyContext(acc, retriever, corpus, cfg.buffer, buffer_dir, cfg.train.temperature, cfg.train.seed)
+    strategy = build_strategy(cfg.strategy, ctx)
+    trains_retriever = strategy.trains_retriever
+
+    groups = [{"params": list(reader.parameters()), "lr": cfg.train.lr, "weight_decay": cfg.train.weight_decay}]
+    if trains_retriever:
+        groups.append({"params": [p for p in retriever.parameters() if p.requires_grad], "lr": cfg.train.lr,
+                       "weight_decay": cfg.train.weight_decay})
+    else:
+        retriever.requires_grad_(False)
+    groups += strategy.prepare(acc)
+    optimizer = torch.optim.AdamW(groups, lr=cfg.train.lr)
+    scheduler = linear_warmup(optimizer, cfg.train.warmup_steps)
+    reader, optimizer, scheduler = acc.prepare(reader, optimizer, scheduler)
+    retriever_ddp = acc.prepare(retriever) if trains_retriever else retriever.to(acc.device)
+    ctx.model = retriever = acc.unwrap_model(retriever_ddp)
+    guard = NonFiniteGuard(cfg.train.max_bad_steps)
+    gate = RetrieverGate(cfg, trains_retriever, acc)
+    step = run.resume()
+    if step:
+        strategy.load(run.latest_checkpoint())
+
+    settings = QAEvalSettings(cfg.eval.num_passages or cfg.strategy.top_k, cfg.reader.max_input_length,
+                              cfg.reader.max_answer_length, cfg.eval.batch_size, closed_book=not strategy.retrieves)
+    history = []
+    first_step, started = step, time.time()
+    answer_generator = torch.Generator().manual_seed(cfg.train.seed)
+    bar = tqdm(total=cfg.train.steps, initial=step, desc=f"rlm[{cfg.strategy.name}]", disable=not acc.is_main_process)
+    while step < cfg.train.steps:
+        batch = [train_set[i] for i in local_slice(global_batch(len(train_set), cfg.train.batch_size, cfg.train.seed, step), acc)]
+        questions = [ex.question for ex in batch]
+        labels = answer_labels(tokenizer, [ex.answers for ex in batch], cfg.reader.max_answer_length,
+                               answer_generator).to(acc.device)
+
+        # 1. S_x: the strategy's top-k for each question (queries without gradient, eval mode)
+        if strategy.retrieves:
+            with torch.no_grad():
+                retriever.eval()
+                rows = strategy.retrieve(retriever.encode_queries(questions).float(), cfg.strategy.top_k)
+                retriever.train()
+            passages = [corpus.passages(r) for r in rows.tolist()]
+        else:
+            rows, passages = None, [[EMPTY_PASSAGE] for _ in batch]
+
+        # 5. reader loss L' = NLL of a given x and S_x (FiD); 4. P(a | y, x) from the same encoder states
+        inputs = fid_inputs(tokenizer, questions, passages, cfg.reader.max_input_length)
+        inputs = {name: tensor.to(acc.device) for name, tensor in inputs.items()}
+        out = reader(**inputs, labels=labels)
+        reader_loss = out.loss
+        loss = reader_loss
+        logged = {"reader_loss": reader_loss.item()}
+        if rows is not None:
+            with torch.no_grad():
+                loglik = acc.unwrap_model(reader).passage_log_likelihoods(
+                    inputs["input_ids"], inputs["attention_mask"], labels, encoder_states=out.encoder_last_hidden_state)
+
+            # 2./6. P~ from fresh f(x), g(y) and perplexity distillation, once the reader discriminates
+            if gate.update(step, loglik):
+                flat = [p for ps in passages for p in ps]
+                queries, passage_vectors = retriever_ddp(questions, flat)
+                passage_vectors = passage_vectors.view(len(batch), cfg.strategy.top_k, -1)
+                scores = retrieval_scores(queries, passage_vectors)
+                retriever_loss = perplexity_distillation(scores, loglik, cfg.train.temperature, cfg.reader_temperature)
+                loss = (retriever_loss + reader_loss) / 2
+                logged["retriever_loss"] = retriever_loss.item()
+                logged["embedding_spread"] = gate.check_collapse(step, passage_vectors)
+                # 7. corrector loss on the same passages, detached inputs: it only reaches the corrector
+                aux = strategy.auxiliary_loss(queries.detach(), rows, passage_vectors.detach(), scores.detach())
+                if aux is not None:
+                    loss = loss + aux
+                    logged["corrector_loss"] = aux.item()
+            logged["p_a_entropy"] = gate.entropy
+
+        # 8. one optimizer step for reader, retriever and corrector (their losses are disjoint)
+        if guard.ok(loss, acc):
+            acc.backward(loss)
+            if cfg.train.max_grad_norm > 0:
+                acc.clip_grad_norm_([p for g in groups for p in g["params"]], cfg.train.max_grad_norm)
+            optimizer.step()
+            scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        strategy.after_step(step)
+        bar.update(1)
+
+        if step % cfg.train.log_every == 0 or step == cfg.train.steps:
+            run.log({**logged, "embedded": strategy.embedded, "skipped_steps": guard.skipped}, step)
+            bar.set_postfix(reader=f"{logged['reader_loss']:.3f}", gate=int(gate.open))
+        if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < cfg.train.steps:
+            metrics, _ = evaluate_qa(retriever, acc.unwrap_model(reader), tokenizer, corpus, dev_sets, settings, acc)
+            history.append({"step": step, **metrics})
+            run.log({f"eval/{n}/{k}": v for n, m in metrics.items() for k, v in m.items()}, step)
+        if cfg.train.save_every and step % cfg.train.save_every == 0 and step < cfg.train.steps:
+            run.save(step, extra=strategy.save)
+    bar.close()
+    train_seconds = time.time() - started
+
+    run.save(step, extra=strategy.save)
+    metrics, predictions = evaluate_qa(retriever, acc.unwrap_model(reader), tokenizer, corpus, dev_sets, settings, acc)
+    if acc.is_main_process:
+        retriever.save(run.dir / "retriever")
+        acc.unwrap_model(reader).save_pretrained(run.dir / "reader")
+        tokenizer.save_pretrained(run.dir / "reader")
+        write_predictions(run.dir / "predictions", predictions)
+    result = {
+        "em": {name: m["em"] for name, m in metrics.items()},
+        f"answer_recall@{settings.num_passages}": {name: m.get(f"answer_recall@{settings.num_passages}") for name, m in metrics.items()},
+        "reembedded_passages": strategy.embedded,
+        "skipped_steps": guard.skipped,
+        "retriever_trained_from_step": gate.opened_at,
+        "collapsed_at_step": gate.collapsed_at,
+        "steps": step,
+        "steps_per_second": (step - first_step) / train_seconds if step > first_step else None,
+        "strategy": cfg.strategy.name,
+        "history": history,
+    }
+    run.write_metrics(result)
+    run.end()
+    return result
+
+
+def write_predictions(directory: Path, predictions: dict[str, list[dict]]) -> None:
+    import json
+
+    for name, rows in predictions.items():
+        atomic_write_text(directory / f"{name}.jsonl", "".join(json.dumps(r) + "\n" for r in rows))

@@ -1,0 +1,88 @@
+"""Warm-start stages that stand in for pre-training when the toy default starts from random weights.
+
+Reader: trained on each question's gold passage(s) mixed with random passages, so it learns to read
+(T5's pre-training stand-in). Retriever: trained with Algorithm 1 on (question, gold passage) pairs
+(GTR's stand-in). Both are skipped at 0 steps, and when a run resumes (its checkpoint holds the weights).
+
+The reader stage runs the same global batch on every process (identical updates, no gradient sync):
+it is a small stand-in, not a training job of its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from rag_train.config import RLMConfig, RetrieverTrainConfig
+from rag_train.data.collate import answer_labels, fid_inputs
+from rag_train.data.corpus import Corpus
+from rag_train.data.qa import QAExample
+from rag_train.data.sources import DataFiles
+from rag_train.models.retriever import DualEncoder
+from rag_train.train.common import TrainingRun, global_batch
+
+
+def warm_start_retriever(cfg: RLMConfig, files: DataFiles, run: TrainingRun) -> DualEncoder:
+    """The RLM's initial retriever: from config, or from a supervised warm-start run (reused if finished)."""
+    warm = cfg.warm_start
+    if warm.retriever_steps == 0:
+        return DualEncoder.from_config(cfg.retriever, tokenizer=cfg.retriever.tokenizer or files.tokenizer)
+    out = run.dir / "warm_start_retriever"
+    if not (out / "metrics.json").is_file():
+        from rag_train.train.retriever import train_retriever
+
+        train = warm.retriever_train or str(Path(files.passages).parent / "retrieval-train.jsonl")
+        rcfg = RetrieverTrainConfig(
+            data=dataclasses.replace(cfg.data, train=train, dev=[], max_eval_examples=200),
+            retriever=cfg.retriever,
+            buffer=dataclasses.replace(cfg.buffer, path=None),
+            strategy=dataclasses.replace(cfg.strategy, name=warm.retriever_strategy, top_k=8, uniform_negatives=8),
+            train=dataclasses.replace(cfg.train, output_dir=str(out), steps=warm.retriever_steps, lr=warm.retriever_lr,
+                                      batch_size=warm.retriever_batch_size, eval_every=0, save_every=0, resume=True),
+        )
+        if not rcfg.data.toy or warm.retriever_train:
+            rcfg.data.dev = [rcfg.data.train]
+        train_retriever(rcfg)
+    run.accelerator.wait_for_everyone()
+    recall = json.loads((out / "metrics.json").read_text()).get("recall", {})
+    run.accelerator.print(f"warm-start retriever: {out} (dev recall {recall})")
+    return DualEncoder.load(out / "retriever")
+
+
+def warm_start_reader(cfg: RLMConfig, reader: torch.nn.Module, tokenizer, corpus: Corpus,
+                      train_set: list[QAExample], run: TrainingRun) -> None:
+    """Train the reader for `warm_start.reader_steps` on gold passages + random distractors (in place)."""
+    steps = cfg.warm_start.reader_steps
+    if steps == 0 or run.latest_checkpoint() is not None:
+        return
+    device = run.accelerator.device
+    reader.to(device).train()
+    optimizer = torch.optim.AdamW(reader.parameters(), lr=cfg.warm_start.reader_lr)
+    generator = torch.Generator().manual_seed(cfg.train.seed + 1)
+    labelled = [ex for ex in train_set if ex.gold_ids]
+    if not labelled:
+        raise ValueError("warm_start.reader_steps > 0 needs training questions with gold_ids")
+    k = cfg.strategy.top_k
+    bar = tqdm(range(steps), desc="warm-start reader", disable=not run.accelerator.is_main_process)
+    for step in bar:
+        batch = [labelled[i] for i in global_batch(len(labelled), cfg.train.batch_size, cfg.train.seed + 1, step)]
+        passages = []
+        for ex in batch:
+            gold = list(corpus.rows(ex.gold_ids[:k]))
+            rows = gold + torch.randint(len(corpus), (k - len(gold),), generator=generator).tolist()
+            order = torch.randperm(k, generator=generator).tolist()
+            passages.append(corpus.passages([rows[i] for i in order]))
+        inputs = fid_inputs(tokenizer, [ex.question for ex in batch], passages, cfg.reader.max_input_length)
+        labels = answer_labels(tokenizer, [ex.answers for ex in batch], cfg.reader.max_answer_length, generator)
+        loss = reader(**{n: t.to(device) for n, t in inputs.items()}, labels=labels.to(device)).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(reader.parameters(), cfg.train.max_grad_norm or 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step % 20 == 0:
+            bar.set_postfix(loss=f"{loss.item():.3f}")
+            run.log({"warm_start/reader_loss": loss.item()}, step)

@@ -1,0 +1,18 @@
+"""Algorithm 1: `accelerate launch scripts/train_retriever.py [--config FILE] [key=value ...]`
+(default config: configs/toy/retriever.yaml)."""
+
+import sys
+from pathlib import Path
+
+from rag_train.config import RetrieverTrainConfig, parse_cli
+from rag_train.train.report import print_retriever_table
+from rag_train.train.retriever import train_retriever
+
+DEFAULT = Path(__file__).resolve().parent.parent / "configs" / "toy" / "retriever.yaml"
+
+if __name__ == "__main__":
+    argv = sys.argv[1:]
+    if "--config" not in argv:
+        argv = ["--config", str(DEFAULT), *argv]
+    cfg = parse_cli(RetrieverTrainConfig, argv)
+    print_retriever_table(cfg, train_retriever(cfg))

@@ -1,0 +1,20 @@
+"""Algorithm 2: `accelerate launch scripts/train_rlm.py [--config FILE] [key=value ...]`.
+
+With no arguments it runs the toy default (configs/toy/rlm.yaml): the toy world is generated on first use,
+tiny models are warm-started, then reader and retriever train together through the corrector."""
+
+import sys
+from pathlib import Path
+
+from rag_train.config import RLMConfig, parse_cli
+from rag_train.train.report import print_rlm_table
+from rag_train.train.rlm import train_rlm
+
+DEFAULT = Path(__file__).resolve().parent.parent / "configs" / "toy" / "rlm.yaml"
+
+if __name__ == "__main__":
+    argv = sys.argv[1:]
+    if "--config" not in argv:
+        argv = ["--config", str(DEFAULT), *argv]
+    cfg = parse_cli(RLMConfig, argv)
+    print_rlm_table(cfg, train_rlm(cfg))
