@@ -8,7 +8,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, T5Config, T5ForConditionalGeneration
 from transformers.modeling_outputs import BaseModelOutput
 
-from rag_train.config import ReaderConfig
+from rag_train.config import ReaderConfig, TinyModelConfig
 from rag_train.data.collate import answer_labels, choose_answer, fid_inputs, format_fid_input
 from rag_train.models.reader import FiDReader, ReaderLoadError
 
@@ -176,6 +176,21 @@ def test_from_config_fails_fast_offline_with_clear_message(monkeypatch):
         FiDReader.from_config(ReaderConfig(model="no-such-org/no-such-t5"))
     with pytest.raises(ReaderLoadError, match="needs a tokenizer"):
         FiDReader.from_config(ReaderConfig(model="tiny"))
+
+
+def test_from_config_tiny_sized_by_config_and_tokenizer():
+    tok = word_tokenizer(WORDS)
+    cfg = ReaderConfig(model="tiny", tiny=TinyModelConfig(d_model=16, d_ff=32, d_kv=4, num_heads=4, num_layers=1,
+                                                          num_decoder_layers=2))
+    model = FiDReader.from_config(cfg, tokenizer=tok, dtype=torch.bfloat16)
+    assert model.config.vocab_size == len(tok) and model.config.d_model == 16
+    assert (model.config.num_layers, model.config.num_decoder_layers) == (1, 2)
+    assert model.dtype == torch.bfloat16 and model.config.decoder_start_token_id == tok.pad_token_id
+
+
+def test_from_config_rejects_a_folder_that_is_not_a_checkpoint(tmp_path):
+    with pytest.raises(ReaderLoadError, match="is a folder but not a T5 checkpoint"):
+        FiDReader.from_config(ReaderConfig(model=str(tmp_path)))
 
 
 def test_from_config_rejects_tokenizer_larger_than_vocab(reader, tmp_path):

@@ -10,7 +10,6 @@ Hugging Face T5 checkpoints load as they are, and a saved reader loads back as p
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 from typing import Optional
 
@@ -21,27 +20,19 @@ from transformers.modeling_outputs import BaseModelOutput, Seq2SeqLMOutput
 
 from rag_train.config import ReaderConfig
 
-HUB_HOST = "huggingface.co"
-
 
 class ReaderLoadError(RuntimeError):
     """The configured reader cannot be built or loaded; the message says what to provide instead."""
 
 
-def hub_offline(timeout: float = 3.0) -> bool:
-    """True when the Hugging Face Hub must not or cannot be reached (offline env vars, or no route)."""
-    import huggingface_hub.constants as hub_constants
+def hub_offline() -> bool:
+    """True when the Hugging Face Hub must not (offline env vars, read now) or cannot be reached."""
+    from rag_train.models.tokenizer import hub_reachable
 
-    if hub_constants.HF_HUB_OFFLINE:
-        return True
     for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
         if os.environ.get(var, "").strip().lower() in ("1", "true", "yes", "on"):
             return True
-    try:
-        socket.create_connection((HUB_HOST, 443), timeout=timeout).close()
-    except OSError:
-        return True
-    return False
+    return not hub_reachable()
 
 
 class FiDReader(T5ForConditionalGeneration):
@@ -56,8 +47,8 @@ class FiDReader(T5ForConditionalGeneration):
     ) -> "FiDReader":
         """`tiny`: random init sized by `cfg.tiny` for `tokenizer`; otherwise a hub id or local path.
 
-        Hub ids are looked up in the local cache only when the hub is offline, so a missing model fails
-        at once with a message naming what to download, instead of hanging on the network.
+        Folders and the local cache are tried first; a model found in neither, with the hub offline or
+        unreachable, fails at once with a message naming what to download instead of hanging.
         """
         if cfg.model == "tiny":
             model = cls._tiny(cfg, tokenizer, dtype)
@@ -87,17 +78,24 @@ class FiDReader(T5ForConditionalGeneration):
 
     @classmethod
     def _pretrained(cls, name_or_path: str, dtype: Optional[torch.dtype]) -> "FiDReader":
-        local = Path(name_or_path).is_dir()
-        offline = not local and hub_offline()
-        try:
-            return cls.from_pretrained(name_or_path, dtype=dtype, local_files_only=local or offline)
+        try:  # the local folder or cache first: no network round trip when the weights are here
+            return cls.from_pretrained(name_or_path, dtype=dtype, local_files_only=True)
         except OSError as exc:
-            where = "the Hugging Face cache (the hub is unreachable / offline)" if offline else "the hub"
+            if Path(name_or_path).is_dir():
+                raise ReaderLoadError(
+                    f"reader.model={name_or_path!r} is a folder but not a T5 checkpoint (save_pretrained format): "
+                    f"{str(exc).splitlines()[0]}"
+                ) from exc
+        if hub_offline():
             raise ReaderLoadError(
-                f"reader.model={name_or_path!r}: not a local directory and not found in {where}. Download it "
-                f"where the network is available (`huggingface-cli download {name_or_path}`) or set reader.model "
-                f"to a local T5 folder (save_pretrained format). Cause: {str(exc).splitlines()[0]}"
-            ) from exc
+                f"reader.model={name_or_path!r}: not a local folder, not in the Hugging Face cache, and the hub is "
+                f"offline / unreachable. Download it where the network is available (`huggingface-cli download "
+                f"{name_or_path}`) or set reader.model to a local T5 folder (save_pretrained format)."
+            )
+        try:
+            return cls.from_pretrained(name_or_path, dtype=dtype)
+        except OSError as exc:
+            raise ReaderLoadError(f"reader.model={name_or_path!r} could not be loaded from the hub: {exc}") from exc
 
     def enable_activation_checkpointing(self) -> None:
         """Recompute layer activations in backward (transformers >= 5 renamed the method)."""
