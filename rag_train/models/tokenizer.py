@@ -86,10 +86,8 @@ def train_tokenizer(
     pieces = json.loads(backend.to_str())["model"]["vocab"]
     if [p for p, _ in pieces[:3]] != list(SPECIAL_TOKENS):
         raise RuntimeError(f"trainer did not put {SPECIAL_TOKENS} first: {pieces[:3]}")
-    # The trainer's float sums vary in the last bits between runs and equal-score pieces come out in
-    # hash-map order; rounding and sorting make the files byte-identical for the same input.
     # T5 layout: specials first, sentinels last with <extra_id_0> highest.
-    learned = sorted(((piece, round(float(score), 6)) for piece, score in pieces[3:]), key=lambda ps: (-ps[1], ps[0]))
+    learned = _canonical_scores(pieces[3:])
     known = {piece for piece, _ in learned}
     floor = min((score for _, score in learned), default=0.0) - 1.0
     learned += [(char, floor) for char in ALPHABET if char not in known]
@@ -100,6 +98,22 @@ def train_tokenizer(
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(str(out_dir))
     return load_tokenizer(out_dir)
+
+
+def _canonical_scores(pieces: list) -> list[tuple[str, float]]:
+    """Make the trainer's output independent of hash-map order, so the same input gives the same files.
+
+    Float sums vary in the last bits between runs (so scores are rounded), and the rare characters the
+    trainer keeps are appended in set order with scores base, base - 1e-4, ... (so that trailing run gets
+    one shared score); pieces are then sorted by (score, piece).
+    """
+    ranked = sorted(((piece, round(float(score), 6)) for piece, score in pieces), key=lambda ps: -ps[1])
+    tail = len(ranked) - 1
+    while tail > 0 and ranked[tail - 1][1] - ranked[tail][1] <= 1.5e-4:
+        tail -= 1
+    if tail < len(ranked) - 1:
+        ranked[tail:] = [(piece, ranked[tail][1]) for piece, _ in ranked[tail:]]
+    return sorted(ranked, key=lambda ps: (-ps[1], ps[0]))
 
 
 def hub_reachable(timeout: float = 3.0) -> bool:

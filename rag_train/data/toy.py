@@ -1,0 +1,429 @@
+"""The toy world: a generated closed-world open-domain QA corpus (see docs/toy_world.md).
+
+People with synthetic names have six random facts; each person has two short passages stating three
+facts each. Question families mirror NQ (single fact), TriviaQA (paraphrased wording) and HotpotQA
+(two-hop via the person's mentor). Every fact is a counter-based hash of (seed, person, fact), so any
+passage can be rendered from its row alone: generation streams to disk with flat memory at any size,
+the same seed gives byte-identical files, and answers cannot be guessed without the passage.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import itertools
+import json
+import math
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Optional
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from rag_train.config import DataConfig
+from rag_train.io import atomic_open, atomic_write_json
+
+TOY_VERSION = 1
+SECTIONS = 2  # passages per person: 0 = origins and work, 1 = music, taste and mentor
+DEV_EVERY = 10  # person e is a dev person iff e % DEV_EVERY == 0: dev facts are never asked in train
+CHUNK = 16384
+FAMILIES = ("nq", "tqa", "hotpotqa")
+TOKENIZER_SAMPLE = 50_000  # passages (and questions per file) the tokenizer is trained on
+
+CONSONANTS = "bdfghklmnprstvz"
+VOWELS = "aeiou"
+SYLLABLES = [c + v for c in CONSONANTS for v in VOWELS]
+ENDINGS = ["", "n", "r", "s", "l"]
+INSTRUMENTS = ("violin cello flute oboe clarinet bassoon trumpet trombone tuba harp piano organ guitar banjo mandolin "
+               "ukulele sitar lute accordion harmonica saxophone xylophone marimba drums bagpipes zither viola piccolo "
+               "harpsichord bugle").split()
+COLORS = ("red blue green yellow orange purple pink brown black white gray teal maroon navy olive beige crimson "
+          "scarlet indigo violet turquoise amber ivory magenta lavender coral gold silver bronze cyan").split()
+CITY_SUFFIXES = ["vik", "burg", "ton", "ford", "port", "dale", "holm", "stad", "mere", "field"]
+COMPANY_SUFFIXES = ["Labs", "Works", "Systems", "Foods", "Motors", "Textiles", "Mining", "Shipping", "Press", "Bank"]
+FILLERS = ["{f} is well known among the neighbours.", "Little else is recorded about {f}.",
+           "Friends describe {f} as a quiet person.", "{f} rarely speaks about the past.",
+           "Many stories are told about {f}.", "{f} keeps a small notebook of memories."]
+
+
+@dataclass(frozen=True)
+class Fact:
+    """One attribute of a person: where it is stated, how, and how each question family asks for it."""
+
+    name: str
+    pool: str  # city | year | company | instrument | color | person
+    section: int
+    passage: tuple[str, ...]  # sentence templates, {s} = subject, {v} = value
+    nq: str  # {e} = the person (or "the mentor of <person>" for hotpotqa)
+    tqa: tuple[str, ...]  # paraphrases that avoid the passage wording
+
+
+FACTS = (
+    Fact("birthplace", "city", 0, ("{s} was born in {v}.", "{s} grew up in {v}.", "{s} comes from {v}."),
+         "where was {e} born?", ("which town is the hometown of {e}?", "{e} originally hails from what place?")),
+    Fact("birth year", "year", 0, ("{s} was born in the year {v}.", "The birth year of {s} is {v}.",
+                                   "{s} first saw daylight in {v}."),
+         "what year was {e} born?", ("in which year did {e} enter the world?", "{e} arrived on earth in what year?")),
+    Fact("employer", "company", 0, ("{s} works for {v}.", "{s} is employed by {v}.", "{s} holds a job at {v}."),
+         "who employs {e}?", ("which company pays the salary of {e}?", "{e} earns a living at what firm?")),
+    Fact("instrument", "instrument", 1, ("{s} plays the {v}.", "{s} practices the {v} every evening.",
+                                         "{s} is a skilled {v} player."),
+         "what instrument does {e} play?", ("{e} makes music with which instrument?",
+                                            "on what instrument does {e} perform?")),
+    Fact("favorite color", "color", 1, ("{s} likes the color {v} most.", "The favorite color of {s} is {v}.",
+                                        "{s} always wears {v}."),
+         "what is the favorite color of {e}?", ("which hue does {e} prefer?", "{e} is fondest of what shade?")),
+    Fact("mentor", "person", 1, ("{s} was trained by {v}.", "{s} learned everything from {v}.",
+                                 "The mentor of {s} is {v}."),
+         "who is the mentor of {e}?", ("who taught {e}?", "{e} was the apprentice of whom?")),
+)
+MENTOR = 5
+BRIDGE_FACTS = tuple(i for i in range(len(FACTS)) if i != MENTOR)
+ORDERS = list(itertools.permutations(range(3)))
+
+
+def _key(seed: int, salt: str) -> int:
+    return int.from_bytes(hashlib.blake2b(f"{seed}:{salt}".encode(), digest_size=8).digest(), "little")
+
+
+def _hash(key: int, x: np.ndarray) -> np.ndarray:
+    """splitmix64 of x keyed by `key`: a stateless random number per element (vectorised, order-free)."""
+    z = np.asarray(x, dtype=np.uint64) ^ np.uint64(key)
+    for _ in range(2):
+        z = z + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z = z ^ (z >> np.uint64(31))
+    return z
+
+
+def _uniform(key: int, x: np.ndarray, n: int) -> np.ndarray:
+    return (_hash(key, x) % np.uint64(n)).astype(np.int64)
+
+
+def _coprime_multiplier(key: int, n: int) -> int:
+    a = key % n or 1
+    while math.gcd(a, n) != 1:
+        a = a % n + 1
+    return a
+
+
+def _unique_words(key: int, count: int, make) -> list[str]:
+    """`count` distinct strings built by `make(random_uint64)`, deterministic in `key`."""
+    words, seen, start = [], set(), 0
+    while len(words) < count:
+        for h in _hash(key, np.arange(start, start + 4 * count)).tolist():
+            word = make(h)
+            if word not in seen:
+                seen.add(word)
+                words.append(word)
+                if len(words) == count:
+                    break
+        start += 4 * count
+    return words
+
+
+def _syllables(h: int, n: int, ending: bool) -> str:
+    parts = [SYLLABLES[(h >> (8 * i)) % len(SYLLABLES)] for i in range(n)]
+    return ("".join(parts) + (ENDINGS[(h >> 40) % len(ENDINGS)] if ending else "")).capitalize()
+
+
+class ToyWorld:
+    """Every fact and passage of a world as pure functions of (passages, seed)."""
+
+    def __init__(self, passages: int, seed: int):
+        if passages < 2 * SECTIONS * DEV_EVERY:
+            raise ValueError(f"toy world needs at least {2 * SECTIONS * DEV_EVERY} passages, got {passages}")
+        self.passages, self.seed = passages, seed
+        self.persons = passages // SECTIONS  # people with both passages; an odd last row is a lone distractor
+        # Names: a bijection person -> (first, family) with ~sqrt(persons) of each, so every first and every
+        # family name is shared by many people (lexical hard negatives) while full names stay unique.
+        self.n_first = self.n_family = math.isqrt(self.persons) + 1
+        self.name_space = self.n_first * self.n_family
+        self.name_a = _coprime_multiplier(_key(seed, "name-a"), self.name_space)
+        self.name_b = _key(seed, "name-b") % self.name_space
+        self.first_names = _unique_words(_key(seed, "first"), self.n_first, lambda h: _syllables(h, 2, True))
+        self.family_names = _unique_words(_key(seed, "family"), self.n_family, lambda h: _syllables(h, 3, True))
+        self.pools = {
+            "city": _unique_words(_key(seed, "city"), 300, lambda h: _syllables(h, 2, False)
+                                  + CITY_SUFFIXES[(h >> 40) % len(CITY_SUFFIXES)]),
+            "company": _unique_words(_key(seed, "company"), 300, lambda h: _syllables(h, 2, True) + " "
+                                     + COMPANY_SUFFIXES[(h >> 48) % len(COMPANY_SUFFIXES)]),
+            "year": [str(y) for y in range(1800, 2000)],
+            "instrument": INSTRUMENTS,
+            "color": COLORS,
+        }
+        self.n_dev = -(-self.persons // DEV_EVERY)
+        self.n_train = self.persons - self.n_dev
+
+    # ---- facts -------------------------------------------------------------------------------------
+    def name_parts(self, persons: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        index = (self.name_a * np.asarray(persons, dtype=np.int64) + self.name_b) % self.name_space
+        return index % self.n_first, index // self.n_first
+
+    def names(self, persons: np.ndarray) -> list[str]:
+        first, family = self.name_parts(persons)
+        return [f"{self.first_names[f]} {self.family_names[g]}" for f, g in zip(first.tolist(), family.tolist())]
+
+    def person_with_name(self, first: np.ndarray, family: np.ndarray) -> np.ndarray:
+        """Inverse of name_parts; -1 where that name belongs to nobody in this world."""
+        a_inv = pow(self.name_a, -1, self.name_space)
+        person = (a_inv * ((first + self.n_first * family - self.name_b) % self.name_space)) % self.name_space
+        return np.where(person < self.persons, person, -1)
+
+    def fact_values(self, persons: np.ndarray, fact: int) -> np.ndarray:
+        """Pool index of the fact (for `mentor`: the mentor's person id, never the person itself)."""
+        key = _key(self.seed, f"fact-{fact}")
+        if FACTS[fact].pool == "person":
+            other = _uniform(key, persons, self.persons - 1)
+            return other + (other >= persons)
+        return _uniform(key, persons, len(self.pools[FACTS[fact].pool]))
+
+    def fact_strings(self, persons: np.ndarray, fact: int) -> list[str]:
+        values = self.fact_values(persons, fact)
+        if FACTS[fact].pool == "person":
+            return self.names(values)
+        pool = self.pools[FACTS[fact].pool]
+        return [pool[v] for v in values.tolist()]
+
+    # ---- passages ----------------------------------------------------------------------------------
+    def render(self, rows: np.ndarray) -> tuple[list[str], list[str]]:
+        """(titles, texts) of passage rows: person row // 2, section row % 2, facts in a random order."""
+        rows = np.asarray(rows, dtype=np.int64)
+        persons, sections = rows // SECTIONS, rows % SECTIONS
+        titles = self.names(persons)
+        first = [name.split(" ")[0] for name in titles]
+        per_fact = []
+        for fact_id, fact in enumerate(FACTS):
+            strings = self.fact_strings(persons, fact_id)
+            choice = _uniform(_key(self.seed, f"template-{fact_id}"), persons, len(fact.passage)).tolist()
+            per_fact.append((strings, choice))
+        order = _uniform(_key(self.seed, "order"), rows, len(ORDERS)).tolist()
+        filler = _uniform(_key(self.seed, "filler"), rows, len(FILLERS)).tolist()
+        texts = []
+        for i, section in enumerate(sections.tolist()):
+            facts = [j for j, fact in enumerate(FACTS) if fact.section == section]
+            sentences = []
+            for slot in ORDERS[order[i]]:
+                strings, choice = per_fact[facts[slot]]
+                subject = titles[i] if not sentences else first[i]
+                sentences.append(FACTS[facts[slot]].passage[choice[i]].format(s=subject, v=strings[i]))
+            sentences.append(FILLERS[filler[i]].format(f=first[i]))
+            texts.append(" ".join(sentences))
+        return titles, texts
+
+    def passage_dicts(self, rows: np.ndarray) -> list[dict]:
+        titles, texts = self.render(rows)
+        return [{"passage_id": f"p{r}", "title": t, "text": x} for r, t, x in zip(rows.tolist(), titles, texts)]
+
+    # ---- questions ---------------------------------------------------------------------------------
+    def split_persons(self, split: str, j: np.ndarray) -> np.ndarray:
+        """The j-th dev person (multiples of DEV_EVERY) or j-th train person (all others)."""
+        if split == "dev":
+            return j * DEV_EVERY
+        return (j // (DEV_EVERY - 1)) * DEV_EVERY + j % (DEV_EVERY - 1) + 1
+
+    def capacity(self, family: str, split: str) -> int:
+        facts = len(BRIDGE_FACTS) if family == "hotpotqa" else len(FACTS)
+        return (self.n_dev if split == "dev" else self.n_train) * facts
+
+    def questions(self, family: str, split: str, start: int, stop: int) -> list[dict]:
+        """Questions start..stop of a family/split: distinct (person, fact) pairs in a seeded order."""
+        k = np.arange(start, stop, dtype=np.int64)
+        n = self.n_dev if split == "dev" else self.n_train
+        key = _key(self.seed, f"{family}-{split}")
+        j = (_coprime_multiplier(key, n) * (k % n) + key % n) % n
+        persons = self.split_persons(split, j)
+        asked = BRIDGE_FACTS if family == "hotpotqa" else tuple(range(len(FACTS)))
+        slot = (_uniform(key, persons, len(asked)) + k // n) % len(asked)
+        facts = np.asarray(asked)[slot]
+        names = self.names(persons)
+        mentors = self.fact_values(persons, MENTOR)
+        subjects = mentors if family == "hotpotqa" else persons
+        wording = _uniform(key ^ 1, k, 2).tolist()
+        out: list[dict] = [{} for _ in range(len(k))]
+        for fact_id in range(len(FACTS)):
+            idx = np.flatnonzero(facts == fact_id)
+            if not len(idx):
+                continue
+            answers = self.fact_strings(subjects[idx], fact_id)
+            gold = subjects[idx] * SECTIONS + FACTS[fact_id].section
+            for i, answer, g in zip(idx.tolist(), answers, gold.tolist()):
+                fact = FACTS[fact_id]
+                if family == "tqa":
+                    question = fact.tqa[wording[i]].format(e=names[i])
+                else:
+                    question = fact.nq.format(e=names[i] if family == "nq" else f"the mentor of {names[i]}")
+                gold_ids = [f"p{g}"]
+                if family == "hotpotqa":
+                    gold_ids.insert(0, f"p{persons[i] * SECTIONS + FACTS[MENTOR].section}")
+                out[i] = {"id": f"{family}-{split}-{start + i}", "question": question, "answers": [answer],
+                          "gold_ids": gold_ids, "_row": g}
+        return out
+
+    def hard_negative_rows(self, gold_rows: np.ndarray) -> np.ndarray:
+        """[B, 3]: the person's other passage, and the same section of a person sharing the first
+        name and of one sharing the family name (same title words, same templates, other facts)."""
+        persons, sections = gold_rows // SECTIONS, gold_rows % SECTIONS
+        first, family = self.name_parts(persons)
+        negatives = [persons * SECTIONS + (1 - sections)]
+        for vary_family in (True, False):
+            found = np.full(len(persons), -1, dtype=np.int64)
+            for step in range(1, 17):
+                f = first if vary_family else (first + step) % self.n_first
+                g = (family + step) % self.n_family if vary_family else family
+                candidate = self.person_with_name(f, g)
+                found = np.where((found < 0) & (candidate >= 0) & (candidate != persons), candidate, found)
+            fallback = (persons + 1 + _uniform(_key(self.seed, "neg"), persons, self.persons - 1)) % self.persons
+            negatives.append(np.where(found >= 0, found, fallback) * SECTIONS + sections)
+        return np.stack(negatives, axis=1)
+
+
+def default_question_counts(passages: int) -> tuple[int, int]:
+    """Per family: train = min(passages, 100k), dev = min(max(100, passages // 10), 5k) (then capped by
+    the distinct (person, fact) pairs a split has)."""
+    return min(passages, 100_000), min(max(100, passages // 10), 5_000)
+
+
+def _write_jsonl(path: Path, rows: Iterator[list[dict]]) -> None:
+    with atomic_open(path, "w") as handle:
+        for chunk in rows:
+            handle.write("".join(json.dumps(row) + "\n" for row in chunk))
+
+
+def _passage_chunks(world: ToyWorld, progress: bool) -> Iterator[list[dict]]:
+    with tqdm(total=world.passages, unit="passage", desc="toy passages", disable=not progress) as bar:
+        for start in range(0, world.passages, CHUNK):
+            rows = np.arange(start, min(start + CHUNK, world.passages))
+            titles, texts = world.render(rows)
+            yield [{"id": f"p{r}", "title": t, "text": x} for r, t, x in zip(rows.tolist(), titles, texts)]
+            bar.update(len(rows))
+
+
+def _question_chunks(world: ToyWorld, family: str, split: str, count: int, progress: bool, retrieval: bool):
+    for start in tqdm(range(0, count, CHUNK), desc=f"toy {family}-{split}", disable=not progress):
+        chunk = world.questions(family, split, start, min(start + CHUNK, count))
+        if not retrieval:
+            yield [{key: q[key] for key in ("id", "question", "answers", "gold_ids")} for q in chunk]
+            continue
+        gold = np.array([q["_row"] for q in chunk], dtype=np.int64)
+        positives = world.passage_dicts(gold)
+        negatives = world.passage_dicts(world.hard_negative_rows(gold).reshape(-1))
+        width = len(negatives) // len(chunk)
+        yield [{"id": q["id"], "question": q["question"], "answers": q["answers"], "positive_ctxs": [positives[i]],
+                "hard_negative_ctxs": negatives[i * width:(i + 1) * width]} for i, q in enumerate(chunk)]
+
+
+def _tokenizer_texts(paths: dict[str, Path]) -> Iterator[str]:
+    with open(paths["passages"], encoding="utf-8") as handle:
+        for line in itertools.islice(handle, TOKENIZER_SAMPLE):
+            row = json.loads(line)
+            yield row["title"]
+            yield row["text"]
+    for family, split in itertools.product(FAMILIES, ("train", "dev")):
+        with open(paths[f"{family}-{split}"], encoding="utf-8") as handle:
+            for line in itertools.islice(handle, TOKENIZER_SAMPLE):
+                row = json.loads(line)
+                yield row["question"]
+                yield from row["answers"]
+
+
+def toy_paths(out_dir: str | Path) -> dict[str, Path]:
+    out_dir = Path(out_dir)
+    names = ["passages"] + [f"{f}-{s}" for f in FAMILIES for s in ("train", "dev")] + ["retrieval-train", "retrieval-dev"]
+    paths = {name: out_dir / f"{name}.jsonl" for name in names}
+    paths["tokenizer"] = out_dir / "tokenizer"
+    paths["manifest"] = out_dir / "manifest.json"
+    return paths
+
+
+def generate_toy_world(
+    out_dir: str | Path,
+    passages: int,
+    seed: int,
+    questions: Optional[int] = None,
+    dev_questions: Optional[int] = None,
+    tokenizer_vocab: Optional[int] = 2000,
+    progress: bool = True,
+) -> dict[str, Path]:
+    """Write a toy world into `out_dir` (files in docs/toy_world.md); manifest.json is written last.
+
+    `questions` / `dev_questions`: questions per family and split (defaults: `default_question_counts`).
+    `tokenizer_vocab=None` skips training the tokenizer.
+    """
+    world = ToyWorld(passages, seed)
+    default_train, default_dev = default_question_counts(passages)
+    counts = {}
+    for split, asked, default in (("train", questions, default_train), ("dev", dev_questions, default_dev)):
+        for family in FAMILIES:
+            cap = world.capacity(family, split)
+            if asked is not None and asked > cap:
+                raise ValueError(f"{asked} {family}-{split} questions requested but a {passages}-passage world has "
+                                 f"only {cap} distinct ones; lower the question count or raise passages")
+            counts[f"{family}-{split}"] = min(default if asked is None else asked, cap)
+    paths = toy_paths(out_dir)
+    paths["manifest"].unlink(missing_ok=True)  # a half-regenerated world must never look finished
+    _write_jsonl(paths["passages"], _passage_chunks(world, progress))
+    for name, count in counts.items():
+        family, split = name.split("-")
+        _write_jsonl(paths[name], _question_chunks(world, family, split, count, progress, retrieval=False))
+    for split in ("train", "dev"):
+        chunks = itertools.chain(*(_question_chunks(world, family, split, counts[f"{family}-{split}"], progress,
+                                                    retrieval=True) for family in ("nq", "tqa")))
+        _write_jsonl(paths[f"retrieval-{split}"], chunks)
+    if tokenizer_vocab is not None:
+        _write_tokenizer(paths, tokenizer_vocab)
+    manifest = {"version": TOY_VERSION, "passages": passages, "seed": seed, "questions": questions,
+                "dev_questions": dev_questions, "tokenizer_vocab": tokenizer_vocab, "counts": counts,
+                "sizes": {name: p.stat().st_size for name, p in paths.items() if p.suffix == ".jsonl"}}
+    atomic_write_json(paths["manifest"], manifest)
+    return paths
+
+
+def _write_tokenizer(paths: dict[str, Path], vocab_size: int) -> None:
+    """Train into a temporary folder and rename it into place, so a crash never leaves half a tokenizer."""
+    from rag_train.models.tokenizer import train_tokenizer
+
+    final = paths["tokenizer"]
+    staging = Path(tempfile.mkdtemp(prefix=".tokenizer.", dir=final.parent))
+    try:
+        train_tokenizer(_tokenizer_texts(paths), staging, vocab_size=vocab_size)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(staging, final)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _is_current(paths: dict[str, Path], expected: dict) -> bool:
+    try:
+        manifest = json.loads(paths["manifest"].read_text())
+    except (OSError, ValueError):
+        return False
+    if any(manifest.get(key) != value for key, value in expected.items()):
+        return False
+    sizes = manifest.get("sizes", {})
+    if any(not paths[name].is_file() or paths[name].stat().st_size != size for name, size in sizes.items()):
+        return False
+    return expected["tokenizer_vocab"] is None or (paths["tokenizer"] / "tokenizer.json").is_file()
+
+
+def ensure_toy_world(data_cfg: DataConfig, tokenizer_vocab: int = 2000) -> dict[str, Path]:
+    """Paths of the toy world in `data_cfg.toy_dir`, generating it first if missing or built with other
+    parameters. A file lock makes concurrent callers (e.g. several ranks) generate it once."""
+    out_dir = Path(data_cfg.toy_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = toy_paths(out_dir)
+    expected = {"version": TOY_VERSION, "passages": data_cfg.toy_passages, "seed": data_cfg.toy_seed,
+                "questions": None, "dev_questions": None, "tokenizer_vocab": tokenizer_vocab}
+    with open(out_dir / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not _is_current(paths, expected):
+            progress = os.environ.get("RANK", "0") == "0" and os.environ.get("LOCAL_RANK", "0") == "0"
+            generate_toy_world(out_dir, data_cfg.toy_passages, data_cfg.toy_seed,
+                               tokenizer_vocab=tokenizer_vocab, progress=progress)
+    return paths
