@@ -20,7 +20,7 @@ PASSAGES = [{"title": "Varn", "text": "The city of Varn was founded by Elia Moor
 def tokenizer(tmp_path_factory):
     texts = [format_passage(p) for p in PASSAGES] + QUESTIONS
     texts += [f"entity {i} lives in town {i % 7} and likes colour {i % 5}" for i in range(100)]
-    return train_tokenizer(texts, tmp_path_factory.mktemp("tok"), vocab_size=300)
+    return train_tokenizer(texts, tmp_path_factory.mktemp("tok"), vocab_size=500)
 
 
 def tiny_cfg(**changes) -> RetrieverConfig:

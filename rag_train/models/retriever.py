@@ -12,11 +12,9 @@ import hashlib
 import json
 import os
 import shutil
-import socket
 import tempfile
 from pathlib import Path
 from typing import Optional, Sequence, Union
-from urllib.parse import urlparse
 
 import torch
 from torch import nn
@@ -44,20 +42,6 @@ def _st_modules():
     return modules
 
 
-def _hub_reachable(timeout: float = 3.0) -> bool:
-    """A short TCP probe, so an offline machine fails in seconds instead of retrying for minutes."""
-    from huggingface_hub import constants
-
-    if constants.HF_HUB_OFFLINE:
-        return False
-    url = urlparse(constants.ENDPOINT)
-    try:
-        with socket.create_connection((url.hostname, url.port or 443), timeout=timeout):
-            return True
-    except OSError:
-        return False
-
-
 def resolve_model_path(name_or_path: str) -> Path:
     """A local folder for `name_or_path`: itself, the HF cache's snapshot, or a download when online."""
     path = Path(name_or_path)
@@ -71,7 +55,9 @@ def resolve_model_path(name_or_path: str) -> Path:
         return Path(snapshot_download(name_or_path, local_files_only=True))
     except Exception:
         pass
-    if not _hub_reachable():
+    from rag_train.models.tokenizer import hub_reachable
+
+    if not hub_reachable():
         raise ConfigError(
             f"retriever.model={name_or_path!r} is not a local folder, is not in the Hugging Face cache, and the hub "
             f"is unreachable (offline). Download it on a connected machine (e.g. `huggingface-cli download "
@@ -183,6 +169,10 @@ class DualEncoder(nn.Module):
             return self._encode(self.passage_encoder, texts, self.max_passage_length)
         with torch.no_grad():
             return self._encode(self.passage_encoder, texts, self.max_passage_length)
+
+    def forward(self, queries: Sequence[str], passages: Sequence[Passage]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(f(x) [B, D], g(y) [P, D]) in ONE call, so that a DDP-wrapped encoder sees one forward per step."""
+        return self.encode_queries(queries), self.encode_passages(passages)
 
     def fingerprint(self, tower: Optional[str] = None) -> str:
         """sha256 over parameter names, shapes, dtypes and bytes: the whole model, or tower='query'/'passage'."""

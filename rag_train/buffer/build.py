@@ -1,0 +1,215 @@
+"""Embed a corpus once into a stale buffer: distributed over processes, length-sorted, resumable.
+
+Rows are cut into shards of `shard_rows`; each process encodes a contiguous range of shards. A finished
+shard is written atomically with a small sidecar (`shard-NNNNN.json`: rows, dtype, fingerprints,
+sha256), so a killed build restarts and skips every shard whose file still matches its sidecar. The
+main process writes the final `manifest.json` (complete: true) after all processes are done.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from pathlib import Path
+from typing import Optional, Union
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from rag_train.buffer.store import (
+    MANIFEST, STORAGE_DTYPES, Buffer, BufferError, manifest_dict, shard_file_name, to_storage, write_shard,
+)
+from rag_train.io import atomic_write_json, sha256_file
+
+logger = logging.getLogger(__name__)
+
+
+def plan_shards(rows: int, shard_rows: int) -> list[tuple[int, int]]:
+    """[(start, end)] of every shard, in row order."""
+    return [(start, min(start + shard_rows, rows)) for start in range(0, rows, shard_rows)]
+
+
+def shards_of_process(num_shards: int, rank: int, world: int) -> range:
+    """The contiguous block of shard indices process `rank` of `world` encodes."""
+    return range(rank * num_shards // world, (rank + 1) * num_shards // world)
+
+
+def _sidecar(out_dir: Path, index: int) -> Path:
+    return out_dir / f"shard-{index:05d}.json"
+
+
+def _shard_record(index: int, start: int, end: int, dim: int, dtype: str, model_fp: str, corpus_fp: str) -> dict:
+    return {"file": shard_file_name(index), "start": start, "end": end, "dim": dim, "dtype": dtype,
+            "model_fingerprint": model_fp, "corpus_fingerprint": corpus_fp}
+
+
+def _finished(out_dir: Path, index: int, expected: dict) -> Optional[dict]:
+    """The sidecar of shard `index` if its file is on disk and matches it and the planned shard, else None."""
+    sidecar = _sidecar(out_dir, index)
+    if not sidecar.is_file() or not (out_dir / expected["file"]).is_file():
+        return None
+    try:
+        record = json.loads(sidecar.read_text(encoding="utf-8"))
+    except json.JSONDecodeError:
+        return None
+    if any(record.get(key) != value for key, value in expected.items()):
+        return None
+    return record if sha256_file(out_dir / expected["file"]) == record.get("sha256") else None
+
+
+def _autocast(device: torch.device):
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.autocast("cuda", dtype=dtype)
+
+
+def length_sorted_order(lengths: np.ndarray) -> np.ndarray:
+    """Positions sorted by length (stable, so equal lengths keep row order): batches pad little."""
+    return np.argsort(lengths, kind="stable")
+
+
+def encode_rows(model, corpus, start: int, end: int, batch_size: int, on_batch=None) -> torch.Tensor:
+    """g(y) for corpus rows [start, end), encoded in length-sorted batches, returned in row order (fp32, CPU)."""
+    rows = np.arange(start, end, dtype=np.int64)
+    order = length_sorted_order(corpus.byte_lengths()[start:end])
+    out = torch.empty(len(rows), model.dim, dtype=torch.float32)
+    device = next(model.parameters()).device
+    for lo in range(0, len(order), batch_size):
+        positions = order[lo:lo + batch_size]
+        with _autocast(device):
+            vectors = model.encode_passages(corpus.passages(rows[positions]))
+        out[torch.from_numpy(positions)] = vectors.float().cpu()
+        if on_batch is not None:
+            on_batch(len(positions))
+    return out
+
+
+def _existing_buffer(out_dir: Path, model_fp: str, corpus_fp: str, dtype: str, overwrite: bool) -> Optional[Buffer]:
+    """A complete buffer already in `out_dir` for this model + corpus; refuse to overwrite any other one
+    unless `overwrite` (then None: it is rebuilt)."""
+    path = out_dir / MANIFEST
+    if not path.is_file():
+        return None
+    manifest = json.loads(path.read_text(encoding="utf-8"))
+    if not manifest.get("complete"):
+        return None
+    mismatched = [key for key, value in (("model_fingerprint", model_fp), ("corpus_fingerprint", corpus_fp),
+                                         ("dtype", dtype)) if manifest.get(key) != value]
+    if mismatched and overwrite:
+        return None
+    if mismatched:
+        raise BufferError(f"{path}: field '{mismatched[0]}': {out_dir} already holds a complete buffer of another "
+                          f"{', '.join(mismatched)}; it is not overwritten - choose another output dir or delete it")
+    return Buffer.open(out_dir, model_fp, corpus_fp)
+
+
+def _remove_unplanned_shards(out_dir: Path, num_shards: int) -> None:
+    """Drop shard files left by an overwritten, larger buffer (they are not in the new manifest)."""
+    for path in out_dir.glob("shard-*.*"):
+        stem = path.name.split(".")[0]
+        if path.suffix in (".npy", ".json") and stem[6:].isdigit() and int(stem[6:]) >= num_shards:
+            path.unlink()
+
+
+def build_buffer(model, corpus, out_dir: Union[str, Path], batch_size: int = 256, shard_rows: int = 1_000_000,
+                 dtype: str = "float16", accelerator=None, overwrite: bool = False) -> Buffer:
+    """Embed every corpus row with `model.encode_passages` into a buffer at `out_dir`; resumes a killed build.
+
+    `model` is a DualEncoder (or anything with `encode_passages`, `dim`, `fingerprint()`); `corpus` a
+    Corpus (`len`, `passages(rows)`, `byte_lengths()`, `fingerprint`). With an accelerate `Accelerator`, each process
+    encodes its own block of shards; every process returns the same opened Buffer. A complete buffer
+    of another model / corpus in `out_dir` is an error unless `overwrite`.
+    """
+    if dtype not in STORAGE_DTYPES:
+        raise BufferError(f"dtype {dtype!r} is not one of {list(STORAGE_DTYPES)}")
+    if batch_size <= 0 or shard_rows <= 0:
+        raise ValueError(f"batch_size={batch_size} and shard_rows={shard_rows} must be > 0")
+    rows = len(corpus)
+    if rows == 0:
+        raise ValueError(f"corpus {getattr(corpus, 'path', corpus)} has no passages")
+    out_dir = Path(out_dir)
+    rank, world = (accelerator.process_index, accelerator.num_processes) if accelerator else (0, 1)
+    is_main = rank == 0
+    if accelerator is not None:
+        model.to(accelerator.device)
+    model_fp, corpus_fp = model.fingerprint(), corpus.fingerprint
+    existing = _existing_buffer(out_dir, model_fp, corpus_fp, dtype, overwrite)
+    if existing is not None:
+        logger.info("%s already holds this buffer; nothing to encode", out_dir)
+        return existing
+
+    plan = plan_shards(rows, shard_rows)
+    planned = [_shard_record(i, s, e, model.dim, dtype, model_fp, corpus_fp) for i, (s, e) in enumerate(plan)]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if is_main:
+        atomic_write_json(out_dir / MANIFEST, manifest_dict(rows, model.dim, dtype, [], model_fp, corpus_fp,
+                                                            complete=False, shard_rows=shard_rows))
+    mine = shards_of_process(len(plan), rank, world)
+    todo = [i for i in mine if _finished(out_dir, i, planned[i]) is None]
+    logger.info("rank %d: %d of its %d shards to encode, %d reused from an earlier run",
+                rank, len(todo), len(mine), len(mine) - len(todo))
+    progress = tqdm(total=sum(plan[i][1] - plan[i][0] for i in todo), unit="passage", unit_scale=True,
+                    desc=f"embedding corpus (rank 0 of {world})", disable=not is_main)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.inference_mode():
+            for index in todo:
+                start, end = plan[index]
+                vectors = encode_rows(model, corpus, start, end, batch_size, on_batch=progress.update)
+                record = dict(planned[index], sha256=write_shard(out_dir / planned[index]["file"],
+                                                                 to_storage(vectors, dtype)))
+                atomic_write_json(_sidecar(out_dir, index), record)
+    finally:
+        model.train(was_training)
+        progress.close()
+
+    if accelerator is not None:
+        accelerator.wait_for_everyone()
+    if is_main:
+        shards = []
+        for index, expected in enumerate(planned):
+            record = _finished(out_dir, index, expected)
+            if record is None:
+                raise BufferError(f"{_sidecar(out_dir, index)}: shard {index} missing or corrupt after the build")
+            shards.append({key: record[key] for key in ("file", "start", "end", "sha256")})
+        atomic_write_json(out_dir / MANIFEST, manifest_dict(
+            rows, model.dim, dtype, shards, model_fp, corpus_fp, complete=True, shard_rows=shard_rows,
+            passage_fingerprint=model.fingerprint("passage")))
+        _remove_unplanned_shards(out_dir, len(planned))
+    if accelerator is not None:
+        accelerator.wait_for_everyone()
+    return Buffer.open(out_dir, model_fp, corpus_fp)
+
+
+def embed_corpus(cfg, accelerator=None) -> Buffer:
+    """The body of scripts/embed_corpus.py: resolve corpus and model from an EmbedConfig, build the buffer."""
+    from accelerate import Accelerator
+
+    from rag_train.config import ConfigError
+    from rag_train.data.corpus import Corpus
+    from rag_train.models.retriever import DualEncoder
+
+    accelerator = accelerator or Accelerator()
+    passages, tokenizer = cfg.passages or cfg.data.passages, cfg.retriever.tokenizer
+    needs_toy_tokenizer = cfg.model_dir is None and cfg.retriever.model == "tiny" and tokenizer is None
+    if cfg.data.toy and (passages is None or needs_toy_tokenizer):
+        from rag_train.data.toy import ensure_toy_world
+
+        with accelerator.main_process_first():
+            files = ensure_toy_world(cfg.data)
+        passages, tokenizer = passages or str(files["passages"]), tokenizer or str(files["tokenizer"])
+    if passages is None:
+        raise ConfigError("embed: no corpus; set passages=FILE (or data.passages=FILE, or data.toy=true)")
+    with accelerator.main_process_first():  # the main process builds the corpus index once
+        corpus = Corpus.open(passages)
+    if cfg.model_dir is not None:
+        model = DualEncoder.load(cfg.model_dir)
+    else:
+        model = DualEncoder.from_config(cfg.retriever, tokenizer, seed=cfg.seed)
+    return build_buffer(model, corpus, cfg.output or cfg.buffer.path, batch_size=cfg.buffer.embed_batch_size,
+                        shard_rows=cfg.buffer.shard_rows, dtype=cfg.buffer.dtype, accelerator=accelerator,
+                        overwrite=cfg.overwrite)

@@ -1,0 +1,192 @@
+"""The stale embedding buffer on disk: `manifest.json` + row-range shards of `.npy` (memmap-readable).
+
+A buffer is reused across runs and tasks, so the manifest records what produced it (model and corpus
+fingerprints) and every shard's sha256; opening checks them and refuses a buffer that does not match
+instead of silently training against the wrong vectors. bfloat16 has no numpy dtype and is stored as
+uint16 bit patterns (`tensor()` views them back as torch.bfloat16).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import numpy as np
+import torch
+
+from rag_train.io import atomic_open, atomic_write_json, sha256_file
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+STORAGE_DTYPES = {"float16": np.float16, "bfloat16": np.uint16, "float32": np.float32}
+TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+REQUIRED_FIELDS = ("format_version", "rows", "dim", "dtype", "shards", "model_fingerprint", "corpus_fingerprint",
+                   "complete")
+
+
+class BufferError(ValueError):
+    """A buffer directory that cannot be used as asked; the message says which file / field and why."""
+
+
+def shard_file_name(index: int) -> str:
+    return f"shard-{index:05d}.npy"
+
+
+def to_storage(vectors: Union[torch.Tensor, np.ndarray], dtype: str) -> np.ndarray:
+    """Vectors [n, D] as the numpy array written to disk for `dtype`."""
+    if dtype not in STORAGE_DTYPES:
+        raise BufferError(f"dtype {dtype!r} is not one of {list(STORAGE_DTYPES)}")
+    tensor = torch.as_tensor(vectors).detach().to("cpu", TORCH_DTYPES[dtype]).contiguous()
+    if dtype == "bfloat16":
+        tensor = tensor.view(torch.int16)
+    return tensor.numpy().view(STORAGE_DTYPES[dtype])
+
+
+def write_shard(path: Path, array: np.ndarray) -> str:
+    """Write one shard atomically; return its sha256."""
+    with atomic_open(path, "wb") as handle:
+        np.save(handle, array, allow_pickle=False)
+    return sha256_file(path)
+
+
+def manifest_dict(rows: int, dim: int, dtype: str, shards: list[dict], model_fingerprint: Optional[str],
+                  corpus_fingerprint: Optional[str], complete: bool, **extra: Any) -> dict:
+    return {"format_version": FORMAT_VERSION, "rows": rows, "dim": dim, "dtype": dtype, "shards": shards,
+            "model_fingerprint": model_fingerprint, "corpus_fingerprint": corpus_fingerprint,
+            "complete": complete, **extra}
+
+
+class Buffer:
+    """Read-only view of a complete buffer directory; rows are global corpus rows 0..N-1."""
+
+    def __init__(self, directory: Path, manifest: dict, arrays: list[np.ndarray]):
+        self.path = directory
+        self.manifest = manifest
+        self._arrays = arrays
+        self._starts = [s["start"] for s in manifest["shards"]]
+
+    @property
+    def rows(self) -> int:
+        return int(self.manifest["rows"])
+
+    @property
+    def dim(self) -> int:
+        return int(self.manifest["dim"])
+
+    @property
+    def dtype(self) -> str:
+        return self.manifest["dtype"]
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return TORCH_DTYPES[self.dtype]
+
+    def __len__(self) -> int:
+        return self.rows
+
+    @classmethod
+    def open(cls, directory: Union[str, Path], model_fingerprint: Optional[str] = None,
+             corpus_fingerprint: Optional[str] = None, verify: bool = False) -> "Buffer":
+        """Open and validate; with fingerprints given, refuse a buffer made by another model / corpus."""
+        directory = Path(directory)
+        path = directory / MANIFEST
+        if not path.is_file():
+            raise BufferError(f"{path}: not found; {directory} is not a buffer (build one with scripts/embed_corpus.py)")
+        try:
+            manifest = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as exc:
+            raise BufferError(f"{path}:{exc.lineno}: not valid JSON: {exc.msg}") from exc
+        for key in REQUIRED_FIELDS:
+            if key not in manifest:
+                raise BufferError(f"{path}: field '{key}': missing")
+        if manifest["format_version"] != FORMAT_VERSION:
+            raise BufferError(f"{path}: field 'format_version': {manifest['format_version']!r} is not {FORMAT_VERSION}")
+        if manifest["dtype"] not in STORAGE_DTYPES:
+            raise BufferError(f"{path}: field 'dtype': {manifest['dtype']!r} is not one of {list(STORAGE_DTYPES)}")
+        if not manifest["complete"]:
+            raise BufferError(f"{path}: field 'complete': false; the build was interrupted - rerun it to resume")
+        for key, expected in (("model_fingerprint", model_fingerprint), ("corpus_fingerprint", corpus_fingerprint)):
+            if expected is not None and manifest[key] != expected:
+                what = "retriever model" if key == "model_fingerprint" else "corpus"
+                raise BufferError(
+                    f"{path}: field '{key}': buffer was built from a different {what} ({manifest[key]} != {expected}); "
+                    f"rebuild it or point buffer.path elsewhere")
+        arrays = cls._load_shards(directory, manifest, verify)
+        return cls(directory, manifest, arrays)
+
+    @staticmethod
+    def _load_shards(directory: Path, manifest: dict, verify: bool) -> list[np.ndarray]:
+        path = directory / MANIFEST
+        storage = np.dtype(STORAGE_DTYPES[manifest["dtype"]])
+        arrays, expected_start = [], 0
+        for i, shard in enumerate(manifest["shards"]):
+            where = f"{path}: field 'shards[{i}]'"
+            if shard.get("start") != expected_start or shard.get("end", -1) <= shard["start"]:
+                raise BufferError(f"{where}: rows {shard.get('start')}..{shard.get('end')} do not continue at {expected_start}")
+            file = directory / shard["file"]
+            if not file.is_file():
+                raise BufferError(f"{where}: shard file {file} is missing")
+            if verify and sha256_file(file) != shard["sha256"]:
+                raise BufferError(f"{where}: sha256 of {file} does not match the manifest (file corrupted or replaced)")
+            array = np.load(file, mmap_mode="r", allow_pickle=False)
+            want = (shard["end"] - shard["start"], manifest["dim"])
+            if array.shape != want or array.dtype != storage:
+                raise BufferError(f"{where}: {file} holds {array.shape} {array.dtype}, expected {want} {storage}")
+            arrays.append(array)
+            expected_start = shard["end"]
+        if expected_start != manifest["rows"]:
+            raise BufferError(f"{path}: field 'rows': shards cover {expected_start} rows, manifest says {manifest['rows']}")
+        return arrays
+
+    @classmethod
+    def write(cls, directory: Union[str, Path], embeddings: Union[torch.Tensor, np.ndarray], dtype: str = "float16",
+              model_fingerprint: Optional[str] = None, corpus_fingerprint: Optional[str] = None,
+              shard_rows: Optional[int] = None) -> "Buffer":
+        """Write an in-memory [N, D] matrix as a buffer (small cases; large corpora use build_buffer)."""
+        directory = Path(directory)
+        array = to_storage(embeddings, dtype)
+        if array.ndim != 2 or array.shape[0] == 0:
+            raise BufferError(f"embeddings must be a non-empty [N, D] matrix, got shape {tuple(array.shape)}")
+        rows = array.shape[0]
+        step = shard_rows or rows
+        shards = []
+        for index, start in enumerate(range(0, rows, step)):
+            end = min(start + step, rows)
+            name = shard_file_name(index)
+            sha = write_shard(directory / name, array[start:end])
+            shards.append({"file": name, "start": start, "end": end, "sha256": sha})
+        atomic_write_json(directory / MANIFEST, manifest_dict(rows, array.shape[1], dtype, shards, model_fingerprint,
+                                                             corpus_fingerprint, complete=True))
+        return cls.open(directory)
+
+    def views(self, start: int = 0, end: Optional[int] = None) -> list[tuple[int, np.ndarray]]:
+        """Zero-copy memmap pieces `(global_start, array)` covering rows [start, end)."""
+        end = self.rows if end is None else end
+        if not 0 <= start <= end <= self.rows:
+            raise IndexError(f"rows [{start}, {end}) outside buffer of {self.rows} rows")
+        pieces = []
+        for shard_start, array in zip(self._starts, self._arrays):
+            lo, hi = max(start, shard_start), min(end, shard_start + len(array))
+            if lo < hi:
+                pieces.append((lo, array[lo - shard_start:hi - shard_start]))
+        return pieces
+
+    def shard(self, start: int, end: int) -> np.ndarray:
+        """Rows [start, end) in storage dtype: a memmap view inside one shard file, else a copy."""
+        pieces = [array for _, array in self.views(start, end)]
+        if len(pieces) == 1:
+            return pieces[0]
+        if not pieces:
+            return np.empty((0, self.dim), STORAGE_DTYPES[self.dtype])
+        return np.concatenate(pieces)
+
+    def array(self) -> np.ndarray:
+        """All rows (a memmap when the buffer has one shard)."""
+        return self.shard(0, self.rows)
+
+    def tensor(self, start: int = 0, end: Optional[int] = None) -> torch.Tensor:
+        """Rows [start, end) as a CPU tensor in the buffer's dtype (bfloat16 restored from its bits)."""
+        array = np.ascontiguousarray(self.shard(start, self.rows if end is None else end))
+        tensor = torch.from_numpy(np.array(array, copy=True) if not array.flags.writeable else array)
+        return tensor.view(torch.bfloat16) if self.dtype == "bfloat16" else tensor

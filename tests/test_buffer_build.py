@@ -1,0 +1,197 @@
+"""Buffer on-disk format and the resumable, length-sorted, multi-process buffer build."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from rag_train.buffer.build import build_buffer, length_sorted_order, plan_shards, shards_of_process
+from rag_train.buffer.store import Buffer, BufferError
+from rag_train.config import RetrieverConfig, TinyModelConfig
+from rag_train.data.corpus import Corpus
+from rag_train.io import sha256_file
+from rag_train.models.retriever import DualEncoder, format_passage
+from rag_train.models.tokenizer import train_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = TinyModelConfig(d_model=32, d_ff=64, d_kv=8, num_heads=4, num_layers=1, num_decoder_layers=1)
+ROWS, SHARD_ROWS, BATCH = 37, 10, 4
+WORDS = "alpha beta gamma delta river stone tower city founded painted green blue north old".split()
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """A 37-passage corpus of varied lengths, a tokenizer, a tiny saved retriever."""
+    root = tmp_path_factory.mktemp("buffer-world")
+    rng = np.random.default_rng(0)
+    with open(root / "passages.jsonl", "w", encoding="utf-8") as handle:
+        for i in range(ROWS):
+            text = " ".join(rng.choice(WORDS, size=int(rng.integers(2, 40))))
+            handle.write(json.dumps({"id": f"p{i}", "title": f"Entity {i}", "text": text}) + "\n")
+    corpus = Corpus.open(root / "passages.jsonl")
+    texts = [format_passage(p) for p in corpus.passages(range(ROWS))]
+    tokenizer = train_tokenizer(texts, root / "tok", vocab_size=500)
+    model = DualEncoder.from_config(RetrieverConfig(model="tiny", tiny=TINY, projection_dim=16), tokenizer).eval()
+    model.save(root / "model")
+    return {"root": root, "corpus": corpus, "model": model, "tokenizer": root / "tok"}
+
+
+def counting(model) -> list[int]:
+    """Record the batch sizes `model.encode_passages` is called with."""
+    calls, encode = [], model.encode_passages
+
+    def wrapped(passages):
+        calls.append(len(passages))
+        return encode(passages)
+
+    model.encode_passages = wrapped
+    return calls
+
+
+def direct(model, corpus) -> torch.Tensor:
+    with torch.inference_mode():
+        return model.encode_passages(corpus.passages(range(len(corpus))))
+
+
+def shard_bytes(directory: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(directory.glob("shard-*.npy"))}
+
+
+def test_shard_plan_and_length_order():
+    assert plan_shards(25, 10) == [(0, 10), (10, 20), (20, 25)]
+    assert [list(shards_of_process(5, r, 2)) for r in range(2)] == [[0, 1], [2, 3, 4]]
+    assert sorted(i for r in range(3) for i in shards_of_process(7, r, 3)) == list(range(7))
+    assert length_sorted_order(np.array([5, 1, 5, 0])).tolist() == [3, 1, 0, 2]  # ties keep row order
+
+
+def test_build_equals_direct_encoding(world, tmp_path):
+    model, corpus = world["model"], world["corpus"]
+    calls = counting(model)
+    buffer = build_buffer(model, corpus, tmp_path / "buf", batch_size=BATCH, shard_rows=SHARD_ROWS, dtype="float32")
+    assert sum(calls) == ROWS and max(calls) == BATCH
+    assert (buffer.rows, buffer.dim, len(buffer.manifest["shards"])) == (ROWS, 16, 4)
+    assert buffer.manifest["model_fingerprint"] == world["model"].fingerprint()
+    assert buffer.manifest["corpus_fingerprint"] == corpus.fingerprint
+    reference = direct(world["model"], corpus)  # one unsorted, fully padded batch
+    # length-sorted batches of 4 give the same vectors as one padded batch in row order
+    torch.testing.assert_close(torch.from_numpy(buffer.array()), reference, atol=1e-5, rtol=1e-5)
+    for shard in buffer.manifest["shards"]:
+        assert sha256_file(buffer.path / shard["file"]) == shard["sha256"]
+
+
+def test_float16_and_bfloat16_builds(world, tmp_path):
+    reference = direct(world["model"], world["corpus"])
+    half = build_buffer(world["model"], world["corpus"], tmp_path / "fp16", batch_size=BATCH, shard_rows=SHARD_ROWS)
+    assert half.array().dtype == np.float16
+    torch.testing.assert_close(torch.from_numpy(half.array()).float(), reference, atol=2e-3, rtol=0)
+    bf16 = build_buffer(world["model"], world["corpus"], tmp_path / "bf16", batch_size=BATCH, shard_rows=SHARD_ROWS,
+                        dtype="bfloat16")
+    assert bf16.tensor().dtype == torch.bfloat16
+    torch.testing.assert_close(bf16.tensor().float(), reference.bfloat16().float(), atol=1e-2, rtol=0)
+
+
+def test_buffer_views_span_shards(tmp_path):
+    matrix = torch.arange(50 * 3, dtype=torch.float32).reshape(50, 3)
+    buffer = Buffer.write(tmp_path / "b", matrix, dtype="float32", shard_rows=20)
+    assert isinstance(buffer.shard(20, 40), np.memmap)  # inside one file: no copy
+    np.testing.assert_array_equal(buffer.shard(15, 45), matrix[15:45].numpy())
+    assert [start for start, _ in buffer.views(15, 45)] == [15, 20, 40]
+    np.testing.assert_array_equal(buffer.array(), matrix.numpy())
+    assert torch.equal(buffer.tensor(5, 25), matrix[5:25])
+    with pytest.raises(IndexError):
+        buffer.shard(40, 51)
+
+
+def test_open_refuses_mismatch_incomplete_and_corruption(tmp_path):
+    Buffer.write(tmp_path / "b", torch.ones(6, 4), model_fingerprint="m1", corpus_fingerprint="c1", shard_rows=4)
+    assert Buffer.open(tmp_path / "b", "m1", "c1").rows == 6
+    with pytest.raises(BufferError, match="model_fingerprint.*different retriever model"):
+        Buffer.open(tmp_path / "b", model_fingerprint="m2")
+    with pytest.raises(BufferError, match="corpus_fingerprint.*different corpus"):
+        Buffer.open(tmp_path / "b", corpus_fingerprint="c2")
+    shard = tmp_path / "b" / "shard-00001.npy"
+    array = np.load(shard)
+    array[0, 0] = 7
+    np.save(shard, array)
+    Buffer.open(tmp_path / "b")  # same shape: only a checksum can tell
+    with pytest.raises(BufferError, match="sha256 of .*shard-00001.npy"):
+        Buffer.open(tmp_path / "b", verify=True)
+    shard.unlink()
+    with pytest.raises(BufferError, match=r"shards\[1\].*missing"):
+        Buffer.open(tmp_path / "b")
+    manifest = tmp_path / "b" / "manifest.json"
+    manifest.write_text(json.dumps(dict(json.loads(manifest.read_text()), complete=False)))
+    with pytest.raises(BufferError, match="interrupted"):
+        Buffer.open(tmp_path / "b")
+    with pytest.raises(BufferError, match="not found"):
+        Buffer.open(tmp_path / "nothing")
+
+
+def test_existing_buffer_is_reused_or_protected(world, tmp_path):
+    model, corpus = DualEncoder.load(world["root"] / "model").eval(), world["corpus"]
+    build_buffer(model, corpus, tmp_path / "buf", batch_size=BATCH, shard_rows=SHARD_ROWS)
+    calls = counting(model)
+    assert build_buffer(model, corpus, tmp_path / "buf", batch_size=BATCH, shard_rows=SHARD_ROWS).rows == ROWS
+    assert calls == []  # complete and matching: nothing re-encoded
+    other = DualEncoder.from_config(RetrieverConfig(model="tiny", tiny=TINY, projection_dim=16), str(world["tokenizer"]),
+                                    seed=1).eval()
+    with pytest.raises(BufferError, match="model_fingerprint.*not overwritten"):
+        build_buffer(other, corpus, tmp_path / "buf", batch_size=BATCH, shard_rows=SHARD_ROWS)
+    rebuilt = build_buffer(other, corpus, tmp_path / "buf", batch_size=BATCH, shard_rows=20, overwrite=True)
+    assert rebuilt.manifest["model_fingerprint"] == other.fingerprint()
+    assert sorted(p.name for p in rebuilt.path.glob("shard-*.npy")) == ["shard-00000.npy", "shard-00001.npy"]
+
+
+@pytest.mark.slow
+def test_killed_build_resumes_byte_identical(world, tmp_path):
+    clean = build_buffer(world["model"], world["corpus"], tmp_path / "clean", batch_size=BATCH, shard_rows=SHARD_ROWS)
+    out = tmp_path / "killed"
+    proc = subprocess.run([sys.executable, str(ROOT / "tests/dist/build_killed.py"), str(world["root"] / "model"),
+                           str(world["corpus"].path), str(out), str(SHARD_ROWS), str(BATCH)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    assert list(shard_bytes(out)) == ["shard-00000.npy"]
+    with pytest.raises(BufferError, match="interrupted"):
+        Buffer.open(out)
+    model = DualEncoder.load(world["root"] / "model").eval()
+    calls = counting(model)
+    resumed = build_buffer(model, world["corpus"], out, batch_size=BATCH, shard_rows=SHARD_ROWS)
+    assert sum(calls) == ROWS - SHARD_ROWS  # the finished shard was not re-encoded
+    assert shard_bytes(out) == shard_bytes(clean.path)
+    assert resumed.manifest["shards"] == clean.manifest["shards"]
+
+
+def test_resume_re_encodes_a_corrupted_shard(world, tmp_path):
+    build_buffer(world["model"], world["corpus"], tmp_path / "buf", batch_size=BATCH, shard_rows=SHARD_ROWS)
+    clean = shard_bytes(tmp_path / "buf")
+    manifest = tmp_path / "buf" / "manifest.json"
+    manifest.write_text(json.dumps(dict(json.loads(manifest.read_text()), complete=False)))
+    (tmp_path / "buf" / "shard-00002.npy").write_bytes(b"garbage")
+    model = DualEncoder.load(world["root"] / "model").eval()
+    calls = counting(model)
+    build_buffer(model, world["corpus"], tmp_path / "buf", batch_size=BATCH, shard_rows=SHARD_ROWS)
+    assert sum(calls) == SHARD_ROWS and shard_bytes(tmp_path / "buf") == clean
+
+
+@pytest.mark.slow
+def test_two_process_build_equals_one_process(world, tmp_path):
+    single = build_buffer(world["model"], world["corpus"], tmp_path / "one", batch_size=BATCH, shard_rows=SHARD_ROWS)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--cpu",
+               str(ROOT / "scripts/embed_corpus.py"), f"passages={world['corpus'].path}",
+               f"model_dir={world['root'] / 'model'}", f"output={tmp_path / 'two'}",
+               f"buffer.shard_rows={SHARD_ROWS}", f"buffer.embed_batch_size={BATCH}"]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "buffer:" in proc.stdout and proc.stdout.count("buffer:") == 1  # printed by the main process only
+    two = Buffer.open(tmp_path / "two", single.manifest["model_fingerprint"], single.manifest["corpus_fingerprint"],
+                      verify=True)
+    assert two.manifest["shards"] == single.manifest["shards"]
+    assert shard_bytes(two.path) == shard_bytes(single.path)
