@@ -186,7 +186,7 @@ class Buffer:
         return self.shard(0, self.rows)
 
     def tensor(self, start: int = 0, end: Optional[int] = None) -> torch.Tensor:
-        """Rows [start, end) as a CPU tensor in the buffer's dtype (bfloat16 restored from its bits)."""
+        """Rows [start, end) loaded into memory as a CPU tensor in the buffer's dtype (bfloat16 from its bits)."""
         array = np.ascontiguousarray(self.shard(start, self.rows if end is None else end))
         tensor = torch.from_numpy(np.array(array, copy=True) if not array.flags.writeable else array)
         return tensor.view(torch.bfloat16) if self.dtype == "bfloat16" else tensor
