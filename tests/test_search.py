@@ -216,3 +216,21 @@ def test_shard_range_tiles_rows():
         assert max(e - s for s, e in ranges) - min(e - s for s, e in ranges) <= 1
     with pytest.raises(ValueError):
         shard_range(10, 2, 2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("mode", ["exact", "corrector_full", "corrector_rerank"])
+def test_cuda_fp16_rows_match_cpu(data, mode):
+    """On the GPU rows stay fp16 (fp32 accumulation); the ranking matches the fp32 CPU search."""
+    rows, queries = data
+    rows = rows.half().float()  # the values both sides see
+    corrector = random_corrector(16, 32)
+    cpu = search(queries, rows, 10, corrector=corrector, mode=mode, chunk_rows=700, candidates=3000)
+    gpu = search(queries.cuda(), rows.half().cuda(), 10, corrector=corrector.cuda(), mode=mode, chunk_rows=700,
+                 candidates=3000)
+    assert (gpu.rows.cpu() == cpu.rows).float().mean() > 0.95
+    torch.testing.assert_close(gpu.scores.cpu(), cpu.scores, rtol=2e-2, atol=2e-2)
+    sampled = [search(queries.cuda(), rows.half().cuda(), 10, corrector=corrector.cuda(), mode=mode,
+                      sampling="gumbel", generator=torch.Generator().manual_seed(1), chunk_rows=chunk,
+                      candidates=3000).rows.cpu() for chunk in (700, 3000)]
+    assert torch.equal(sampled[0], sampled[1])

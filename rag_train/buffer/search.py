@@ -15,6 +15,7 @@ row) and the same queries; per-rank results are gathered and merged, equal on ev
 
 from __future__ import annotations
 
+import copy
 import mmap
 import warnings
 from dataclasses import dataclass
@@ -114,6 +115,8 @@ def _validate(queries, rows, k, corrector, mode, chunk_rows, exclude, sampling, 
         raise ValueError("search: mode='corrector_full' needs a corrector")
     if corrector is not None and corrector.dim != queries.shape[1]:
         raise ValueError(f"search: corrector dim {corrector.dim} != query dim {queries.shape[1]}")
+    if corrector is not None and corrector.first.weight.device != queries.device:
+        raise ValueError(f"search: corrector is on {corrector.first.weight.device} but queries on {queries.device}")
     if k <= 0 or chunk_rows <= 0 or row_offset < 0:
         raise ValueError(f"search: need k > 0, chunk_rows > 0, row_offset >= 0 (got {k}, {chunk_rows}, {row_offset})")
     if not temperature > 0:
@@ -252,8 +255,9 @@ def _scan(queries, rows, k, corrector, exclude, noise, row_offset, chunk_rows):
     q = queries.to(compute_dtype)
     folded = None
     if corrector is not None:
-        corrector = corrector.to(device)
         q_hidden, q_bias = corrector.fold_queries(queries.float())
+        if corrector.first.weight.dtype != compute_dtype:  # convert the small net once, not per tile
+            corrector = copy.deepcopy(corrector).to(compute_dtype)
         folded = (q_hidden.to(compute_dtype), q_bias.float())
         hidden_buf = torch.empty(min(HIDDEN_TILE, rows.shape[0]), corrector.hidden, dtype=compute_dtype, device=device)
     score_store = torch.empty(queries.shape[0] * min(chunk_rows, rows.shape[0]), device=device)
@@ -347,7 +351,6 @@ def _rerank(queries, rows, k, corrector, exclude, noise, row_offset, faiss_index
         vectors = rows[torch.from_numpy(flat).to(rows.device)].float()
     vectors = vectors.to(queries.device).view(*local_ids.shape, -1)
     if corrector is not None:
-        corrector = corrector.to(queries.device)
         vectors = torch.cat([corrector(tile.float()) for tile in vectors.split(max(1, HIDDEN_TILE // wanted))])
     scores = torch.bmm(vectors, queries.float().unsqueeze(2)).squeeze(2)
     global_rows = torch.where(valid, local_ids + row_offset, torch.full_like(local_ids, PAD_ROW))
