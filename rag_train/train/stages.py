@@ -23,17 +23,12 @@ def ensure_buffer(run: TrainingRun, cfg: BufferConfig, model: nn.Module, corpus:
     A buffer named by `buffer.path` must match this corpus (and, at a fresh start, this model); the run's
     own buffer is reused as is when resuming (it was built from the run's initial model)."""
     directory = Path(cfg.path) if cfg.path else run.dir / "buffer"
-    resuming = run.latest_checkpoint() is not None
-    if (directory / "manifest.json").is_file():
-        try:
-            Buffer.open(directory, model_fingerprint=None if resuming else model.fingerprint(),
-                        corpus_fingerprint=corpus.fingerprint)
-            return directory
-        except ValueError:
-            if cfg.path:  # a buffer the user named: never rebuild it behind their back
-                raise
+    if run.latest_checkpoint() is not None:  # resuming: the buffer of this run's initial model, as it is
+        Buffer.open(directory, corpus_fingerprint=corpus.fingerprint)
+        return directory
+    # A user-named buffer is reused when it matches and never overwritten; the run's own is rebuilt.
     build_buffer(model, corpus, directory, batch_size=cfg.embed_batch_size, shard_rows=cfg.shard_rows,
-                 dtype=cfg.dtype, accelerator=run.accelerator)
+                 dtype=cfg.dtype, accelerator=run.accelerator, overwrite=cfg.path is None)
     return directory
 
 
