@@ -36,7 +36,8 @@ from rag_train.models.corrector import Corrector
 MODES = ("exact", "corrector_full", "corrector_rerank")
 SAMPLINGS = ("topk", "gumbel")
 NOISE_BLOCK = 8192  # Gumbel noise is drawn per block of global rows, so it is independent of chunking and sharding
-HIDDEN_TILE = 4096  # rows per corrector tile: keeps the [tile, hidden] activations in cache
+HIDDEN_TILE_BYTES = 16 << 20  # [tile, hidden] activations sized to stay in a typical L3 between the two GEMMs
+MIN_HIDDEN_TILE = 1024  # below this the GEMMs get too thin to run near peak
 UNIFORM_EPS = 1e-7  # uniforms clamped to [eps, 1 - eps] so the Gumbel transform stays finite
 
 Rows = Union[torch.Tensor, np.ndarray]
@@ -259,7 +260,8 @@ def _scan(queries, rows, k, corrector, exclude, noise, row_offset, chunk_rows):
         if corrector.first.weight.dtype != compute_dtype:  # convert the small net once, not per tile
             corrector = copy.deepcopy(corrector).to(compute_dtype)
         folded = (q_hidden.to(compute_dtype), q_bias.float())
-        hidden_buf = torch.empty(min(HIDDEN_TILE, rows.shape[0]), corrector.hidden, dtype=compute_dtype, device=device)
+        tile = max(MIN_HIDDEN_TILE, HIDDEN_TILE_BYTES // (4 * corrector.hidden))
+        hidden_buf = torch.empty(min(tile, rows.shape[0]), corrector.hidden, dtype=compute_dtype, device=device)
     score_store = torch.empty(queries.shape[0] * min(chunk_rows, rows.shape[0]), device=device)
     best = None
     for start, block in reader:
@@ -285,8 +287,8 @@ def _score_block(q, block, folded, corrector, hidden_buf, out):
         return
     q_hidden, q_bias = folded
     out.add_(q_bias.unsqueeze(1))
-    for lo in range(0, block.shape[0], HIDDEN_TILE):
-        tile = block[lo: lo + HIDDEN_TILE]
+    for lo in range(0, block.shape[0], hidden_buf.shape[0]):
+        tile = block[lo: lo + hidden_buf.shape[0]]
         activations = corrector.hidden_activations(tile, out=hidden_buf[: tile.shape[0]])
         if out.device.type == "cpu":
             out[:, lo: lo + tile.shape[0]].addmm_(q_hidden, activations.t())
@@ -351,7 +353,8 @@ def _rerank(queries, rows, k, corrector, exclude, noise, row_offset, faiss_index
         vectors = rows[torch.from_numpy(flat).to(rows.device)].float()
     vectors = vectors.to(queries.device).view(*local_ids.shape, -1)
     if corrector is not None:
-        vectors = torch.cat([corrector(tile.float()) for tile in vectors.split(max(1, HIDDEN_TILE // wanted))])
+        per_tile = max(1, HIDDEN_TILE_BYTES // (4 * corrector.hidden * wanted))  # queries per corrector call
+        vectors = torch.cat([corrector(tile.float()) for tile in vectors.split(per_tile)])
     scores = torch.bmm(vectors, queries.float().unsqueeze(2)).squeeze(2)
     global_rows = torch.where(valid, local_ids + row_offset, torch.full_like(local_ids, PAD_ROW))
     keys = scores.clone() if noise is None else _candidate_noise(noise, queries.shape[0], wanted, row_offset,
