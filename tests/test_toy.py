@@ -1,0 +1,238 @@
+"""Toy world, offline tokenizer and tiny T5 config: determinism, structure, closed world, hard negatives."""
+
+import collections
+import json
+import math
+import re
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+import torch
+from transformers import AutoTokenizer, T5ForConditionalGeneration
+
+import rag_train.data.toy as toy
+import rag_train.models.tokenizer as tokenizer_module
+from rag_train.config import DataConfig, TinyModelConfig
+from rag_train.data.toy import FAMILIES, ToyWorld, ensure_toy_world, generate_toy_world, toy_paths
+from rag_train.models.tiny import tiny_t5_config
+from rag_train.models.tokenizer import load_tokenizer, train_tokenizer
+
+NAME = re.compile(r"[A-Z][a-z]+ [A-Z][a-z]+")
+
+
+def read_jsonl(path):
+    with open(path, encoding="utf-8") as handle:
+        return [json.loads(line) for line in handle]
+
+
+@pytest.fixture(scope="module")
+def passages(toy_world):
+    return {p["id"]: p for p in read_jsonl(toy_world["passages"])}
+
+
+def all_files(paths):
+    files = {name: p.read_bytes() for name, p in paths.items() if p.is_file()}
+    files.update({f"tokenizer/{f.name}": f.read_bytes() for f in sorted(paths["tokenizer"].glob("*"))})
+    return files
+
+
+def test_same_seed_gives_byte_identical_world_and_chunking_does_not_matter(tmp_path, monkeypatch):
+    first = all_files(generate_toy_world(tmp_path / "a", 600, seed=3, progress=False, tokenizer_vocab=600))
+    second = all_files(generate_toy_world(tmp_path / "b", 600, seed=3, progress=False, tokenizer_vocab=600))
+    assert first.keys() == second.keys() and "tokenizer/tokenizer.json" in first
+    assert first == second
+    monkeypatch.setattr(toy, "CHUNK", 37)  # streaming in small chunks must not change a byte
+    chunked = generate_toy_world(tmp_path / "c", 600, seed=3, progress=False, tokenizer_vocab=None)
+    assert all(chunked[n].read_bytes() == first[n] for n in chunked if chunked[n].suffix == ".jsonl")
+    other = generate_toy_world(tmp_path / "d", 600, seed=4, progress=False, tokenizer_vocab=None)
+    assert other["passages"].read_bytes() != first["passages"]
+
+
+def test_passages_are_short_unique_people_two_each(toy_world, passages):
+    rows = list(passages.values())
+    assert len(rows) == 2000 and [p["id"] for p in rows] == [f"p{i}" for i in range(2000)]
+    words = [len(p["text"].split()) for p in rows]
+    assert 20 <= min(words) and max(words) <= 50
+    titles = collections.Counter(p["title"] for p in rows)
+    assert len(titles) == 1000 and set(titles.values()) == {2}
+    # first and family names are each shared by many people: titles alone are weak evidence
+    firsts = collections.Counter(t.split()[0] for t in titles)
+    families = collections.Counter(t.split()[1] for t in titles)
+    assert max(firsts.values()) >= 5 and max(families.values()) >= 5
+
+
+def test_question_families_gold_passages_state_the_answer(toy_world, passages):
+    for family in FAMILIES:
+        for split, expected in (("train", 2000), ("dev", 200)):
+            questions = read_jsonl(toy_world[f"{family}-{split}"])
+            assert len(questions) == expected
+            assert len({q["id"] for q in questions}) == expected
+            assert len({q["question"] for q in questions}) == expected  # distinct (person, fact) pairs
+            for q in questions:
+                assert list(q) == ["id", "question", "answers", "gold_ids"]
+                assert len(q["answers"]) == 1 and 1 <= len(q["answers"][0].split()) <= 2
+                gold = [passages[g] for g in q["gold_ids"]]
+                person = NAME.search(q["question"]).group(0)
+                if family == "hotpotqa":
+                    assert q["question"].count("the mentor of ") == 1 and len(gold) == 2
+                    assert gold[0]["title"] == person
+                    assert re.search(rf"\b{gold[1]['title']}\b", gold[0]["text"])  # bridge: mentor named in hop 1
+                else:
+                    assert len(gold) == 1 and gold[0]["title"] == person
+                assert re.search(rf"\b{re.escape(q['answers'][0])}\b", gold[-1]["text"])
+
+
+def test_nq_and_tqa_wordings_differ(toy_world):
+    templates = {f: {NAME.sub("E", q["question"]) for q in read_jsonl(toy_world[f"{f}-train"])} for f in FAMILIES}
+    assert len(templates["nq"]) == 6 and len(templates["tqa"]) == 12 and len(templates["hotpotqa"]) == 5
+    assert not templates["nq"] & templates["tqa"]
+
+
+def test_dev_people_never_asked_in_train(toy_world):
+    def people(split):
+        return {NAME.search(q["question"]).group(0) for f in FAMILIES for q in read_jsonl(toy_world[f"{f}-{split}"])}
+
+    assert not people("train") & people("dev")
+
+
+def test_closed_world_majority_answer_per_template_fails(toy_world):
+    for family in FAMILIES:
+        by_template = collections.defaultdict(collections.Counter)
+        for q in read_jsonl(toy_world[f"{family}-train"]):
+            by_template[NAME.sub("E", q["question"])][q["answers"][0]] += 1
+        dev = read_jsonl(toy_world[f"{family}-dev"])
+        hits = [by_template[NAME.sub("E", q["question"])].most_common(1)[0][0] == q["answers"][0] for q in dev]
+        assert np.mean(hits) < 0.1, family
+
+
+def bm25_top1(passages, questions, k1=1.2, b=0.75):
+    """Brute-force BM25 over title + text (the lexical baseline hard negatives must defeat)."""
+    words = lambda s: re.findall(r"[a-z0-9]+", s.lower())  # noqa: E731
+    vocab, rows, cols, counts, lengths = {}, [], [], [], []
+    for i, p in enumerate(passages):
+        tokens = words(f"{p['title']} {p['text']}")
+        lengths.append(len(tokens))
+        for w, n in collections.Counter(tokens).items():
+            rows.append(i), cols.append(vocab.setdefault(w, len(vocab))), counts.append(n)
+    tf = np.array(counts, dtype=float)
+    df = np.bincount(cols, minlength=len(vocab))
+    idf = np.log(1 + (len(passages) - df + 0.5) / (df + 0.5))
+    lengths = np.array(lengths, dtype=float)
+    weight = tf * (k1 + 1) / (tf + k1 * (1 - b + b * lengths[rows] / lengths.mean())) * idf[cols]
+    index = sp.csr_matrix((weight, (rows, cols)), shape=(len(passages), len(vocab)))
+    query = sp.lil_matrix((len(vocab), len(questions)))
+    for j, q in enumerate(questions):
+        for w in set(words(q["question"])) & vocab.keys():
+            query[vocab[w], j] = 1.0
+    scores = (index @ query.tocsr()).toarray()
+    return [passages[i]["id"] for i in scores.argmax(axis=0)]
+
+
+def test_lexical_retrieval_does_not_solve_the_world(toy_world, passages):
+    rows = list(passages.values())
+    for family in ("nq", "tqa"):
+        dev = read_jsonl(toy_world[f"{family}-dev"])
+        top1 = bm25_top1(rows, dev)
+        accuracy = np.mean([pid in q["gold_ids"] for pid, q in zip(top1, dev)])
+        assert 0.2 < accuracy < 0.85, (family, accuracy)  # names help, but hard negatives share them
+
+
+def test_retrieval_files_are_dpr_with_hard_negatives(toy_world, passages):
+    for split, expected in (("train", 4000), ("dev", 400)):
+        rows = read_jsonl(toy_world[f"retrieval-{split}"])
+        qa = {q["id"]: q for f in ("nq", "tqa") for q in read_jsonl(toy_world[f"{f}-{split}"])}
+        assert len(rows) == expected and {r["id"] for r in rows} == qa.keys()
+        for r in rows:
+            assert r["question"] == qa[r["id"]]["question"] and r["answers"] == qa[r["id"]]["answers"]
+            (positive,) = r["positive_ctxs"]
+            assert [positive["passage_id"]] == qa[r["id"]]["gold_ids"]
+            negatives = r["hard_negative_ctxs"]
+            assert len(negatives) == 3 and positive["passage_id"] not in {n["passage_id"] for n in negatives}
+            for ctx in [positive] + negatives:
+                stored = passages[ctx["passage_id"]]
+                assert (ctx["title"], ctx["text"]) == (stored["title"], stored["text"])
+            title_words = set(positive["title"].split())
+            assert all(title_words & set(n["title"].split()) for n in negatives)
+
+
+def test_odd_passage_count_and_bad_sizes(tmp_path):
+    paths = generate_toy_world(tmp_path / "odd", 401, seed=0, progress=False, tokenizer_vocab=None)
+    assert sum(1 for _ in open(paths["passages"])) == 401
+    gold = {g for f in FAMILIES for s in ("train", "dev") for q in read_jsonl(paths[f"{f}-{s}"]) for g in q["gold_ids"]}
+    assert "p400" not in gold  # the lone last passage is a distractor only
+    with pytest.raises(ValueError, match="at least"):
+        ToyWorld(10, 0)
+    with pytest.raises(ValueError, match="distinct"):
+        generate_toy_world(tmp_path / "big", 400, seed=0, dev_questions=10_000, progress=False, tokenizer_vocab=None)
+
+
+def test_name_bijection_inverts(toy_world):
+    world = ToyWorld(2000, 0)
+    persons = np.arange(world.persons)
+    assert np.array_equal(world.person_with_name(*world.name_parts(persons)), persons)
+    assert len(set(world.names(persons))) == world.persons
+
+
+def test_ensure_toy_world_builds_once_and_rebuilds_on_change(tmp_path):
+    cfg = DataConfig(toy_dir=str(tmp_path / "toy"), toy_passages=400, toy_seed=1)
+    paths = ensure_toy_world(cfg, tokenizer_vocab=500)
+    assert paths == toy_paths(cfg.toy_dir) and (paths["tokenizer"] / "tokenizer.json").is_file()
+    stamp = paths["passages"].stat().st_mtime_ns
+    ensure_toy_world(cfg, tokenizer_vocab=500)
+    assert paths["passages"].stat().st_mtime_ns == stamp  # reused
+    with open(paths["nq-dev"], "a") as handle:  # a damaged file is noticed and the world rebuilt
+        handle.write("{}\n")
+    ensure_toy_world(cfg, tokenizer_vocab=500)
+    assert sum(1 for _ in open(paths["nq-dev"])) == 100
+    before = paths["passages"].read_bytes()
+    ensure_toy_world(DataConfig(toy_dir=cfg.toy_dir, toy_passages=400, toy_seed=2), tokenizer_vocab=500)
+    assert json.loads(paths["manifest"].read_text())["seed"] == 2 and paths["passages"].read_bytes() != before
+
+
+def test_tokenizer_is_t5_style_and_round_trips(toy_world, toy_tokenizer, passages):
+    tok = AutoTokenizer.from_pretrained(str(toy_world["tokenizer"]))
+    assert (tok.pad_token_id, tok.eos_token_id, tok.unk_token_id) == (0, 1, 2)
+    assert (tok.pad_token, tok.eos_token, tok.unk_token) == ("<pad>", "</s>", "<unk>")
+    assert tok.convert_tokens_to_ids("<extra_id_0>") == len(tok) - 1
+    assert tok.convert_tokens_to_ids("<extra_id_99>") == len(tok) - 100
+    assert len(tok) <= 2000
+    texts = [p["text"] for p in list(passages.values())[:50]] + ["who is the mentor of Zyx Qwerty?"]
+    for text in texts:
+        ids = tok(text).input_ids
+        assert ids[-1] == 1 and 2 not in ids  # eos appended; no <unk> on ASCII text
+        assert tok.decode(ids, skip_special_tokens=True) == text
+    batch = toy_tokenizer(["short", texts[0]], padding=True)
+    length = sum(batch.attention_mask[0])
+    assert length < len(batch.input_ids[0]) and batch.input_ids[0][length - 1] == 1
+    assert batch.input_ids[0][length:] == [0] * (len(batch.input_ids[0]) - length)  # padded with id 0
+
+
+def test_train_tokenizer_checks_inputs(tmp_path):
+    with pytest.raises(ValueError, match="vocab_size"):
+        train_tokenizer(["a b c"], tmp_path / "t", vocab_size=150)
+    with pytest.raises(FileNotFoundError, match="missing.jsonl"):
+        train_tokenizer(tmp_path / "missing.jsonl", tmp_path / "t")
+
+
+def test_load_tokenizer_offline_hub_name_fails_fast(monkeypatch):
+    monkeypatch.setattr(tokenizer_module, "hub_reachable", lambda timeout=3.0: False)
+    with pytest.raises(OSError, match="unreachable.*pass its folder"):
+        load_tokenizer("no-such-org/no-such-tokenizer")
+
+
+def test_tiny_t5_config_builds_a_runnable_model(toy_tokenizer):
+    tiny = TinyModelConfig(d_model=32, d_ff=64, d_kv=8, num_heads=4, num_layers=2, num_decoder_layers=1)
+    config = tiny_t5_config(toy_tokenizer, tiny)
+    assert (config.vocab_size, config.pad_token_id, config.eos_token_id) == (len(toy_tokenizer), 0, 1)
+    assert config.decoder_start_token_id == 0 and (config.d_model, config.num_decoder_layers) == (32, 1)
+    torch.manual_seed(0)
+    model = T5ForConditionalGeneration(config)
+    inputs = toy_tokenizer(["where was Gorar Vegapo born?", "who employs Filas Figinis?"], padding=True,
+                           return_tensors="pt")
+    labels = toy_tokenizer(["Dapodale", "Givar Foods"], padding=True, return_tensors="pt").input_ids
+    labels[labels == 0] = -100
+    loss = model(**inputs, labels=labels).loss
+    assert torch.isfinite(loss) and abs(loss.item() - math.log(len(toy_tokenizer))) < 2.0  # near uniform at init
+    out = model.generate(**inputs, max_new_tokens=3)
+    assert out.shape[0] == 2 and bool((out[:, 0] == 0).all())
