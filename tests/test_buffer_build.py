@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from rag_train.buffer.build import build_buffer, length_sorted_order, plan_shards, shards_of_process
+from rag_train.buffer.build import build_buffer, plan_shards, shards_of_process
+from rag_train.buffer.embed import length_sorted_order
 from rag_train.buffer.store import Buffer, BufferError
 from rag_train.config import RetrieverConfig, TinyModelConfig
 from rag_train.data.corpus import Corpus

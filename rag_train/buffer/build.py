@@ -8,7 +8,6 @@ main process writes the final `manifest.json` (complete: true) after all process
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 from pathlib import Path
@@ -21,6 +20,7 @@ from tqdm.auto import tqdm
 from rag_train.buffer.store import (
     MANIFEST, STORAGE_DTYPES, Buffer, BufferError, manifest_dict, shard_file_name, to_storage, write_shard,
 )
+from rag_train.buffer.embed import embed_rows
 from rag_train.io import atomic_write_json, sha256_file
 
 logger = logging.getLogger(__name__)
@@ -59,32 +59,10 @@ def _finished(out_dir: Path, index: int, expected: dict) -> Optional[dict]:
     return record if sha256_file(out_dir / expected["file"]) == record.get("sha256") else None
 
 
-def _autocast(device: torch.device):
-    if device.type != "cuda":
-        return contextlib.nullcontext()
-    dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.autocast("cuda", dtype=dtype)
-
-
-def length_sorted_order(lengths: np.ndarray) -> np.ndarray:
-    """Positions sorted by length (stable, so equal lengths keep row order): batches pad little."""
-    return np.argsort(lengths, kind="stable")
-
-
 def encode_rows(model, corpus, start: int, end: int, batch_size: int, on_batch=None) -> torch.Tensor:
     """g(y) for corpus rows [start, end), encoded in length-sorted batches, returned in row order (fp32, CPU)."""
-    rows = np.arange(start, end, dtype=np.int64)
-    order = length_sorted_order(corpus.byte_lengths()[start:end])
-    out = torch.empty(len(rows), model.dim, dtype=torch.float32)
-    device = next(model.parameters()).device
-    for lo in range(0, len(order), batch_size):
-        positions = order[lo:lo + batch_size]
-        with _autocast(device):
-            vectors = model.encode_passages(corpus.passages(rows[positions]))
-        out[torch.from_numpy(positions)] = vectors.float().cpu()
-        if on_batch is not None:
-            on_batch(len(positions))
-    return out
+    return embed_rows(model, corpus, np.arange(start, end, dtype=np.int64), batch_size, torch.device("cpu"),
+                      on_batch=on_batch)
 
 
 def _existing_buffer(out_dir: Path, model_fp: str, corpus_fp: str, dtype: str, overwrite: bool) -> Optional[Buffer]:
