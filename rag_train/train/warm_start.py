@@ -40,7 +40,7 @@ def warm_start_retriever(cfg: RLMConfig, files: DataFiles, run: TrainingRun) -> 
             data=dataclasses.replace(cfg.data, train=train, dev=[], max_eval_examples=200),
             retriever=cfg.retriever,
             buffer=dataclasses.replace(cfg.buffer, path=None),
-            strategy=dataclasses.replace(cfg.strategy, name=warm.retriever_strategy, top_k=8, uniform_negatives=8),
+            strategy=dataclasses.replace(cfg.strategy, name=warm.retriever_strategy, top_k=8, uniform_negatives=0),
             train=dataclasses.replace(cfg.train, output_dir=str(out), steps=warm.retriever_steps, lr=warm.retriever_lr,
                                       batch_size=warm.retriever_batch_size, eval_every=0, save_every=0, resume=True),
         )
