@@ -17,3 +17,17 @@ def toy_world(tmp_path_factory):
 @pytest.fixture(scope="session")
 def toy_tokenizer(toy_world):
     return load_tokenizer(toy_world["tokenizer"])
+
+
+RECIPE_TOY_PASSAGES = 300
+
+
+@pytest.fixture(scope="session")
+def recipe_toy_dir(tmp_path_factory):
+    """A 300-passage toy world for end-to-end recipe runs (`data.toy_dir`; `ensure_toy_world` finds it current)."""
+    from rag_train.config import DataConfig
+    from rag_train.data.toy import ensure_toy_world
+
+    directory = tmp_path_factory.mktemp("recipe-toy")
+    ensure_toy_world(DataConfig(toy_dir=str(directory), toy_passages=RECIPE_TOY_PASSAGES))
+    return directory

@@ -85,6 +85,8 @@ class TrainingRun:
         self.cfg = cfg
         self.dir = Path(cfg.train.output_dir)
         self.accelerator = Accelerator(
+            # without a GPU, accelerate makes a multi-process launch distributed (gloo) only with cpu=True
+            cpu=not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1,
             mixed_precision=cfg.train.mixed_precision,
             log_with=cfg.train.tracker,
             project_dir=str(self.dir),
