@@ -1,0 +1,131 @@
+"""Algorithm 2 end to end on a 300-passage toy world: strategies, metrics.json, the PDist stop-gradient,
+resume = uninterrupted run, a 2-process run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import rag_train.train.rlm as rlm
+from rag_train.config import RLMConfig, TinyModelConfig, load_config
+from rag_train.losses import perplexity_distillation
+from rag_train.models.retriever import DualEncoder
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "configs" / "toy" / "rlm.yaml"
+STEPS, TOP_K = 4, 4
+
+
+def overrides(toy_dir: Path, out: Path, name: str, steps: int = STEPS, **extra) -> list[str]:
+    tiny = {"d_model": 32, "d_ff": 64, "d_kv": 8, "num_heads": 4, "num_layers": 1}
+    values = {
+        "data.toy_dir": toy_dir, "data.toy_passages": 300, "data.max_eval_examples": 8, "data.max_train_examples": 200,
+        **{f"retriever.tiny.{k}": v for k, v in tiny.items()}, "retriever.max_passage_length": 48,
+        **{f"reader.tiny.{k}": v for k, v in tiny.items()}, "reader.tiny.num_decoder_layers": 1,
+        "reader.max_input_length": 48, "reader.max_answer_length": 6,
+        "warm_start.reader_steps": 2, "warm_start.retriever_steps": 2, "warm_start.retriever_batch_size": 4,
+        "train.output_dir": out, "train.steps": steps, "train.batch_size": 4, "train.tracker": "null",
+        "train.eval_every": 0, "train.log_every": 1, "strategy.name": name, "strategy.top_k": TOP_K,
+        "strategy.refresh_every": 2, "strategy.corrector.hidden": 16, "buffer.shard_rows": 128,
+        "buffer.embed_batch_size": 64, "eval.batch_size": 16, "pdist_entropy_gate": 1.0,
+        "min_embedding_spread": 0.0, **extra,
+    }
+    return [f"{key}={value}" for key, value in values.items()]
+
+
+def config(*args, **kwargs) -> RLMConfig:
+    return load_config(RLMConfig, CONFIG, overrides(*args, **kwargs))
+
+
+def weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    reader = load_file(str(run_dir / "reader" / "model.safetensors"))
+    retriever = DualEncoder.load(run_dir / "retriever").state_dict()
+    return {**{f"reader.{k}": v for k, v in reader.items()}, **{f"retriever.{k}": v for k, v in retriever.items()}}
+
+
+@pytest.mark.parametrize("name", ["corrector", "stale", "frozen", "exhaustive", "closed_book"])
+def test_strategies_train_and_write_metrics(recipe_toy_dir, tmp_path, monkeypatch, name):
+    calls = []
+
+    def recording(retriever_scores, reader_loglik, *args):
+        calls.append((retriever_scores.requires_grad, reader_loglik.requires_grad, tuple(reader_loglik.shape)))
+        return perplexity_distillation(retriever_scores, reader_loglik, *args)
+
+    monkeypatch.setattr(rlm, "perplexity_distillation", recording)
+    result = rlm.train_rlm(config(recipe_toy_dir, tmp_path / "run", name))
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert set(metrics["em"]) == {"nq", "tqa", "hotpotqa"} and all(0 <= v <= 1 for v in metrics["em"].values())
+    recall = metrics[f"answer_recall@{TOP_K}"]
+    assert set(recall) == {"nq", "tqa", "hotpotqa"}
+    if name == "closed_book":
+        assert all(v is None for v in recall.values()) and calls == []  # no passages, no retriever loss
+    else:
+        assert all(0 <= v <= 1 for v in recall.values())
+    assert metrics["steps"] == STEPS and metrics["wall_seconds"] > 0 and metrics["strategy"] == name
+    assert metrics["reembedded_passages"] == (300 * STEPS // 2 if name == "exhaustive" else 0)
+    assert result["em"] == metrics["em"]
+    if name in ("corrector", "stale", "exhaustive"):  # retriever trained by PDist every step (gate = 1)
+        assert len(calls) == STEPS
+        assert all(scores_grad and not loglik_grad and shape == (4, TOP_K) for scores_grad, loglik_grad, shape in calls)
+    if name == "frozen":  # never trained: the saved retriever is the warm-start one
+        frozen = DualEncoder.load(tmp_path / "run" / "retriever").fingerprint()
+        assert frozen == DualEncoder.load(tmp_path / "run" / "warm_start_retriever" / "retriever").fingerprint()
+
+
+def test_pdist_gives_the_reader_no_gradient(recipe_toy_dir):
+    """Even with the reader's log-likelihoods carrying a graph, the retriever loss reaches only the retriever."""
+    from rag_train.config import ReaderConfig
+    from rag_train.data.collate import answer_labels, fid_inputs
+    from rag_train.models.reader import FiDReader
+    from rag_train.models.tokenizer import load_tokenizer
+
+    toy_tokenizer = load_tokenizer(recipe_toy_dir / "tokenizer")
+
+    tiny = TinyModelConfig(d_model=32, d_ff=64, d_kv=8, num_heads=4, num_layers=1, num_decoder_layers=1)
+    reader = FiDReader.from_config(ReaderConfig(tiny=tiny), toy_tokenizer)
+    passages = [[{"title": "A", "text": "alpha beta"}, {"title": "B", "text": "gamma"}]] * 2
+    inputs = fid_inputs(toy_tokenizer, ["who is alpha", "what is gamma"], passages, 24)
+    labels = answer_labels(toy_tokenizer, [["beta"], ["gamma"]], 6)
+    out = reader(**inputs, labels=labels)
+    loglik = reader.passage_log_likelihoods(inputs["input_ids"], inputs["attention_mask"], labels,
+                                            encoder_states=out.encoder_last_hidden_state)
+    assert loglik.requires_grad  # the graph is there: only the loss's stop-gradient can block it
+    scores = torch.randn(2, 2, requires_grad=True)
+    perplexity_distillation(scores, loglik, 0.1, 1.0).backward()
+    assert scores.grad is not None and scores.grad.abs().sum() > 0
+    assert all(p.grad is None for p in reader.parameters())
+
+
+def test_resume_continues_as_if_uninterrupted(recipe_toy_dir, tmp_path):
+    whole = rlm.train_rlm(config(recipe_toy_dir, tmp_path / "whole", "corrector", **{"train.save_every": 2}))
+    rlm.train_rlm(config(recipe_toy_dir, tmp_path / "split", "corrector", steps=2))
+    resumed = rlm.train_rlm(config(recipe_toy_dir, tmp_path / "split", "corrector", **{"train.resume": "true"}))
+    assert resumed["steps"] == STEPS and resumed["em"] == whole["em"]
+    a, b = weights(tmp_path / "whole"), weights(tmp_path / "split")
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key  # bitwise on CPU
+
+
+@pytest.mark.slow
+def test_two_process_run(recipe_toy_dir, tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           str(ROOT / "scripts" / "train_rlm.py"), "--config", str(CONFIG),
+           *overrides(recipe_toy_dir, tmp_path / "two", "corrector")]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=500)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    two = json.loads((tmp_path / "two" / "metrics.json").read_text())
+    assert two["steps"] == STEPS and set(two["em"]) == {"nq", "tqa", "hotpotqa"}
+    one = rlm.train_rlm(config(recipe_toy_dir, tmp_path / "one", "corrector"))
+    a, b = weights(tmp_path / "one"), weights(tmp_path / "two")
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], rtol=1e-4, atol=1e-5, msg=key)
