@@ -174,10 +174,11 @@ class IndexedStrategy(Strategy):
 
     corrector: Optional[nn.Module] = None
     search_mode = "exact"
+    faiss_index = None  # candidate index over `vectors` (corrector_rerank only)
 
     def __init__(self, cfg: StrategyConfig, ctx: StrategyContext):
         super().__init__(cfg, ctx)
-        self.vectors: torch.Tensor = torch.zeros(0)
+        self.vectors: torch.Tensor | np.ndarray = torch.zeros(0)
         self.index_rows: Optional[torch.Tensor] = None
         self.row_offset = 0
 
@@ -185,7 +186,8 @@ class IndexedStrategy(Strategy):
         return shard_range(total, self.ctx.accelerator.process_index, self.ctx.accelerator.num_processes)
 
     def retrieve_global(self, queries: torch.Tensor, k: int) -> torch.Tensor:
-        all_queries = gather_queries(queries, self.ctx.accelerator).float().to(self.vectors.device)
+        device = self.vectors.device if isinstance(self.vectors, torch.Tensor) else torch.device("cpu")
+        all_queries = gather_queries(queries, self.ctx.accelerator).float().to(device)
         with torch.no_grad():
             result = search(
                 all_queries,
@@ -198,6 +200,8 @@ class IndexedStrategy(Strategy):
                 temperature=self.ctx.temperature,
                 generator=self.generator,
                 row_offset=self.row_offset,
+                faiss_index=self.faiss_index,
+                candidates=self.ctx.buffer_cfg.rerank_candidates,
             )
         rows = result.rows.cpu()
         if self.index_rows is not None:  # positions in a sampled index -> corpus rows

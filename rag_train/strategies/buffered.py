@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from rag_train.buffer.search import build_faiss_index
 from rag_train.buffer.store import Buffer
 from rag_train.strategies.base import IndexedStrategy, Strategy, StrategyContext, read_rows
 from rag_train.config import StrategyConfig
@@ -42,17 +43,21 @@ class Stale(IndexedStrategy):
         if ctx.buffer_dir is None:
             raise ValueError(f"strategy {cfg.name!r} needs a stale buffer (buffer.path or a built run buffer)")
         self.buffer = Buffer.open(ctx.buffer_dir)
+        self.build_index()
+
+    def build_index(self) -> None:
+        """This process's rows of the stale buffer: fp32 in memory on CPU, the buffer dtype on an accelerator,
+        or — for corrector_rerank, meant for buffers that do not fit device memory — left memory-mapped
+        behind a FAISS candidate index built once here."""
         start, end = self.local_range(self.buffer.rows)
         self.row_offset = start
-        self.vectors = self.load_rows(start, end)
-
-    def load_rows(self, start: int, end: int) -> torch.Tensor:
-        """This process's rows of the stale buffer, in fp32 on CPU or the buffer dtype on an accelerator."""
+        if self.search_mode == "corrector_rerank":
+            self.vectors = self.buffer.shard(start, end)
+            self.faiss_index = build_faiss_index(self.vectors, self.ctx.buffer_cfg.faiss_index, self.ctx.buffer_cfg.chunk_rows)
+            return
         device = search_device(self.ctx)
-        rows = torch.from_numpy(np.ascontiguousarray(self.buffer.shard(start, end)))
-        if rows.dtype == torch.int16 or rows.dtype == torch.uint16:  # bf16 stored as 16-bit integers
-            rows = rows.view(torch.bfloat16)
-        return rows.to(device, torch.float32 if device.type == "cpu" else rows.dtype)
+        rows = self.buffer.tensor(start, end)
+        self.vectors = rows.to(device, torch.float32 if device.type == "cpu" else rows.dtype)
 
     def stale_vectors(self, rows: torch.Tensor) -> torch.Tensor:
         """B[rows] for arbitrary global rows, fp32 (read from the memmapped buffer, not the local shard)."""
@@ -89,8 +94,7 @@ class SNM(Stale):
     """Stochastic negative mining: search a uniform sample of M targets, re-sampled and re-embedded
     every R steps. The first sample takes its vectors from the stale buffer (embedded at step 0)."""
 
-    def __init__(self, cfg: StrategyConfig, ctx: StrategyContext):
-        super().__init__(cfg, ctx)
+    def build_index(self) -> None:
         self.resample(reembed=False)
 
     def resample(self, reembed: bool) -> None:

@@ -20,8 +20,8 @@ class CorrectorStrategy(Stale):
     sees only detached encoder outputs, so it updates h alone, and the task loss never reaches h."""
 
     def __init__(self, cfg: StrategyConfig, ctx: StrategyContext):
-        super().__init__(cfg, ctx)
         self.search_mode = ctx.buffer_cfg.search if ctx.buffer_cfg.search != "exact" else "corrector_full"
+        super().__init__(cfg, ctx)
         self.corrector = Corrector(self.buffer.dim, cfg.corrector.hidden).to(search_device(ctx))
         self.trained_corrector: torch.nn.Module = self.corrector  # the prepared (e.g. DDP) module
 
