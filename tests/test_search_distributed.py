@@ -57,4 +57,8 @@ def test_two_process_search_equals_single_process(tmp_path):
         for rank, saved in enumerate(per_rank):
             assert np.array_equal(saved[f"{name}.rows"], single.rows.numpy()), (name, rank)
             assert np.array_equal(saved[f"{name}.scores"], single.scores.numpy()), (name, rank)
+    exact = search(queries, rows, exclude=exclude, **CASES["exact"])
+    for saved in per_rank:
+        assert np.array_equal(saved["empty_shard.rows"], exact.rows.numpy())
+        assert np.array_equal(saved["empty_shard.scores"], exact.scores.numpy())
     assert all(bool(saved["overlap_refused"]) for saved in per_rank)

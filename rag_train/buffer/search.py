@@ -6,11 +6,15 @@
 - `corrector_rerank`: FAISS candidates from the stale rows, re-scored exactly with h.
 
 Rows are scanned in chunks of `chunk_rows` (peak extra memory O(chunk x (hidden + k))), each chunk's
-top-k is merged into a running top-k, and ties go to the lower global row (see `merge_topk`).
+top-k is merged into a running top-k. Ties go to the lower global row: a chunk's torch.topk takes
+k+1 to spot a tie across the k-th place (only those queries are redone with a stable sort), and every
+merge is a stable sort by row followed by a stable sort by key (`merge_topk`). On CPU everything is
+computed in fp32; on GPU in the buffer dtype with fp32 scores.
 Memory-mapped rows are copied chunk by chunk into one reused fp32 buffer and the file pages are
 dropped from the process afterwards, so resident memory stays flat however large the buffer is.
 With torch.distributed initialised each rank passes its own shard (`row_offset` = its first global
-row) and the same queries; per-rank results are gathered and merged, equal on every rank.
+row) and the same queries (all-gather each rank's batch first); per-rank results are gathered and
+merged, equal on every rank and to a single-process search.
 """
 
 from __future__ import annotations
@@ -72,7 +76,7 @@ def search(
     rank 0's when sharded) so a seeded generator reproduces the samples. `faiss_index` (rerank only)
     is a built index over this shard's rows in row order, or a factory string (`build_faiss_index`).
     """
-    n_local, dim = _validate(queries, rows, k, corrector, mode, chunk_rows, exclude, sampling, temperature, row_offset)
+    n_local = _validate(queries, rows, k, corrector, mode, chunk_rows, exclude, sampling, temperature, row_offset)
     queries = queries.detach().float() if queries.device.type == "cpu" else queries.detach()
     if exclude is not None:
         exclude = exclude.to(device=queries.device, dtype=torch.int64)
@@ -85,7 +89,10 @@ def search(
         raise ValueError(f"search: k={k} is larger than the number of buffer rows ({total_rows})")
     noise = _GumbelNoise(seed, temperature) if sampling == "gumbel" else None
     with torch.no_grad():
-        if mode == "corrector_rerank":
+        if n_local == 0:  # an empty shard still takes part in the gather
+            empty = torch.empty(queries.shape[0], 0, device=queries.device)
+            local = _pad_to_k(empty, empty.long(), empty, k)
+        elif mode == "corrector_rerank":
             local = _rerank(queries, rows, k, corrector, exclude, noise, row_offset, faiss_index, candidates, chunk_rows)
         else:
             local = _scan(queries, rows, k, corrector if mode == "corrector_full" else None, exclude, noise,
@@ -124,7 +131,7 @@ def _validate(queries, rows, k, corrector, mode, chunk_rows, exclude, sampling, 
         raise ValueError(f"search: temperature must be > 0, got {temperature}")
     if exclude is not None and (exclude.dim() != 2 or exclude.shape[0] != queries.shape[0]):
         raise ValueError(f"search: exclude must be [B={queries.shape[0]}, E], got {tuple(exclude.shape)}")
-    return rows.shape[0], rows.shape[1]
+    return rows.shape[0]
 
 
 class _GumbelNoise:

@@ -28,6 +28,10 @@ def main(out_dir: str) -> None:
         result = search(queries, rows[start:end], corrector=corrector, exclude=exclude, row_offset=start,
                         **shard_kwargs)
         results[f"{name}.rows"], results[f"{name}.scores"] = result.rows.numpy(), result.scores.numpy()
+    # uneven split with an empty shard on the last rank: it must still join the gather
+    start, end = (0, rows.shape[0]) if state.process_index == 0 else (rows.shape[0], rows.shape[0])
+    result = search(queries, rows[start:end], row_offset=start, exclude=exclude, **CASES["exact"])
+    results["empty_shard.rows"], results["empty_shard.scores"] = result.rows.numpy(), result.scores.numpy()
     try:  # every rank passing the whole buffer must be refused, not silently double counted
         search(queries, rows, 5)
         results["overlap_refused"] = np.array(False)
