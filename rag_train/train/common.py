@@ -191,6 +191,20 @@ def _flat_config(cfg: Any) -> dict[str, Any]:
     return flat
 
 
+def optimizer_step(accelerator: Accelerator, loss: torch.Tensor, params: list, optimizer, scheduler,
+                   guard: NonFiniteGuard, max_grad_norm: float) -> bool:
+    """Backward, clip, step — or skip the whole step when the loss is not finite on some process."""
+    stepped = guard.ok(loss, accelerator)
+    if stepped:
+        accelerator.backward(loss)
+        if max_grad_norm > 0:
+            accelerator.clip_grad_norm_(params, max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return stepped
+
+
 def linear_warmup(optimizer: torch.optim.Optimizer, warmup_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
     """Linear warm-up then constant, the schedule both papers' recipes use by default."""
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, warmup_steps)))

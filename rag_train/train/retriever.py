@@ -25,7 +25,8 @@ from rag_train.data.supervised import load_retrieval
 from rag_train.eval.retrieval import EvalSet, evaluate_retrieval
 from rag_train.models.retriever import DualEncoder
 from rag_train.strategies import REGISTRY, StrategyContext, build_strategy
-from rag_train.train.common import NonFiniteGuard, TrainingRun, global_batch, linear_warmup, local_slice
+from rag_train.train.common import (NonFiniteGuard, TrainingRun, global_batch, linear_warmup, local_slice,
+                                    optimizer_step)
 from rag_train.train.stages import ensure_buffer, gather_with_grad, my_share
 
 
@@ -81,13 +82,7 @@ def train_retriever(cfg: RetrieverTrainConfig) -> dict:
         loss = task_loss + (aux if aux is not None else 0.0)
 
         # 4. update, then let the strategy refresh its state with the new parameters
-        if guard.ok(loss, acc):
-            acc.backward(loss)
-            if cfg.train.max_grad_norm > 0:
-                acc.clip_grad_norm_(model.parameters(), cfg.train.max_grad_norm)
-            optimizer.step()
-            scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+        optimizer_step(acc, loss, list(model.parameters()), optimizer, scheduler, guard, cfg.train.max_grad_norm)
         step += 1
         strategy.after_step(step)
         bar.update(1)

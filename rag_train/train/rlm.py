@@ -32,7 +32,8 @@ from rag_train.losses import perplexity_distillation, retrieval_scores
 from rag_train.models.reader import FiDReader
 from rag_train.models.tokenizer import load_tokenizer
 from rag_train.strategies import REGISTRY, StrategyContext, build_strategy
-from rag_train.train.common import NonFiniteGuard, TrainingRun, global_batch, linear_warmup, local_slice
+from rag_train.train.common import (NonFiniteGuard, TrainingRun, global_batch, linear_warmup, local_slice,
+                                    optimizer_step)
 from rag_train.train.stages import ensure_buffer
 from rag_train.train.warm_start import warm_start_reader, warm_start_retriever
 
@@ -169,13 +170,8 @@ def train_rlm(cfg: RLMConfig) -> dict:
             logged["p_a_entropy"] = gate.entropy
 
         # 8. one optimizer step for reader, retriever and corrector (their losses are disjoint)
-        if guard.ok(loss, acc):
-            acc.backward(loss)
-            if cfg.train.max_grad_norm > 0:
-                acc.clip_grad_norm_([p for g in groups for p in g["params"]], cfg.train.max_grad_norm)
-            optimizer.step()
-            scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+        optimizer_step(acc, loss, [p for g in groups for p in g["params"]], optimizer, scheduler, guard,
+                       cfg.train.max_grad_norm)
         step += 1
         strategy.after_step(step)
         bar.update(1)
