@@ -1,0 +1,222 @@
+"""Serve retrieval over HTTP from an export: POST /search, GET /health (FastAPI + uvicorn).
+
+Concurrent requests are coalesced into one encoder batch: each request waits in an asyncio queue; a
+single worker takes everything queued (up to `max_batch_queries` questions), waits at most `max_wait_ms`
+for more, encodes the batch and searches the FAISS index in a worker thread, then answers each request
+with its own slice. Passage titles and texts are read by row from the corpus named in the export.
+"""
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Callable, Optional
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, create_model
+
+from rag_train.export import ExportError, load_manifest
+
+log = logging.getLogger("rag_train.serve")
+
+
+@dataclass(frozen=True)
+class ServeLimits:
+    """What one request may ask for, and how requests are batched."""
+
+    max_queries: int = 32  # questions per request
+    max_query_chars: int = 1000  # characters per question
+    max_k: int = 100  # passages per question
+    max_batch_queries: int = 128  # questions per encoder batch (several requests)
+    max_wait_ms: float = 5.0  # how long a batch waits for more requests once the queue is empty
+
+    @property
+    def max_body_bytes(self) -> int:
+        """Largest request body worth parsing (4 bytes per character plus JSON overhead)."""
+        return self.max_queries * (4 * self.max_query_chars + 8) + 1024
+
+
+class ExportedRetriever:
+    """Query encoder + FAISS index + corpus of one export; `search` is synchronous (run it in a thread)."""
+
+    def __init__(self, export_dir: str | Path, device: str = "cpu"):
+        import faiss
+        from sentence_transformers import SentenceTransformer
+
+        from rag_train.data.corpus import Corpus
+
+        export_dir = Path(export_dir)
+        self.manifest = manifest = load_manifest(export_dir)
+        if "faiss" not in manifest:
+            raise ExportError(f"{export_dir / 'export.json'}: field 'faiss': this export has no index; "
+                              "re-export with --faiss Flat (or another factory string)")
+        corpus_path = export_dir / manifest["corpus"]["path"]  # absolute paths stay absolute
+        self.corpus = Corpus.open(corpus_path)
+        if self.corpus.fingerprint != manifest["corpus"]["fingerprint"]:
+            raise ExportError(f"{corpus_path}: content differs from the corpus the index was built from "
+                              f"(fingerprint {self.corpus.fingerprint[:12]} != {manifest['corpus']['fingerprint'][:12]})")
+        self.index = faiss.read_index(str(export_dir / manifest["faiss"]["file"]))
+        if self.index.ntotal != len(self.corpus):
+            raise ExportError(f"{export_dir / manifest['faiss']['file']}: {self.index.ntotal} rows, corpus has {len(self.corpus)}")
+        if "IVF" in manifest["faiss"]["factory"]:
+            faiss.ParameterSpace().set_index_parameter(self.index, "nprobe", int(manifest["faiss"]["nprobe"]))
+        self.ids = np.load(export_dir / manifest["faiss"]["ids"], mmap_mode="r")
+        self.encoder = SentenceTransformer(str(export_dir / manifest["towers"]["query"]), device=device,
+                                           local_files_only=True)
+        self.encoder.max_seq_length = manifest["max_query_length"]  # as in training, also for shared towers
+        self.encoder.eval()
+
+    @property
+    def rows(self) -> int:
+        return int(self.index.ntotal)
+
+    def search(self, queries: list[str], k: int) -> list[dict]:
+        """Top-k passages (ids, scores, titles, texts) for each query, best first."""
+        with torch.inference_mode():
+            vectors = self.encoder.encode(queries, batch_size=len(queries), convert_to_numpy=True,
+                                          show_progress_bar=False)
+        scores, rows = self.index.search(np.ascontiguousarray(vectors, dtype=np.float32), k)
+        results = []
+        for query_scores, query_rows in zip(scores, rows):
+            found = [int(r) for r in query_rows if r >= 0]
+            passages = self.corpus.passages(found)
+            results.append({"ids": [self.ids[r].decode("utf-8") for r in found],
+                            "scores": [float(s) for s in query_scores[: len(found)]],
+                            "titles": [p["title"] for p in passages],
+                            "texts": [p["text"] for p in passages]})
+        return results
+
+
+class MicroBatcher:
+    """Coalesces concurrent `submit` calls into batches for `run_batch(queries, k) -> per-query results`."""
+
+    def __init__(self, run_batch: Callable[[list[str], int], list[dict]], max_batch_queries: int, max_wait_s: float):
+        self.run_batch, self.max_batch_queries, self.max_wait_s = run_batch, max_batch_queries, max_wait_s
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.batches = self.requests = self.queries = 0
+
+    async def submit(self, queries: list[str], k: int) -> list[dict]:
+        future = asyncio.get_running_loop().create_future()
+        await self.queue.put((queries, k, future))
+        return await future
+
+    async def _collect(self, first) -> tuple[list, Optional[tuple]]:
+        """`first` plus whatever arrives within the wait, up to the size cap; returns (batch, carried over)."""
+        loop = asyncio.get_running_loop()
+        batch, size, deadline = [first], len(first[0]), loop.time() + self.max_wait_s
+        while True:
+            try:
+                item = self.queue.get_nowait()
+            except asyncio.QueueEmpty:
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    return batch, None
+                try:
+                    item = await asyncio.wait_for(self.queue.get(), remaining)
+                except asyncio.TimeoutError:
+                    return batch, None
+            if size + len(item[0]) > self.max_batch_queries:
+                return batch, item
+            batch.append(item)
+            size += len(item[0])
+
+    async def run(self) -> None:
+        """The worker loop (one per server): batch, search in a thread, hand each request its answers."""
+        carried = None
+        while True:
+            first = carried or await self.queue.get()
+            batch, carried = await self._collect(first)
+            live = [item for item in batch if not item[2].done()]  # drop requests whose client went away
+            if not live:
+                continue
+            queries = [q for item in live for q in item[0]]
+            try:
+                results = await asyncio.to_thread(self.run_batch, queries, max(item[1] for item in live))
+            except Exception as exc:
+                log.exception("search failed for a batch of %d queries", len(queries))
+                for item in live:
+                    if not item[2].done():
+                        item[2].set_exception(exc)
+                continue
+            self.batches, self.requests, self.queries = self.batches + 1, self.requests + len(live), self.queries + len(queries)
+            start = 0
+            for item_queries, k, future in live:
+                mine = results[start : start + len(item_queries)]
+                start += len(item_queries)
+                if not future.done():
+                    future.set_result([{key: values[:k] for key, values in result.items()} for result in mine])
+
+
+def _request_model(limits: ServeLimits, rows: int) -> type[BaseModel]:
+    """The POST /search body, with this server's limits (pydantic answers 422 naming the field)."""
+    query = Annotated[str, StringConstraints(strip_whitespace=True, min_length=1, max_length=limits.max_query_chars)]
+    return create_model(
+        "SearchRequest",
+        __config__=ConfigDict(extra="forbid", strict=True),
+        queries=(Annotated[list[query], Field(min_length=1, max_length=limits.max_queries)], ...),
+        k=(Annotated[int, Field(ge=1, le=min(limits.max_k, rows))], 10),
+    )
+
+
+def create_app(export_dir: str | Path, limits: ServeLimits = ServeLimits(), device: str = "cpu"):
+    """FastAPI app serving `export_dir`; the model loads before the first request is accepted."""
+    from contextlib import asynccontextmanager
+
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse
+
+    retriever = ExportedRetriever(export_dir, device)
+    state: dict = {}
+
+    @asynccontextmanager
+    async def lifespan(app):
+        batcher = MicroBatcher(retriever.search, limits.max_batch_queries, limits.max_wait_ms / 1000)
+        worker = asyncio.create_task(batcher.run())
+        state["batcher"] = batcher
+        yield
+        worker.cancel()
+        try:
+            await worker
+        except asyncio.CancelledError:
+            pass
+        retriever.corpus.close()
+
+    app = FastAPI(title="rag-train retrieval", lifespan=lifespan)
+    SearchRequest = _request_model(limits, retriever.rows)
+
+    @app.middleware("http")
+    async def reject_large_bodies(request: Request, call_next):
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > limits.max_body_bytes):
+            return JSONResponse(status_code=413, content={
+                "detail": f"request body of {length} bytes is larger than this server accepts "
+                          f"({limits.max_body_bytes} bytes: at most {limits.max_queries} queries of "
+                          f"{limits.max_query_chars} characters)"})
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health() -> dict:
+        batcher = state["batcher"]
+        return {"status": "ok", "passages": retriever.rows, "dim": retriever.manifest["dim"],
+                "index": retriever.manifest["faiss"]["factory"], "batches": batcher.batches,
+                "requests": batcher.requests, "queries": batcher.queries,
+                "limits": {"max_queries": limits.max_queries, "max_query_chars": limits.max_query_chars,
+                           "max_k": min(limits.max_k, retriever.rows)}}
+
+    @app.post("/search")
+    async def search(body: SearchRequest) -> dict:  # type: ignore[valid-type]
+        return {"results": await state["batcher"].submit(body.queries, body.k)}
+
+    return app
+
+
+def serve(export_dir: str | Path, host: str = "127.0.0.1", port: int = 8000, limits: ServeLimits = ServeLimits(),
+          device: str = "cpu", log_level: str = "info") -> None:
+    """Load the export, then serve until SIGINT / SIGTERM (uvicorn shuts down gracefully, exit code 0)."""
+    import uvicorn
+
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("binding %s: the API has no authentication; anyone who can reach this address can query it", host)
+    app = create_app(export_dir, limits, device)
+    uvicorn.run(app, host=host, port=port, log_level=log_level)
