@@ -117,7 +117,8 @@ def test_two_processes_match_one(recipe_toy_dir, tmp_path):
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
            str(ROOT / "scripts" / "train_retriever.py"), "--config", str(CONFIG), *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    errors = [line for line in (proc.stdout + proc.stderr).splitlines() if "Error" in line]  # the root cause
+    assert proc.returncode == 0, "\n".join(errors[:10]) + proc.stderr[-2000:]
     two = json.loads((tmp_path / "two" / "metrics.json").read_text())
     one = train_retriever(config(recipe_toy_dir, tmp_path / "one", "corrector"))
     assert two["steps"] == one["steps"] == STEPS
