@@ -8,6 +8,7 @@ with its own slice. Passage titles and texts are read by row from the corpus nam
 
 import asyncio
 import logging
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Callable, Optional
@@ -218,5 +219,12 @@ def serve(export_dir: str | Path, host: str = "127.0.0.1", port: int = 8000, lim
 
     if host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("binding %s: the API has no authentication; anyone who can reach this address can query it", host)
+    # uvicorn shuts down gracefully on SIGTERM, then re-raises it to the handler it found: make that
+    # handler a normal exit, so a service manager sees exit code 0 for a clean stop (not -15).
+    signal.signal(signal.SIGTERM, _exit_cleanly)
     app = create_app(export_dir, limits, device)
     uvicorn.run(app, host=host, port=port, log_level=log_level)
+
+
+def _exit_cleanly(signum, frame) -> None:
+    raise SystemExit(0)
