@@ -3,7 +3,7 @@
 Rerun the same command to resume a killed build; see rag_train.config.EmbedConfig for the keys.
 """
 
-from accelerate import Accelerator
+from rag_train.launch import make_accelerator
 
 from rag_train.buffer.build import embed_corpus
 from rag_train.config import EmbedConfig, parse_cli
@@ -11,10 +11,11 @@ from rag_train.config import EmbedConfig, parse_cli
 
 def main(argv=None) -> None:
     cfg = parse_cli(EmbedConfig, argv, description=__doc__)
-    accelerator = Accelerator()
+    accelerator = make_accelerator()
     buffer = embed_corpus(cfg, accelerator)
     if accelerator.is_main_process:
-        print(f"buffer: {buffer.path} ({buffer.rows} rows x {buffer.dim}, {buffer.dtype})")
+        print(f"buffer: {buffer.path} ({buffer.rows} rows x {buffer.dim}, {buffer.dtype}; "
+              f"{accelerator.num_processes} process(es))")
 
 
 if __name__ == "__main__":

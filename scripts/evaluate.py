@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from accelerate import Accelerator
+from rag_train.launch import make_accelerator
 
 from rag_train.config import ConfigError, RLMConfig, load_config
 from rag_train.data.corpus import Corpus
@@ -42,7 +42,7 @@ def main() -> None:
         cfg = load_config(RLMConfig, run / "config.yaml")
     except ConfigError as exc:
         sys.exit(f"error: {exc}")
-    accelerator = Accelerator()
+    accelerator = make_accelerator()
     files = resolve_data(cfg.data, accelerator, TOY_TRAIN_SETS, TOY_DEV_SETS)
     corpus = Corpus.open(files.passages)
     sets = {dataset_name(p): load_qa(p, corpus=corpus, limit=args.limit) for p in (args.data or files.dev)}

@@ -185,13 +185,15 @@ def test_resume_re_encodes_a_corrupted_shard(world, tmp_path):
 def test_two_process_build_equals_one_process(world, tmp_path):
     single = build_buffer(world["model"], world["corpus"], tmp_path / "one", batch_size=BATCH, shard_rows=SHARD_ROWS)
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--cpu",
+    # `--cpu --num_processes 2` starts ONE process in accelerate 1.x; the torchrun launcher starts two
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                str(ROOT / "scripts/embed_corpus.py"), f"passages={world['corpus'].path}",
                f"model_dir={world['root'] / 'model'}", f"output={tmp_path / 'two'}",
                f"buffer.shard_rows={SHARD_ROWS}", f"buffer.embed_batch_size={BATCH}"]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "buffer:" in proc.stdout and proc.stdout.count("buffer:") == 1  # printed by the main process only
+    assert proc.stdout.count("buffer:") == 1 and "2 process(es)" in proc.stdout  # two ranks, main prints once
     two = Buffer.open(tmp_path / "two", single.manifest["model_fingerprint"], single.manifest["corpus_fingerprint"],
                       verify=True)
     assert two.manifest["shards"] == single.manifest["shards"]

@@ -165,13 +165,13 @@ def build_buffer(model, corpus, out_dir: Union[str, Path], batch_size: int = 256
 
 def embed_corpus(cfg, accelerator=None) -> Buffer:
     """The body of scripts/embed_corpus.py: resolve corpus and model from an EmbedConfig, build the buffer."""
-    from accelerate import Accelerator
+    from rag_train.launch import make_accelerator
 
     from rag_train.config import ConfigError
     from rag_train.data.corpus import Corpus
     from rag_train.models.retriever import DualEncoder
 
-    accelerator = accelerator or Accelerator()
+    accelerator = accelerator or make_accelerator()
     passages, tokenizer = cfg.passages or cfg.data.passages, cfg.retriever.tokenizer
     needs_toy_tokenizer = cfg.model_dir is None and cfg.retriever.model == "tiny" and tokenizer is None
     if cfg.data.toy and (passages is None or needs_toy_tokenizer):

@@ -75,7 +75,12 @@ def _tiny_encoder_folder(cfg: RetrieverConfig, tokenizer, seed: int, folder: Pat
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         encoder = T5EncoderModel(tiny_t5_config(tokenizer, cfg.tiny))
-    encoder.save_pretrained(str(folder))
+    # not `encoder.save_pretrained`: under torch.distributed it writes on rank 0 only, and every rank
+    # builds its own temporary folder
+    from safetensors.torch import save_model
+
+    encoder.config.save_pretrained(str(folder))
+    save_model(encoder, str(folder / "model.safetensors"))
     tokenizer.save_pretrained(str(folder))
 
 

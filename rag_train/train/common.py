@@ -12,17 +12,17 @@ import math
 import os
 import shutil
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
-from accelerate import Accelerator, InitProcessGroupKwargs
+from accelerate import Accelerator
 from accelerate.utils import set_seed
 
 from rag_train.config import ConfigError, save_config
 from rag_train.io import atomic_write_json
+from rag_train.launch import make_accelerator
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest.json"
@@ -84,14 +84,8 @@ class TrainingRun:
     def __init__(self, cfg: Any, project: str):
         self.cfg = cfg
         self.dir = Path(cfg.train.output_dir)
-        self.accelerator = Accelerator(
-            # without a GPU, accelerate makes a multi-process launch distributed (gloo) only with cpu=True
-            cpu=not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1,
-            mixed_precision=cfg.train.mixed_precision,
-            log_with=cfg.train.tracker,
-            project_dir=str(self.dir),
-            kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(minutes=30))],
-        )
+        self.accelerator = make_accelerator(
+            mixed_precision=cfg.train.mixed_precision, log_with=cfg.train.tracker, project_dir=str(self.dir))
         world = self.accelerator.num_processes
         if cfg.train.batch_size % world:
             raise ConfigError(f"train.batch_size={cfg.train.batch_size} must be divisible by the {world} processes")

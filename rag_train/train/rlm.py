@@ -18,6 +18,7 @@ import math
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
@@ -80,6 +81,23 @@ class RetrieverGate:
         return spread
 
 
+def answer_choice(batch: list, seed: int, step: int, accelerator) -> list[int]:
+    """Which gold answer each question trains on at `step`: drawn for the global batch from (seed, step),
+    so resuming and the number of processes do not change it."""
+    draws = np.random.default_rng([seed, step, 17]).random(len(batch) * accelerator.num_processes)
+    mine = local_slice(draws, accelerator)
+    return [int(u * len(ex.answers)) for u, ex in zip(mine, batch)]
+
+
+def global_token_mean(logits: torch.Tensor, labels: torch.Tensor, accelerator) -> torch.Tensor:
+    """Answer NLL averaged over the answer tokens of the GLOBAL batch. The local sum is scaled so that DDP's
+    gradient average gives exactly the global token mean, whatever the token count on each process."""
+    token_sum = torch.nn.functional.cross_entropy(logits.float().transpose(1, 2), labels, ignore_index=-100,
+                                                  reduction="sum")
+    tokens = accelerator.reduce((labels != -100).sum().float(), "sum")
+    return token_sum * accelerator.num_processes / tokens.clamp_min(1)
+
+
 def train_rlm(cfg: RLMConfig) -> dict:
     run = TrainingRun(cfg, "rlm")
     acc = run.accelerator
@@ -122,13 +140,12 @@ def train_rlm(cfg: RLMConfig) -> dict:
                               cfg.reader.max_answer_length, cfg.eval.batch_size, closed_book=not strategy.retrieves)
     history = []
     first_step, started = step, time.time()
-    answer_generator = torch.Generator().manual_seed(cfg.train.seed)
     bar = tqdm(total=cfg.train.steps, initial=step, desc=f"rlm[{cfg.strategy.name}]", disable=not acc.is_main_process)
     while step < cfg.train.steps:
         batch = [train_set[i] for i in local_slice(global_batch(len(train_set), cfg.train.batch_size, cfg.train.seed, step), acc)]
         questions = [ex.question for ex in batch]
-        labels = answer_labels(tokenizer, [ex.answers for ex in batch], cfg.reader.max_answer_length,
-                               answer_generator).to(acc.device)
+        answers = [ex.answers[i] for ex, i in zip(batch, answer_choice(batch, cfg.train.seed, step, acc))]
+        labels = answer_labels(tokenizer, answers, cfg.reader.max_answer_length).to(acc.device)
 
         # 1. S_x: the strategy's top-k for each question (queries without gradient, eval mode)
         if strategy.retrieves:
@@ -144,7 +161,7 @@ def train_rlm(cfg: RLMConfig) -> dict:
         inputs = fid_inputs(tokenizer, questions, passages, cfg.reader.max_input_length)
         inputs = {name: tensor.to(acc.device) for name, tensor in inputs.items()}
         out = reader(**inputs, labels=labels)
-        reader_loss = out.loss
+        reader_loss = global_token_mean(out.logits, labels, acc)
         loss = reader_loss
         logged = {"reader_loss": reader_loss.item()}
         if rows is not None:
