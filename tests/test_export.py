@@ -56,7 +56,7 @@ def exported(tmp_path_factory, toy_dir, **kwargs):
 
 @pytest.fixture(scope="module")
 def full_export(tmp_path_factory, recipe_toy_dir):
-    return exported(tmp_path_factory, recipe_toy_dir, faiss_factory="Flat", onnx=True)
+    return exported(tmp_path_factory, recipe_toy_dir, faiss_factory="Flat", onnx=True, copy_corpus=True)
 
 
 def _isolated_python(script: str, cwd) -> subprocess.CompletedProcess:
@@ -128,7 +128,7 @@ def test_flat_faiss_matches_exact_search(full_export):
     import faiss
 
     export_dir, model, manifest = full_export
-    corpus = Corpus.open(manifest["corpus"]["path"])
+    corpus = Corpus.open(export_dir / manifest["corpus"]["path"])  # the export's own copy
     assert manifest["corpus"]["fingerprint"] == corpus.fingerprint and manifest["faiss"]["rows"] == len(corpus)
     ids = np.load(export_dir / manifest["faiss"]["ids"])
     assert [i.decode() for i in ids] == [corpus.id(r) for r in range(len(corpus))]
@@ -144,9 +144,11 @@ def test_flat_faiss_matches_exact_search(full_export):
 
 def test_shared_towers_export_one_folder(tmp_path, recipe_toy_dir):
     run, model = make_run(tmp_path / "run", recipe_toy_dir, shared_towers=True)
-    manifest = export_retriever(run, tmp_path / "export")
+    manifest = export_retriever(run, tmp_path / "export", faiss_factory="Flat")
     assert manifest["towers"] == {"query": "shared", "passage": "shared"}
-    assert sorted(p.name for p in (tmp_path / "export").iterdir()) == ["export.json", "shared"]
+    assert manifest["corpus"]["path"] == str(toy_paths(recipe_toy_dir)["passages"].resolve())  # referenced
+    assert sorted(p.name for p in (tmp_path / "export").iterdir()) == [
+        "export.json", "faiss.index", "passage_ids.npy", "shared"]
     assert load_manifest(tmp_path / "export")["fingerprint"] == model.fingerprint()
 
 

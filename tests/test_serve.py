@@ -65,7 +65,8 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, recipe_toy_dir):
-    export_dir, model, manifest = exported(tmp_path_factory, recipe_toy_dir, faiss_factory="Flat", copy_corpus=True)
+    export_dir, model, manifest = exported(tmp_path_factory, recipe_toy_dir, faiss_factory="Flat", onnx=True,
+                                             copy_corpus=True)
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "rag_train.cli", "serve", "--export", str(export_dir),
                              "--host", "127.0.0.1", "--port", str(port), "--max-queries", "4",
