@@ -199,6 +199,17 @@ def optimizer_step(accelerator: Accelerator, loss: torch.Tensor, params: list, o
     return stepped
 
 
+def save_full_model(accelerator: Accelerator, prepared: torch.nn.Module, save: Callable[[torch.nn.Module], None]) -> None:
+    """Save a model's full weights: under DeepSpeed ZeRO-3 the shards are gathered first (on every process),
+    then `save(unwrapped_model)` runs on the main process with the full weights loaded."""
+    state = accelerator.get_state_dict(prepared)
+    if accelerator.is_main_process:
+        model = accelerator.unwrap_model(prepared)
+        model.load_state_dict(state)
+        save(model)
+    accelerator.wait_for_everyone()
+
+
 def linear_warmup(optimizer: torch.optim.Optimizer, warmup_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
     """Linear warm-up then constant, the schedule both papers' recipes use by default."""
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, warmup_steps)))

@@ -26,7 +26,7 @@ from rag_train.eval.retrieval import EvalSet, evaluate_retrieval
 from rag_train.models.retriever import DualEncoder
 from rag_train.strategies import REGISTRY, StrategyContext, build_strategy
 from rag_train.train.common import (NonFiniteGuard, TrainingRun, global_batch, linear_warmup, local_slice,
-                                    optimizer_step)
+                                    optimizer_step, save_full_model)
 from rag_train.train.stages import ensure_buffer, gather_with_grad, my_share
 
 
@@ -103,8 +103,7 @@ def train_retriever(cfg: RetrieverTrainConfig) -> dict:
 
     final = evaluate_retrieval(ctx.model, corpus, dev_sets, cfg.eval.recall_at, acc, cfg.eval.batch_size)
     run.save(step, extra=strategy.save)
-    if acc.is_main_process:
-        ctx.model.save(run.dir / "retriever")
+    save_full_model(acc, model, lambda m: m.save(run.dir / "retriever"))
     main_set = next(iter(final.values()))
     metrics = {
         "recall": main_set.get("recall", {}),

@@ -34,7 +34,7 @@ from rag_train.models.reader import FiDReader
 from rag_train.models.tokenizer import load_tokenizer
 from rag_train.strategies import REGISTRY, StrategyContext, build_strategy
 from rag_train.train.common import (NonFiniteGuard, TrainingRun, global_batch, linear_warmup, local_slice,
-                                    optimizer_step)
+                                    optimizer_step, save_full_model)
 from rag_train.train.stages import ensure_buffer
 from rag_train.train.warm_start import warm_start_reader, warm_start_retriever
 
@@ -207,9 +207,9 @@ def train_rlm(cfg: RLMConfig) -> dict:
 
     run.save(step, extra=strategy.save)
     metrics, predictions = evaluate_qa(retriever, acc.unwrap_model(reader), tokenizer, corpus, dev_sets, settings, acc)
+    save_full_model(acc, retriever_ddp, lambda m: m.save(run.dir / "retriever"))
+    save_full_model(acc, reader, lambda m: m.save_pretrained(run.dir / "reader"))
     if acc.is_main_process:
-        retriever.save(run.dir / "retriever")
-        acc.unwrap_model(reader).save_pretrained(run.dir / "reader")
         tokenizer.save_pretrained(run.dir / "reader")
         write_predictions(run.dir / "predictions", predictions)
     result = {
