@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 from rag_train.config import DataConfig
 from rag_train.io import atomic_open, atomic_write_json
 
-TOY_VERSION = 1
+TOY_VERSION = 2  # 2: tokenizer pieces from BPE (whole-word answers)
 SECTIONS = 2  # passages per person: 0 = origins and work, 1 = music, taste and mentor
 DEV_EVERY = 10  # person e is a dev person iff e % DEV_EVERY == 0: dev facts are never asked in train
 CHUNK = 16384
