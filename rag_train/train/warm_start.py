@@ -23,7 +23,7 @@ from rag_train.data.corpus import Corpus
 from rag_train.data.qa import QAExample
 from rag_train.data.sources import DataFiles
 from rag_train.models.retriever import DualEncoder
-from rag_train.train.common import TrainingRun, global_batch
+from rag_train.train.common import TrainingRun, global_batch, linear_warmup
 
 
 def warm_start_retriever(cfg: RLMConfig, files: DataFiles, run: TrainingRun) -> DualEncoder:
@@ -62,14 +62,15 @@ def warm_start_reader(cfg: RLMConfig, reader: torch.nn.Module, tokenizer, corpus
     device = run.accelerator.device
     reader.to(device).train()
     optimizer = torch.optim.AdamW(reader.parameters(), lr=cfg.warm_start.reader_lr)
+    scheduler = linear_warmup(optimizer, min(100, steps // 10))
     generator = torch.Generator().manual_seed(cfg.train.seed + 1)
     labelled = [ex for ex in train_set if ex.gold_ids]
     if not labelled:
         raise ValueError("warm_start.reader_steps > 0 needs training questions with gold_ids")
-    k = cfg.strategy.top_k
+    k = cfg.warm_start.reader_passages
     bar = tqdm(range(steps), desc="warm-start reader", disable=not run.accelerator.is_main_process)
     for step in bar:
-        batch = [labelled[i] for i in global_batch(len(labelled), cfg.train.batch_size, cfg.train.seed + 1, step)]
+        batch = [labelled[i] for i in global_batch(len(labelled), cfg.warm_start.reader_batch_size, cfg.train.seed + 1, step)]
         passages = []
         for ex in batch:
             gold = list(corpus.rows(ex.gold_ids[:k]))
@@ -82,6 +83,7 @@ def warm_start_reader(cfg: RLMConfig, reader: torch.nn.Module, tokenizer, corpus
         loss.backward()
         torch.nn.utils.clip_grad_norm_(reader.parameters(), cfg.train.max_grad_norm or 1.0)
         optimizer.step()
+        scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         if step % 20 == 0:
             bar.set_postfix(loss=f"{loss.item():.3f}")
