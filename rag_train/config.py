@@ -267,6 +267,9 @@ class WarmStartConfig:
     retriever_lr: float = 1e-3
     retriever_batch_size: int = 32
     retriever_train: Optional[str] = None  # DPR-format file; default: the toy world's retrieval-train
+    # reuse the warm-start outputs of an earlier run (its warm_start_retriever/ and warm_start_reader/), so
+    # that baselines (frozen, closed book, ...) start from exactly the same models
+    from_run: Optional[str] = None
 
     def __post_init__(self) -> None:
         _positive("warm_start", "reader_steps", self.reader_steps, allow_zero=True)

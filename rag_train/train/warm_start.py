@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -26,12 +28,23 @@ from rag_train.models.retriever import DualEncoder
 from rag_train.train.common import TrainingRun, global_batch, linear_warmup
 
 
+def stage_dir(cfg: RLMConfig, run: TrainingRun, name: str) -> Path:
+    """Where a warm-start stage's output lives: this run, or the run named by `warm_start.from_run`
+    (which must have finished that stage: it is read, never trained again)."""
+    if cfg.warm_start.from_run is None:
+        return run.dir / name
+    path = Path(cfg.warm_start.from_run) / name
+    if not path.is_dir():
+        raise FileNotFoundError(f"warm_start.from_run={cfg.warm_start.from_run}: no finished {name}/ there")
+    return path
+
+
 def warm_start_retriever(cfg: RLMConfig, files: DataFiles, run: TrainingRun) -> DualEncoder:
     """The RLM's initial retriever: from config, or from a supervised warm-start run (reused if finished)."""
     warm = cfg.warm_start
     if warm.retriever_steps == 0:
         return DualEncoder.from_config(cfg.retriever, tokenizer=cfg.retriever.tokenizer or files.tokenizer)
-    out = run.dir / "warm_start_retriever"
+    out = stage_dir(cfg, run, "warm_start_retriever")
     if not (out / "metrics.json").is_file():
         from rag_train.train.retriever import train_retriever
 
@@ -58,6 +71,11 @@ def warm_start_reader(cfg: RLMConfig, reader: torch.nn.Module, tokenizer, corpus
     """Train the reader for `warm_start.reader_steps` on gold passages + random distractors (in place)."""
     steps = cfg.warm_start.reader_steps
     if steps == 0 or run.latest_checkpoint() is not None:
+        return
+    out = stage_dir(cfg, run, "warm_start_reader")
+    if out.is_dir():
+        reader.load_state_dict(type(reader).from_pretrained(out).state_dict())
+        run.accelerator.print(f"warm-start reader: {out}")
         return
     device = run.accelerator.device
     reader.to(device).train()
@@ -88,3 +106,9 @@ def warm_start_reader(cfg: RLMConfig, reader: torch.nn.Module, tokenizer, corpus
         if step % 20 == 0:
             bar.set_postfix(loss=f"{loss.item():.3f}")
             run.log({"warm_start/reader_loss": loss.item()}, step)
+    if run.accelerator.is_main_process:  # written beside, then renamed: a folder here is a finished stage
+        tmp = out.with_name(out.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        reader.save_pretrained(tmp)
+        os.replace(tmp, out)
+    run.accelerator.wait_for_everyone()
