@@ -261,6 +261,9 @@ class WarmStartConfig:
     reader_steps: int = 0
     reader_lr: float = 1e-3
     reader_passages: int = 2  # gold passage(s) + random ones per question, in random order
+    # the first steps show single-hop questions their gold passage alone: a tiny T5 learns to copy an answer
+    # there within a few hundred steps, and then to find the right passage among several much faster
+    reader_copy_steps: int = 0
     reader_batch_size: int = 32
     retriever_steps: int = 0
     retriever_strategy: str = "in_batch"
@@ -276,6 +279,7 @@ class WarmStartConfig:
         _positive("warm_start", "retriever_steps", self.retriever_steps, allow_zero=True)
         _positive("warm_start", "reader_lr", self.reader_lr)
         _positive("warm_start", "reader_passages", self.reader_passages)
+        _positive("warm_start", "reader_copy_steps", self.reader_copy_steps, allow_zero=True)
         _positive("warm_start", "reader_batch_size", self.reader_batch_size)
         _positive("warm_start", "retriever_lr", self.retriever_lr)
         _choice("warm_start", "retriever_strategy", self.retriever_strategy, ("in_batch", "uniform", "stale"))

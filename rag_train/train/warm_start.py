@@ -83,12 +83,14 @@ def warm_start_reader(cfg: RLMConfig, reader: torch.nn.Module, tokenizer, corpus
     scheduler = linear_warmup(optimizer, min(100, steps // 10))
     generator = torch.Generator().manual_seed(cfg.train.seed + 1)
     labelled = [ex for ex in train_set if ex.gold_ids]
-    if not labelled:
-        raise ValueError("warm_start.reader_steps > 0 needs training questions with gold_ids")
-    k = cfg.warm_start.reader_passages
+    single_hop = [ex for ex in labelled if len(ex.gold_ids) == 1]
+    if not labelled or (cfg.warm_start.reader_copy_steps and not single_hop):
+        raise ValueError("the reader warm start needs training questions with gold_ids (single-hop ones for copy steps)")
     bar = tqdm(range(steps), desc="warm-start reader", disable=not run.accelerator.is_main_process)
     for step in bar:
-        batch = [labelled[i] for i in global_batch(len(labelled), cfg.warm_start.reader_batch_size, cfg.train.seed + 1, step)]
+        copying = step < cfg.warm_start.reader_copy_steps
+        pool, k = (single_hop, 1) if copying else (labelled, cfg.warm_start.reader_passages)
+        batch = [pool[i] for i in global_batch(len(pool), cfg.warm_start.reader_batch_size, cfg.train.seed + 1, step)]
         passages = []
         for ex in batch:
             gold = list(corpus.rows(ex.gold_ids[:k]))
