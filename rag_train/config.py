@@ -300,8 +300,10 @@ class RLMConfig:
     reader_temperature: float = 1.0  # temperature on reader log-likelihoods in P_a
     retriever_start_step: int = 0  # retriever loss switched on no earlier than this step
     # ...and only once the reader's answer likelihoods discriminate between passages: the running mean of
-    # H(P_a) / log k must fall below this (1.0 = no gate).
-    pdist_entropy_gate: float = 1.0
+    # the P_a mass on passages that contain an answer string, minus the share of such passages, must
+    # exceed this (0 = no gate). A reader that cannot read gives noise, and distilling noise destroys
+    # the retriever (measured: toy R@1 1.00 -> 0.21 in 300 steps with an ungated 3%-EM reader).
+    pdist_gate: float = 0.0
     # collapse guard: retriever updates stop (with a warning) if the spread of the batch's passage vectors,
     # 1 - mean pairwise cosine, falls below this (0 = off).
     min_embedding_spread: float = 0.0
@@ -310,8 +312,8 @@ class RLMConfig:
         _positive("", "reader_temperature", self.reader_temperature)
         _positive("", "retriever_start_step", self.retriever_start_step, allow_zero=True)
         _positive("", "min_embedding_spread", self.min_embedding_spread, allow_zero=True)
-        if not 0 < self.pdist_entropy_gate <= 1:
-            raise ConfigError(f"pdist_entropy_gate={self.pdist_entropy_gate} must be in (0, 1]")
+        if not 0 <= self.pdist_gate < 1:
+            raise ConfigError(f"pdist_gate={self.pdist_gate} must be in [0, 1)")
         if self.strategy.name in ("in_batch", "negative_cache"):
             raise ConfigError(f"strategy.name={self.strategy.name!r} proposes no per-question passages; the RLM "
                               "takes corrector, stale, frozen, exhaustive, snm, uniform or closed_book")

@@ -34,7 +34,7 @@ def overrides(toy_dir: Path, out: Path, name: str, steps: int = STEPS, **extra) 
         "train.output_dir": out, "train.steps": steps, "train.batch_size": 4, "train.tracker": "null",
         "train.eval_every": 0, "train.log_every": 1, "strategy.name": name, "strategy.top_k": TOP_K,
         "strategy.refresh_every": 2, "strategy.corrector.hidden": 16, "buffer.shard_rows": 128,
-        "buffer.embed_batch_size": 64, "eval.batch_size": 16, "pdist_entropy_gate": 1.0,
+        "buffer.embed_batch_size": 64, "eval.batch_size": 16, "pdist_gate": 0.0,
         "min_embedding_spread": 0.0, **extra,
     }
     return [f"{key}={value}" for key, value in values.items()]

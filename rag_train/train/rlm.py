@@ -14,7 +14,6 @@ Per step, for questions x with answers a:
 
 from __future__ import annotations
 
-import math
 import time
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from rag_train.data.collate import answer_labels, fid_inputs
 from rag_train.data.corpus import Corpus
 from rag_train.data.qa import load_qa
 from rag_train.data.sources import dataset_name, resolve_data
+from rag_train.eval.metrics import has_answer
 from rag_train.eval.qa import EMPTY_PASSAGE, QAEvalSettings, evaluate_qa
 from rag_train.io import atomic_write_text
 from rag_train.losses import perplexity_distillation, retrieval_scores
@@ -43,14 +43,15 @@ TOY_DEV_SETS = ["nq-dev", "tqa-dev", "hotpotqa-dev"]
 
 
 class RetrieverGate:
-    """Retriever updates start once the reader's P_a discriminates between passages (running mean of the
-    normalised entropy below `threshold`, after `start_step`) and stop for good if embeddings collapse."""
+    """Retriever updates start once the reader's P_a prefers the passages that contain an answer (running
+    mean of its mass there, above the share of such passages, exceeds `pdist_gate`, after
+    `retriever_start_step`), and stop for good if the passage embeddings collapse."""
 
     def __init__(self, cfg: RLMConfig, enabled: bool, accelerator):
         self.cfg = cfg
         self.enabled = enabled
         self.accelerator = accelerator  # decisions use values averaged over processes: DDP needs them equal
-        self.entropy = 1.0
+        self.lift = 0.0
         self.opened_at = None
         self.collapsed_at = None
 
@@ -58,13 +59,18 @@ class RetrieverGate:
     def open(self) -> bool:
         return self.opened_at is not None and self.collapsed_at is None
 
-    def update(self, step: int, reader_loglik: torch.Tensor) -> bool:
+    def update(self, step: int, reader_loglik: torch.Tensor, has_answer: torch.Tensor) -> bool:
+        """`has_answer` [B, k]: passage k contains one of question b's answers (DPR `has_answer`)."""
         if not self.enabled or self.collapsed_at is not None:
             return False
         p_a = torch.softmax(reader_loglik.float() / self.cfg.reader_temperature, dim=-1)
-        entropy = -(p_a * p_a.clamp_min(1e-12).log()).sum(-1).mean() / math.log(max(2, p_a.shape[-1]))
-        self.entropy = 0.9 * self.entropy + 0.1 * self.accelerator.reduce(entropy, "mean").item()
-        if self.opened_at is None and step >= self.cfg.retriever_start_step and self.entropy < self.cfg.pdist_entropy_gate:
+        hits = has_answer.to(p_a.device).float()
+        mixed = (hits.sum(-1) > 0) & (hits.sum(-1) < hits.shape[-1])  # only there can P_a discriminate
+        lift = ((p_a * hits).sum(-1) - hits.mean(-1))[mixed].sum()
+        totals = self.accelerator.reduce(torch.stack([lift, mixed.sum().float()]), "sum")
+        if totals[1] > 0:
+            self.lift = 0.9 * self.lift + 0.1 * (totals[0] / totals[1]).item()
+        if self.opened_at is None and step >= self.cfg.retriever_start_step and self.lift > self.cfg.pdist_gate:
             self.opened_at = step
         return self.open
 
@@ -170,7 +176,8 @@ def train_rlm(cfg: RLMConfig) -> dict:
                     inputs["input_ids"], inputs["attention_mask"], labels, encoder_states=out.encoder_last_hidden_state)
 
             # 2./6. P~ from fresh f(x), g(y) and perplexity distillation, once the reader discriminates
-            if gate.update(step, loglik):
+            contains = torch.tensor([[has_answer(p["text"], ex.answers) for p in ps] for ex, ps in zip(batch, passages)])
+            if gate.update(step, loglik, contains):
                 flat = [p for ps in passages for p in ps]
                 queries, passage_vectors = retriever_ddp(questions, flat)
                 passage_vectors = passage_vectors.view(len(batch), cfg.strategy.top_k, -1)
@@ -184,7 +191,7 @@ def train_rlm(cfg: RLMConfig) -> dict:
                 if aux is not None:
                     loss = loss + aux
                     logged["corrector_loss"] = aux.item()
-            logged["p_a_entropy"] = gate.entropy
+            logged["p_a_answer_lift"] = gate.lift
 
         # 8. one optimizer step for reader, retriever and corrector (their losses are disjoint)
         optimizer_step(acc, loss, [p for g in groups for p in g["params"]], optimizer, scheduler, guard,
