@@ -17,9 +17,7 @@ process after `accelerator.unwrap_model`; see docs/serving.md for ZeRO-3 runs.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Optional
@@ -31,7 +29,7 @@ from tqdm.auto import tqdm
 
 from rag_train.buffer.embed import embed_rows
 from rag_train.data.corpus import Corpus
-from rag_train.io import atomic_open, atomic_write_json, atomic_write_text
+from rag_train.io import atomic_directory, atomic_open, atomic_write_json, atomic_write_text
 from rag_train.models.retriever import META_FILE, DualEncoder
 
 EXPORT_FORMAT_VERSION = 1
@@ -234,9 +232,7 @@ def export_retriever(run_dir: str | Path, out_dir: str | Path, faiss_factory: Op
             "max_passage_length": model.max_passage_length, "fingerprint": model.fingerprint()}
     keys, headline = _summary(config, metrics)
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
+    with atomic_directory(out_dir) as tmp:
         folders = _write_towers(model, tmp, meta, keys, headline)
         manifest = {"format_version": EXPORT_FORMAT_VERSION, "source_run": str(run_dir.resolve()),
                     "shared_towers": model.shared_towers, "towers": folders, "passage_format": PASSAGE_FORMAT,
@@ -262,13 +258,6 @@ def export_retriever(run_dir: str | Path, out_dir: str | Path, faiss_factory: Op
         if onnx:
             manifest["onnx"] = _export_onnx(model, folders, tmp)
         atomic_write_json(tmp / MANIFEST, manifest)
-        old = out_dir.with_name(f".{out_dir.name}.old")
-        if out_dir.exists():
-            os.replace(out_dir, old)
-        os.replace(tmp, out_dir)
-        shutil.rmtree(old, ignore_errors=True)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return manifest
 
 

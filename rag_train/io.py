@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -34,6 +35,25 @@ def atomic_open(path: str | Path, mode: str = "wb") -> Iterator[Any]:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+@contextmanager
+def atomic_directory(path: str | Path) -> Iterator[Path]:
+    """Yield a temporary sibling folder to fill; on clean exit it replaces `path` (an existing folder is
+    swapped out only once the new one is complete). On error the temporary folder is removed."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        yield tmp
+        old = path.with_name(f".{path.name}.old")
+        if path.exists():
+            os.replace(path, old)
+        os.replace(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+        _fsync_dir(path.parent)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _fsync_dir(directory: Path) -> None:

@@ -10,8 +10,6 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-import os
-import shutil
 import tempfile
 from pathlib import Path
 from typing import Optional, Sequence, Union
@@ -20,7 +18,7 @@ import torch
 from torch import nn
 
 from rag_train.config import ConfigError, RetrieverConfig
-from rag_train.io import atomic_write_json
+from rag_train.io import atomic_directory, atomic_write_json
 
 SAVE_FORMAT_VERSION = 1
 META_FILE = "dual_encoder.json"
@@ -196,10 +194,7 @@ class DualEncoder(nn.Module):
 
         Written into a temporary sibling and swapped in, so an existing save is never half-overwritten.
         """
-        directory = Path(directory)
-        directory.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
-        try:
+        with atomic_directory(directory) as tmp:
             towers = {"shared": self.query_encoder} if self.shared_towers else {
                 "query": self.query_encoder, "passage": self.passage_encoder}
             for name, tower in towers.items():
@@ -212,13 +207,6 @@ class DualEncoder(nn.Module):
                 "train_passage_encoder": self.train_passage_encoder,
                 "fingerprint": self.fingerprint(),
             })
-            old = directory.with_name(f".{directory.name}.old")
-            if directory.exists():
-                os.replace(directory, old)
-            os.replace(tmp, directory)
-            shutil.rmtree(old, ignore_errors=True)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
 
     @classmethod
     def load(cls, directory: Union[str, Path]) -> "DualEncoder":

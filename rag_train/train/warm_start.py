@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import shutil
 from pathlib import Path
 
 import torch
@@ -24,6 +22,7 @@ from rag_train.data.collate import answer_labels, fid_inputs
 from rag_train.data.corpus import Corpus
 from rag_train.data.qa import QAExample
 from rag_train.data.sources import DataFiles
+from rag_train.io import atomic_directory
 from rag_train.models.retriever import DualEncoder
 from rag_train.train.common import TrainingRun, global_batch, linear_warmup
 
@@ -109,8 +108,6 @@ def warm_start_reader(cfg: RLMConfig, reader: torch.nn.Module, tokenizer, corpus
             bar.set_postfix(loss=f"{loss.item():.3f}")
             run.log({"warm_start/reader_loss": loss.item()}, step)
     if run.accelerator.is_main_process:  # written beside, then renamed: a folder here is a finished stage
-        tmp = out.with_name(out.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        reader.save_pretrained(tmp)
-        os.replace(tmp, out)
+        with atomic_directory(out) as tmp:
+            reader.save_pretrained(tmp)
     run.accelerator.wait_for_everyone()
