@@ -49,7 +49,7 @@ def main() -> None:
     rows = []
     for strategy in args.strategies:
         results = [run_one(args.config, strategy, seed, Path(args.runs), args.overrides, args.processes) for seed in args.seeds]
-        ks = list(results[0]["recall"])
+        ks = sorted(results[0]["recall"], key=int)
         rows.append((strategy, ks, results))
     ks = rows[0][1]
     lines = ["| strategy | re-embedded | " + " | ".join(f"R@{k}" for k in ks) + " | MRR@10 | wall s |",

@@ -22,7 +22,7 @@ def print_rlm_table(cfg, metrics: dict) -> None:
 
 def print_retriever_table(cfg, metrics: dict) -> None:
     recall = metrics.get("recall", {})
-    ks = list(recall)
+    ks = sorted(recall, key=int)
     lines = [f"\nretriever ({cfg.strategy.name}, {metrics['steps']} steps, {metrics['reembedded_passages']} re-embedded) "
              f"-> {cfg.train.output_dir}", "| " + " | ".join(f"R@{k}" for k in ks) + " | MRR@10 |",
              "|" + "---|" * (len(ks) + 1),
