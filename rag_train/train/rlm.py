@@ -70,7 +70,8 @@ class RetrieverGate:
         totals = self.accelerator.reduce(torch.stack([lift, mixed.sum().float()]), "sum")
         if totals[1] > 0:
             self.lift = 0.9 * self.lift + 0.1 * (totals[0] / totals[1]).item()
-        if self.opened_at is None and step >= self.cfg.retriever_start_step and self.lift > self.cfg.pdist_gate:
+        discriminates = self.cfg.pdist_gate == 0 or self.lift > self.cfg.pdist_gate  # 0: no gate
+        if self.opened_at is None and step >= self.cfg.retriever_start_step and discriminates:
             self.opened_at = step
         return self.open
 
