@@ -3,10 +3,9 @@
 Rerun the same command to resume a killed build; see rag_train.config.EmbedConfig for the keys.
 """
 
-from rag_train.launch import make_accelerator
-
 from rag_train.buffer.build import embed_corpus
 from rag_train.config import EmbedConfig, parse_cli
+from rag_train.launch import make_accelerator
 
 
 def main(argv=None) -> None:
@@ -16,6 +15,8 @@ def main(argv=None) -> None:
     if accelerator.is_main_process:
         print(f"buffer: {buffer.path} ({buffer.rows} rows x {buffer.dim}, {buffer.dtype}; "
               f"{accelerator.num_processes} process(es))")
+    accelerator.wait_for_everyone()
+    accelerator.state.destroy_process_group()  # clean exit of a multi-process run
 
 
 if __name__ == "__main__":

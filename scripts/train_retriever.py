@@ -4,6 +4,8 @@
 import sys
 from pathlib import Path
 
+from accelerate import PartialState
+
 from rag_train.config import RetrieverTrainConfig, parse_cli
 from rag_train.train.report import print_retriever_table
 from rag_train.train.retriever import train_retriever
@@ -16,3 +18,4 @@ if __name__ == "__main__":
         argv = ["--config", str(DEFAULT), *argv]
     cfg = parse_cli(RetrieverTrainConfig, argv)
     print_retriever_table(cfg, train_retriever(cfg))
+    PartialState().destroy_process_group()  # clean exit of a multi-process run

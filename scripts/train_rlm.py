@@ -6,6 +6,8 @@ tiny models are warm-started, then reader and retriever train together through t
 import sys
 from pathlib import Path
 
+from accelerate import PartialState
+
 from rag_train.config import RLMConfig, parse_cli
 from rag_train.train.report import print_rlm_table
 from rag_train.train.rlm import train_rlm
@@ -18,3 +20,4 @@ if __name__ == "__main__":
         argv = ["--config", str(DEFAULT), *argv]
     cfg = parse_cli(RLMConfig, argv)
     print_rlm_table(cfg, train_rlm(cfg))
+    PartialState().destroy_process_group()  # clean exit of a multi-process run

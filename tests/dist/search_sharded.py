@@ -38,6 +38,8 @@ def main(out_dir: str) -> None:
     except ValueError as exc:
         results["overlap_refused"] = np.array("do not tile" in str(exc))
     np.savez(f"{out_dir}/rank{state.process_index}.npz", **results)
+    state.wait_for_everyone()
+    state.destroy_process_group()  # exiting with gloo threads alive can abort ("terminate called ...")
 
 
 if __name__ == "__main__":
