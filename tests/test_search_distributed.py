@@ -2,7 +2,6 @@
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -42,9 +41,9 @@ def test_two_process_search_equals_single_process(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     # `--cpu --num_processes 2` starts ONE process in accelerate 1.x (multi-CPU needs mpirun); the
     # multi-process launcher plus PartialState(cpu=True) in the script gives two gloo processes.
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           str(ROOT / "tests/dist/search_sharded.py"), str(tmp_path)]
+    from conftest import launch_command  # here: tests/dist/search_sharded.py imports this module
+
+    cmd = launch_command(str(ROOT / "tests/dist/search_sharded.py"), str(tmp_path))
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     per_rank = [np.load(tmp_path / f"rank{rank}.npz") for rank in range(2)]

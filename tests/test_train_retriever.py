@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +16,7 @@ from rag_train.config import RetrieverTrainConfig, load_config
 from rag_train.models.retriever import DualEncoder
 from rag_train.strategies.base import Strategy
 from rag_train.train.retriever import train_retriever
+from conftest import launch_command
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "toy" / "retriever.yaml"
@@ -113,9 +113,7 @@ def test_two_processes_match_one(recipe_toy_dir, tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     # `--cpu --num_processes 2` starts one process in accelerate 1.x; the multi-process launcher on a machine
     # without GPUs gives two gloo processes (TrainingRun passes cpu=True there).
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           str(ROOT / "scripts" / "train_retriever.py"), "--config", str(CONFIG), *args]
+    cmd = launch_command(str(ROOT / "scripts" / "train_retriever.py"), "--config", str(CONFIG), *args)
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     errors = [line for line in (proc.stdout + proc.stderr).splitlines() if "Error" in line]  # the root cause
     assert proc.returncode == 0, "\n".join(errors[:10]) + proc.stderr[-2000:]

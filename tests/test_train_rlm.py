@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,7 @@ import rag_train.train.rlm as rlm
 from rag_train.config import RLMConfig, TinyModelConfig, load_config
 from rag_train.losses import perplexity_distillation
 from rag_train.models.retriever import DualEncoder
+from conftest import launch_command
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "toy" / "rlm.yaml"
@@ -117,10 +117,10 @@ def test_resume_continues_as_if_uninterrupted(recipe_toy_dir, tmp_path):
 @pytest.mark.slow
 def test_two_process_run(recipe_toy_dir, tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           str(ROOT / "scripts" / "train_rlm.py"), "--config", str(CONFIG),
-           *overrides(recipe_toy_dir, tmp_path / "two", "corrector")]
+    cmd = launch_command(str(ROOT / "scripts" / "train_rlm.py"), "--config", str(CONFIG),
+           *overrides(recipe_toy_dir, tmp_path / "two", "corrector"),
+                         # a tracker: finishing the warm-start run's trackers must not end the process group
+                         "train.tracker=tensorboard")
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=500)
     errors = [line for line in (proc.stdout + proc.stderr).splitlines() if "Error" in line]  # the root cause
     assert proc.returncode == 0, "\n".join(errors[:10]) + proc.stderr[-2000:]

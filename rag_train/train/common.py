@@ -162,8 +162,10 @@ class TrainingRun:
             atomic_write_json(self.dir / "metrics.json", metrics)
 
     def end(self) -> None:
-        if self.cfg.train.tracker:
-            self.accelerator.end_training()
+        """Finish the trackers. Not `accelerator.end_training()`: that also destroys the process group, and a
+        recipe may run inside another (the RLM's retriever warm start); entry scripts destroy it at exit."""
+        for tracker in self.accelerator.trackers:
+            tracker.finish()
 
 
 def _flat_config(cfg: Any) -> dict[str, Any]:
