@@ -395,12 +395,13 @@ def save_config(cfg: Any, path: str | Path) -> None:
     atomic_write_text(Path(path), to_yaml(cfg))
 
 
-def parse_cli(schema: type[T], argv: Optional[list[str]] = None, description: str = "") -> T:
+def parse_cli(schema: type[T], argv: Optional[list[str]] = None, description: str = "",
+              default_config: Optional[str | Path] = None) -> T:
     """`script.py [--config FILE] [key=value ...]`; on a bad config print the reason and exit 2."""
     import argparse
 
     parser = argparse.ArgumentParser(description=description or schema.__doc__)
-    parser.add_argument("--config", default=None, help="YAML config file")
+    parser.add_argument("--config", default=default_config, help=f"YAML config file (default: {default_config})")
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
     args = parser.parse_args(argv)
     try:

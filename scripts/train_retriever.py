@@ -13,9 +13,6 @@ from rag_train.train.retriever import train_retriever
 DEFAULT = Path(__file__).resolve().parent.parent / "configs" / "toy" / "retriever.yaml"
 
 if __name__ == "__main__":
-    argv = sys.argv[1:]
-    if "--config" not in argv:
-        argv = ["--config", str(DEFAULT), *argv]
-    cfg = parse_cli(RetrieverTrainConfig, argv)
+    cfg = parse_cli(RetrieverTrainConfig, sys.argv[1:], default_config=DEFAULT)
     print_retriever_table(cfg, train_retriever(cfg))
     PartialState().destroy_process_group()  # clean exit of a multi-process run

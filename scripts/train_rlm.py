@@ -15,9 +15,6 @@ from rag_train.train.rlm import train_rlm
 DEFAULT = Path(__file__).resolve().parent.parent / "configs" / "toy" / "rlm.yaml"
 
 if __name__ == "__main__":
-    argv = sys.argv[1:]
-    if "--config" not in argv:
-        argv = ["--config", str(DEFAULT), *argv]
-    cfg = parse_cli(RLMConfig, argv)
+    cfg = parse_cli(RLMConfig, sys.argv[1:], default_config=DEFAULT)
     print_rlm_table(cfg, train_rlm(cfg))
     PartialState().destroy_process_group()  # clean exit of a multi-process run
