@@ -115,6 +115,8 @@ def build_buffer(model, corpus, out_dir: Union[str, Path], batch_size: int = 256
         model.to(accelerator.device)
     model_fp, corpus_fp = model.fingerprint(), corpus.fingerprint
     existing = _existing_buffer(out_dir, model_fp, corpus_fp, dtype, overwrite)
+    if accelerator is not None:  # nobody writes before every process has checked: they all decide alike
+        accelerator.wait_for_everyone()
     if existing is not None:
         logger.info("%s already holds this buffer; nothing to encode", out_dir)
         return existing
