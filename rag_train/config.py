@@ -10,7 +10,6 @@ The schema lives here, in one place: the sections below are shared by both recip
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -409,7 +408,3 @@ def parse_cli(schema: type[T], argv: Optional[list[str]] = None, description: st
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from exc
-
-
-def replace(cfg: T, **changes: Any) -> T:
-    return dataclasses.replace(cfg, **changes)

@@ -8,7 +8,6 @@ of processes, each process takes its contiguous slice of it, and resuming needs 
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import time
@@ -215,7 +214,3 @@ def save_full_model(accelerator: Accelerator, prepared: torch.nn.Module, save: C
 def linear_warmup(optimizer: torch.optim.Optimizer, warmup_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
     """Linear warm-up then constant, the schedule both papers' recipes use by default."""
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, warmup_steps)))
-
-
-def finite_or_none(value: float) -> Optional[float]:
-    return value if math.isfinite(value) else None
