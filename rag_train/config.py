@@ -134,12 +134,17 @@ class CorrectorConfig:
     loss: str = "ce"  # ce (Eq. 6, preferred) | mse (Eq. 5)
     weight: float = 10.0
     lr: float = 1e-4
+    # divergence guard: a step whose (weighted) corrector loss is above this skips the corrector's update and
+    # keeps the encoder's (0 = off; a non-finite corrector loss or gradient always skips it). See
+    # train.common.optimizer_step; train.max_bad_steps such steps in a row stop the run.
+    max_loss: float = 0.0
 
     def __post_init__(self) -> None:
         _positive("strategy.corrector", "hidden", self.hidden)
         _choice("strategy.corrector", "loss", self.loss, ("ce", "mse"))
         _positive("strategy.corrector", "weight", self.weight, allow_zero=True)
         _positive("strategy.corrector", "lr", self.lr)
+        _positive("strategy.corrector", "max_loss", self.max_loss, allow_zero=True)
 
 
 @dataclass
@@ -155,6 +160,9 @@ class BufferConfig:
     faiss_index: str = "Flat"  # candidate index for corrector_rerank: Flat | IVF{n},Flat | HNSW{m} | any factory string
     rerank_candidates: int = 1024
     device: str = "auto"  # where the buffer is searched: auto | cpu | cuda
+    # before training, check every shard's sha256 against the manifest (each process hashes 1/N of them);
+    # false skips it for huge buffers on trusted storage (a truncated shard is still caught by its size)
+    verify: bool = True
 
     def __post_init__(self) -> None:
         _choice("buffer", "dtype", self.dtype, ("float16", "bfloat16", "float32"))
@@ -206,12 +214,16 @@ class TrainConfig:
     log_every: int = 10
     eval_every: int = 0  # 0 = only at the end
     save_every: int = 0  # 0 = only at the end
-    resume: bool = False
-    max_bad_steps: int = 10  # consecutive non-finite losses before the run stops
+    resume: bool = False  # continue from the newest complete checkpoint in output_dir (checksums verified)
+    # steps skipped in a row (non-finite loss / gradient, or a diverged corrector) before the run stops
+    max_bad_steps: int = 10
+    # seconds any collective (all-reduce, barrier, gather) may wait for the other processes: a hung process
+    # then stops the run with a timeout error instead of a silent hang (a dead one stops it at once)
+    collective_timeout: int = 1800
     tracker: Optional[str] = "tensorboard"  # any accelerate tracker name, or None
 
     def __post_init__(self) -> None:
-        for key in ("steps", "batch_size", "lr", "temperature", "log_every", "max_bad_steps"):
+        for key in ("steps", "batch_size", "lr", "temperature", "log_every", "max_bad_steps", "collective_timeout"):
             _positive("train", key, getattr(self, key))
         for key in ("warmup_steps", "eval_every", "save_every", "weight_decay", "max_grad_norm"):
             _positive("train", key, getattr(self, key), allow_zero=True)
@@ -334,8 +346,10 @@ class EmbedConfig:
     model_dir: Optional[str] = None  # a DualEncoder.save folder (e.g. a trained retriever)
     seed: int = 0  # init seed of `tiny` models: equal to the training run's so its buffer matches
     overwrite: bool = False  # replace a complete buffer of another model / corpus in `output`
+    collective_timeout: int = 1800  # seconds a collective waits for the other processes (see train.collective_timeout)
 
     def __post_init__(self) -> None:
+        _positive("", "collective_timeout", self.collective_timeout)
         if self.output is None and self.buffer.path is None:
             raise ConfigError("embed: set output=DIR (or buffer.path=DIR) for the buffer")
 

@@ -1,5 +1,9 @@
 """Crash-safe file writing and checksums: everything kept for later is written to a temporary file,
-fsynced and renamed into place, so a reader never sees a half-written file under its final name."""
+fsynced and renamed into place, so a reader never sees a half-written file under its final name.
+
+Folders written for later use (checkpoints, saved models) carry a checksum record of their files
+(`folder_checksums`), and readers check it (`verify_checksums`) so that a truncated or altered file is
+reported by name instead of surfacing as a deserialisation error deep inside a loader."""
 
 from __future__ import annotations
 
@@ -37,23 +41,49 @@ def atomic_open(path: str | Path, mode: str = "wb") -> Iterator[Any]:
         raise
 
 
+class CorruptFileError(ValueError):
+    """A file written for later use that is missing, truncated or altered; the message names the file."""
+
+
 @contextmanager
 def atomic_directory(path: str | Path) -> Iterator[Path]:
-    """Yield a temporary sibling folder to fill; on clean exit it replaces `path` (an existing folder is
-    swapped out only once the new one is complete). On error the temporary folder is removed."""
+    """Yield a temporary sibling folder to fill; on clean exit its files are fsynced and it replaces `path`
+    (an existing folder is swapped out only once the new one is complete). On error the temporary folder is
+    removed. A kill between the two renames leaves the previous folder as `.NAME.old`; the next call
+    puts it back first, so a finished folder is never lost."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    old = path.with_name(f".{path.name}.old")
+    if old.exists() and not path.exists():
+        os.replace(old, path)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:
         yield tmp
-        old = path.with_name(f".{path.name}.old")
+        fsync_tree(tmp)
         if path.exists():
+            shutil.rmtree(old, ignore_errors=True)
             os.replace(path, old)
         os.replace(tmp, path)
         shutil.rmtree(old, ignore_errors=True)
         _fsync_dir(path.parent)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def fsync_tree(directory: str | Path) -> None:
+    """fsync every file and folder under `directory` (before it is renamed into place)."""
+    directory = Path(directory)
+    for root, _, files in os.walk(directory):
+        for name in files:
+            try:
+                fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(root))
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -84,3 +114,43 @@ def sha256_file(path: str | Path, block: int = 1 << 22) -> str:
         while chunk := handle.read(block):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def folder_checksums(directory: str | Path, exclude: tuple[str, ...] = ()) -> dict[str, dict]:
+    """{relative path: {"bytes", "sha256"}} of every file under `directory` (sorted; `exclude` names skipped)."""
+    directory = Path(directory)
+    out = {}
+    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
+        rel = path.relative_to(directory).as_posix()
+        if rel in exclude:
+            continue
+        out[rel] = {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+    return out
+
+
+def verify_checksums(directory: str | Path, files: dict[str, dict], record: str | Path) -> None:
+    """CorruptFileError naming the first file under `directory` that is missing, truncated or altered
+    with respect to `files` (as written by `folder_checksums`; `record` names where they were read from)."""
+    directory = Path(directory)
+    for rel, expected in files.items():
+        path = directory / rel
+        if not path.is_file():
+            raise CorruptFileError(f"{path}: missing (listed in {record})")
+        size = path.stat().st_size
+        if size != expected["bytes"]:
+            raise CorruptFileError(f"{path}: {size} bytes, {record} says {expected['bytes']} (truncated or "
+                                   "overwritten)")
+        if sha256_file(path) != expected["sha256"]:
+            raise CorruptFileError(f"{path}: sha256 does not match {record} (the file is corrupt or was replaced)")
+
+
+def read_json(path: str | Path) -> Any:
+    """A JSON file written by this package; CorruptFileError naming it when it is missing or unreadable."""
+    path = Path(path)
+    try:
+        return json.loads(path.read_bytes().decode("utf-8"))
+    except FileNotFoundError:
+        raise CorruptFileError(f"{path}: missing") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        line = f":{exc.lineno}" if isinstance(exc, json.JSONDecodeError) else ""
+        raise CorruptFileError(f"{path}{line}: not valid JSON, the file is truncated or corrupt ({exc})") from None

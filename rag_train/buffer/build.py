@@ -71,7 +71,13 @@ def _existing_buffer(out_dir: Path, model_fp: str, corpus_fp: str, dtype: str, o
     path = out_dir / MANIFEST
     if not path.is_file():
         return None
-    manifest = json.loads(path.read_text(encoding="utf-8"))
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        if overwrite:
+            return None
+        raise BufferError(f"{path}: not valid JSON, the manifest is truncated or corrupt ({exc}); it is not "
+                          "overwritten - delete the buffer folder or choose another output dir") from None
     if not manifest.get("complete"):
         return None
     mismatched = [key for key, value in (("model_fingerprint", model_fp), ("corpus_fingerprint", corpus_fp),

@@ -129,7 +129,11 @@ class Buffer:
                 raise BufferError(f"{where}: shard file {file} is missing")
             if verify and sha256_file(file) != shard["sha256"]:
                 raise BufferError(f"{where}: sha256 of {file} does not match the manifest (file corrupted or replaced)")
-            array = np.load(file, mmap_mode="r", allow_pickle=False)
+            try:
+                array = np.load(file, mmap_mode="r", allow_pickle=False)
+            except (ValueError, OSError, EOFError) as exc:  # a truncated file: header or data shorter than stated
+                raise BufferError(f"{where}: {file} cannot be read, it is truncated or corrupt ({exc}); "
+                                  "rebuild the buffer") from None
             want = (shard["end"] - shard["start"], manifest["dim"])
             if array.shape != want or array.dtype != storage:
                 raise BufferError(f"{where}: {file} holds {array.shape} {array.dtype}, expected {want} {storage}")
@@ -159,6 +163,16 @@ class Buffer:
         atomic_write_json(directory / MANIFEST, manifest_dict(rows, array.shape[1], dtype, shards, model_fingerprint,
                                                              corpus_fingerprint, complete=True))
         return cls.open(directory)
+
+    def verify(self, rank: int = 0, world: int = 1) -> None:
+        """Check the sha256 of shards rank, rank + world, ... against the manifest (a process's share of the
+        work); BufferError naming the first shard file that does not match."""
+        path = self.path / MANIFEST
+        for i, shard in list(enumerate(self.manifest["shards"]))[rank::world]:
+            file = self.path / shard["file"]
+            if sha256_file(file) != shard["sha256"]:
+                raise BufferError(f"{path}: field 'shards[{i}]': sha256 of {file} does not match the manifest "
+                                  "(file corrupted or replaced); rebuild the buffer")
 
     def views(self, start: int = 0, end: Optional[int] = None) -> list[tuple[int, np.ndarray]]:
         """Zero-copy memmap pieces `(global_start, array)` covering rows [start, end)."""

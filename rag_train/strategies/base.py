@@ -134,7 +134,8 @@ class Strategy:
         return None
 
     def prepare(self, accelerator: Accelerator) -> list[dict]:
-        """Prepare the strategy's trainable modules; return their optimizer param groups (none here)."""
+        """Prepare the strategy's trainable modules; return their optimizer param groups (none here). Groups
+        trained only by `auxiliary_loss` carry `"auxiliary": True` (see train.common.optimizer_step)."""
         return []
 
     # -- state ---------------------------------------------------------------------------------------

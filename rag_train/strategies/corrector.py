@@ -28,7 +28,9 @@ class CorrectorStrategy(Stale):
     def prepare(self, accelerator: Accelerator) -> list[dict]:
         self.trained_corrector = accelerator.prepare(self.corrector)
         self.corrector = accelerator.unwrap_model(self.trained_corrector)
-        return [{"params": list(self.corrector.parameters()), "lr": self.cfg.corrector.lr, "weight_decay": 0.0}]
+        # "auxiliary": optimizer_step leaves it out of the clipping norm and drops its update when the corrector diverges
+        return [{"params": list(self.corrector.parameters()), "lr": self.cfg.corrector.lr, "weight_decay": 0.0,
+                 "auxiliary": True}]
 
     def auxiliary_loss(
         self, queries: torch.Tensor, rows: torch.Tensor, fresh_vectors: torch.Tensor, fresh_scores: torch.Tensor

@@ -1,5 +1,6 @@
 """What both recipes share: the Accelerate run (seeding, run directory, trackers), step-indexed data order,
-atomic checkpoints with resume, the non-finite-loss guard, and metrics files.
+atomic checksummed checkpoints with resume, the cross-process agreement check, the numerical-fault guard,
+and metrics files.
 
 Data order is a pure function of (seed, step): the global batch for step t is the same whatever the number
 of processes, each process takes its contiguous slice of it, and resuming needs nothing but the step.
@@ -7,7 +8,7 @@ of processes, each process takes its contiguous slice of it, and resuming needs 
 
 from __future__ import annotations
 
-import json
+import hashlib
 import os
 import shutil
 import time
@@ -19,12 +20,16 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 
-from rag_train.config import ConfigError, save_config
-from rag_train.io import atomic_write_json
+from rag_train.config import ConfigError, save_config, to_yaml
+from rag_train.io import (CorruptFileError, atomic_write_json, folder_checksums, fsync_tree, read_json, sha256_file,
+                          verify_checksums)
 from rag_train.launch import make_accelerator
 
 CHECKPOINTS = "checkpoints"
-LATEST = "latest.json"
+LATEST = "latest.json"  # informative pointer; the newest complete step-* folder is what resumes
+STEP_FILE = "step.json"
+CHECKSUMS = "checksums.json"  # sha256 + size of every other file of a checkpoint, written last
+TRAINER_STATE = "trainer_state.json"  # fault counters (NonFiniteGuard)
 
 
 def global_batch(num_examples: int, batch_size: int, seed: int, step: int) -> np.ndarray:
@@ -48,49 +53,85 @@ def local_slice(items: np.ndarray, accelerator: Accelerator) -> np.ndarray:
 
 
 class NonFiniteGuard:
-    """Skips steps whose loss is not finite (on any process) and stops after too many in a row."""
+    """Numerical-fault bookkeeping for `optimizer_step`.
 
-    def __init__(self, max_in_a_row: int):
+    A step whose task loss or encoder gradient is not finite (on any process) is skipped whole: no
+    parameter, optimizer or scheduler update. A step whose auxiliary (corrector) loss or gradient is not
+    finite, or whose auxiliary loss exceeds `aux_max_loss` (> 0), keeps its encoder update and drops only
+    the corrector's. Both are counted, printed, logged as `skipped_steps` / `corrector_skipped_steps` and
+    written into metrics.json; `max_in_a_row` such steps in a row stop the run with FloatingPointError.
+    The counts are checkpointed, so a resumed run reports what an uninterrupted one would.
+    """
+
+    def __init__(self, max_in_a_row: int, aux_max_loss: float = 0.0):
         self.max_in_a_row = max_in_a_row
+        self.aux_max_loss = aux_max_loss
         self.in_a_row = 0
         self.skipped = 0
+        self.aux_in_a_row = 0
+        self.aux_skipped = 0
+        self.calls = 0  # optimizer steps attempted (= the training step after it)
 
-    def ok(self, loss: torch.Tensor, accelerator: Accelerator) -> bool:
-        bad = torch.tensor([0.0 if torch.isfinite(loss.detach()).all() else 1.0], device=accelerator.device)
-        bad = accelerator.reduce(bad, reduction="sum")
-        if bad.item() == 0:
-            self.in_a_row = 0
-            return True
-        self.in_a_row += 1
-        self.skipped += 1
-        if self.in_a_row >= self.max_in_a_row:
-            raise FloatingPointError(
-                f"{self.in_a_row} consecutive steps had a non-finite loss; stopping "
-                f"(train.max_bad_steps={self.max_in_a_row}). Lower train.lr or check the data."
-            )
-        return False
+    def record(self, accelerator: Accelerator, bad: bool, aux_bad: bool, why: str) -> None:
+        """Count one step's outcome (decided identically on every process); raise after too many in a row."""
+        self.calls += 1
+        if bad:
+            self.in_a_row += 1
+            self.skipped += 1
+            accelerator.print(f"warning: step {self.calls}: {why}; step skipped ({self.in_a_row} in a row, "
+                              f"{self.skipped} in all)")
+            if self.in_a_row >= self.max_in_a_row:
+                raise FloatingPointError(
+                    f"{self.in_a_row} consecutive steps had a non-finite loss or gradient; stopping at step "
+                    f"{self.calls} (train.max_bad_steps={self.max_in_a_row}). Lower train.lr or check the data; "
+                    "the last checkpoint is intact (train.resume=true continues from it).")
+            return
+        self.in_a_row = 0
+        if aux_bad:
+            self.aux_in_a_row += 1
+            self.aux_skipped += 1
+            accelerator.print(f"warning: step {self.calls}: {why}; corrector update skipped, encoder updated "
+                              f"({self.aux_in_a_row} in a row, {self.aux_skipped} in all)")
+            if self.aux_in_a_row >= self.max_in_a_row:
+                raise FloatingPointError(
+                    f"the corrector diverged {self.aux_in_a_row} steps in a row; stopping at step {self.calls} "
+                    f"(train.max_bad_steps={self.max_in_a_row}). Lower strategy.corrector.lr or "
+                    "strategy.corrector.weight; the last checkpoint is intact.")
+        else:
+            self.aux_in_a_row = 0
+
+    def counts(self) -> dict[str, int]:
+        return {"skipped_steps": self.skipped, "corrector_skipped_steps": self.aux_skipped}
 
     def state_dict(self) -> dict:
-        return {"in_a_row": self.in_a_row, "skipped": self.skipped}
+        return {"in_a_row": self.in_a_row, "skipped": self.skipped, "aux_in_a_row": self.aux_in_a_row,
+                "aux_skipped": self.aux_skipped, "calls": self.calls}
 
     def load_state_dict(self, state: dict) -> None:
         self.in_a_row, self.skipped = int(state["in_a_row"]), int(state["skipped"])
+        self.aux_in_a_row, self.aux_skipped = int(state.get("aux_in_a_row", 0)), int(state.get("aux_skipped", 0))
+        self.calls = int(state.get("calls", 0))
 
 
 class TrainingRun:
-    """A run directory plus its Accelerator: config saved, trackers started, checkpoints kept atomic."""
+    """A run directory plus its Accelerator: config saved, trackers started, checkpoints kept atomic and
+    checksummed, processes checked to agree before any long work."""
 
     def __init__(self, cfg: Any, project: str):
         self.cfg = cfg
         self.dir = Path(cfg.train.output_dir)
         self.accelerator = make_accelerator(
-            mixed_precision=cfg.train.mixed_precision, log_with=cfg.train.tracker, project_dir=str(self.dir))
+            mixed_precision=cfg.train.mixed_precision, log_with=cfg.train.tracker, project_dir=str(self.dir),
+            timeout_s=cfg.train.collective_timeout)
         world = self.accelerator.num_processes
         if cfg.train.batch_size % world:
             raise ConfigError(f"train.batch_size={cfg.train.batch_size} must be divisible by the {world} processes")
+        self.agree(config=hashlib.sha256(to_yaml(cfg).encode()).hexdigest())
         set_seed(cfg.train.seed, device_specific=False)
+        self.guard = NonFiniteGuard(cfg.train.max_bad_steps, cfg.strategy.corrector.max_loss)
         self.started = time.time()
         if self.accelerator.is_main_process:
+            self._tidy_checkpoints()
             if self.latest_checkpoint() is not None and not cfg.train.resume:
                 raise ConfigError(
                     f"{self.dir} already holds checkpoints: pass train.resume=true to continue it, "
@@ -102,19 +143,78 @@ class TrainingRun:
         if cfg.train.tracker:
             self.accelerator.init_trackers(project, config=_flat_config(cfg))
 
+    # -- agreement between processes ----------------------------------------------------------------
+
+    def agree(self, **items: Optional[str]) -> None:
+        """Every process must hold the same value for each item (config hash, corpus fingerprint, buffer
+        manifest hash, ...): ConfigError on all of them naming the item and the ranks that differ, before any
+        long work. A no-op with one process."""
+        if self.accelerator.num_processes == 1:
+            return
+        from accelerate.utils import gather_object
+
+        everyone = gather_object([items])
+        for key, value in items.items():
+            values = [theirs.get(key) for theirs in everyone]
+            if len(set(values)) > 1:
+                differ = [rank for rank, v in enumerate(values) if v != values[0]]
+                shown = ", ".join(f"rank {r}: {str(v)[:16]}" for r, v in enumerate(values))
+                raise ConfigError(
+                    f"processes disagree on the {key.replace('_', ' ')} (rank(s) {differ} differ from rank 0; {shown}); "
+                    "every process must run the same config on the same corpus and buffer. Nothing was trained.")
+
+    def check_corpus(self, corpus: Any) -> None:
+        """Before long work: the config fits this corpus (no k larger than it), and every process has it."""
+        rows = len(corpus)
+        strategy, limits = self.cfg.strategy, [("strategy.top_k", self.cfg.strategy.top_k)]
+        if strategy.name == "negative_cache":
+            limits.append(("strategy.cache_size", strategy.cache_size))
+        if getattr(self.cfg.eval, "num_passages", None):
+            limits.append(("eval.num_passages", self.cfg.eval.num_passages))
+        for key, value in limits:
+            if value > rows:
+                raise ConfigError(f"{key}={value} is larger than the corpus {corpus.path} ({rows} passages)")
+        self.agree(corpus_fingerprint=corpus.fingerprint)
+
+    def check_buffer(self, directory: Path) -> None:
+        """Every process sees the same buffer manifest (hash of its bytes)."""
+        from rag_train.buffer.store import MANIFEST
+
+        self.agree(buffer_manifest=sha256_file(Path(directory) / MANIFEST))
+
     # -- checkpoints -------------------------------------------------------------------------------
 
+    def _tidy_checkpoints(self) -> None:
+        """Main process, at start: finish what a kill interrupted. A `.old-step-*` folder whose replacement
+        never arrived is put back; temporary folders of unfinished saves are removed."""
+        root = self.dir / CHECKPOINTS
+        if not root.is_dir():
+            return
+        for old in root.glob(".old-step-*"):
+            final = root / old.name[len(".old-"):]
+            if final.exists():
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(old, final)
+        for tmp in root.glob(".tmp-step-*"):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def checkpoints(self) -> list[Path]:
+        """Finished checkpoints, oldest first. A folder only gets its `step-*` name once complete (it is
+        written as `.tmp-step-*` and renamed), so the names alone are enough: `latest.json` is informative."""
+        root = self.dir / CHECKPOINTS
+        found = [p for p in root.glob("step-*") if p.is_dir() and (p / STEP_FILE).is_file()] if root.is_dir() else []
+        return sorted(found, key=lambda p: p.name)
+
     def latest_checkpoint(self) -> Optional[Path]:
-        pointer = self.dir / CHECKPOINTS / LATEST
-        if not pointer.is_file():
-            return None
-        path = self.dir / CHECKPOINTS / json.loads(pointer.read_text())["name"]
-        return path if path.is_dir() else None
+        found = self.checkpoints()
+        return found[-1] if found else None
 
     def save(self, step: int, extra: Optional[Callable[[Path], None]] = None, keep: int = 2) -> Path:
-        """accelerator.save_state (+ `extra(folder)` on every process, e.g. the strategy's state) into a
-        temporary folder, renamed into place, then the `latest` pointer moved: a kill at any moment leaves
-        the previous checkpoint intact."""
+        """accelerator.save_state (+ `extra(folder)` on every process, e.g. the strategy's state, + the fault
+        counters) into a temporary folder; the main process then writes `checksums.json` (sha256 and size of
+        every file), fsyncs, and renames the folder into place. A kill at any moment leaves the previous
+        checkpoint intact and never a `step-*` folder that is not complete."""
         root = self.dir / CHECKPOINTS
         final = root / f"step-{step:08d}"
         tmp = root / f".tmp-step-{step:08d}"
@@ -127,25 +227,51 @@ class TrainingRun:
             extra(tmp)
         self.accelerator.wait_for_everyone()
         if self.accelerator.is_main_process:
-            atomic_write_json(tmp / "step.json", {"step": step})
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)
-            atomic_write_json(root / LATEST, {"name": final.name, "step": step})
-            for old in sorted(root.glob("step-*"))[:-keep]:
+            atomic_write_json(tmp / TRAINER_STATE, {"guard": self.guard.state_dict()})
+            atomic_write_json(tmp / STEP_FILE, {"step": step})
+            atomic_write_json(tmp / CHECKSUMS, {"step": step, "files": folder_checksums(tmp, exclude=(CHECKSUMS,))})
+            fsync_tree(tmp)
+            old = root / f".old-{final.name}"
+            if final.exists():  # re-saving a step (a resumed run that had finished): swap, never delete first
                 shutil.rmtree(old, ignore_errors=True)
+                os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+            atomic_write_json(root / LATEST, {"name": final.name, "step": step})
+            for stale in self.checkpoints()[:-keep]:
+                shutil.rmtree(stale, ignore_errors=True)
         self.accelerator.wait_for_everyone()
         return final
 
+    def verify_checkpoint(self, path: Path) -> None:
+        """CorruptFileError naming the first file of checkpoint `path` that is missing, truncated or altered."""
+        record = path / CHECKSUMS
+        if not record.is_file():  # written before checksums existed: nothing to compare against
+            self.accelerator.print(f"warning: {path} has no {CHECKSUMS}; loading it unverified")
+            return
+        try:
+            verify_checksums(path, read_json(record)["files"], record)
+        except CorruptFileError as exc:
+            older = [p.name for p in self.checkpoints() if p != path]
+            hint = (f"move {path} aside to resume from {older[-1]}" if older
+                    else "no older checkpoint is left; restart without train.resume")
+            raise CorruptFileError(f"checkpoint {path.name} is damaged: {exc}. Nothing was loaded; {hint}.") from None
+
     def resume(self) -> int:
-        """Restore the latest checkpoint (models, optimizer, scheduler, registered objects, RNG); 0 if none."""
+        """Restore the latest checkpoint (models, optimizer, scheduler, registered objects, RNG, fault
+        counters) after checking its checksums; 0 if none."""
         if not self.cfg.train.resume:
             return 0
         path = self.latest_checkpoint()
         if path is None:
             self.accelerator.print(f"train.resume=true but {self.dir} has no checkpoint yet: starting at step 0")
             return 0
+        self.verify_checkpoint(path)
         self.accelerator.load_state(str(path))
-        step = json.loads((path / "step.json").read_text())["step"]
+        if (path / TRAINER_STATE).is_file():
+            self.guard.load_state_dict(read_json(path / TRAINER_STATE)["guard"])
+        step = int(read_json(path / STEP_FILE)["step"])
+        self.guard.calls = step
         self.accelerator.print(f"resumed from {path} at step {step}")
         return step
 
@@ -156,7 +282,8 @@ class TrainingRun:
             self.accelerator.log(values, step=step)
 
     def write_metrics(self, metrics: dict) -> None:
-        metrics = dict(metrics, wall_seconds=round(time.time() - self.started, 2))
+        """metrics.json (atomically), the marker of a finished run; it always carries the fault counters."""
+        metrics = dict(metrics, **self.guard.counts(), wall_seconds=round(time.time() - self.started, 2))
         if self.accelerator.is_main_process:
             atomic_write_json(self.dir / "metrics.json", metrics)
 
@@ -186,18 +313,65 @@ def _flat_config(cfg: Any) -> dict[str, Any]:
     return flat
 
 
+def _finite_norm(params: list, max_norm: float, accelerator: Accelerator) -> torch.Tensor:
+    """Gradient norm of `params` (clipped to `max_norm` when > 0); non-finite if any gradient is."""
+    grads = [p for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    if max_norm > 0:
+        norm = accelerator.clip_grad_norm_(grads, max_norm)
+        return torch.zeros(()) if norm is None else torch.as_tensor(norm).detach().float().cpu()  # None: DeepSpeed
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad.detach().float())
+                                                 for p in grads])).cpu()
+
+
+def auxiliary_params(optimizer) -> list:
+    """Parameters of the optimizer groups a strategy marked `auxiliary` (the corrector's)."""
+    return [p for group in optimizer.param_groups if group.get("auxiliary") for p in group["params"]]
+
+
 def optimizer_step(accelerator: Accelerator, loss: torch.Tensor, params: list, optimizer, scheduler,
-                   guard: NonFiniteGuard, max_grad_norm: float) -> bool:
-    """Backward, clip, step — or skip the whole step when the loss is not finite on some process."""
-    stepped = guard.ok(loss, accelerator)
-    if stepped:
-        accelerator.backward(loss)
-        if max_grad_norm > 0:
-            accelerator.clip_grad_norm_(params, max_grad_norm)
+                   guard: NonFiniteGuard, max_grad_norm: float, aux: Optional[torch.Tensor] = None) -> bool:
+    """Backward of `loss` (+ `aux`), clip, step — with the numerical-fault rules of `NonFiniteGuard`.
+
+    `aux` is an auxiliary loss computed from detached encoder outputs (the corrector's): its gradient
+    reaches only the optimizer groups marked `auxiliary`. Those are left out of the clipping norm, so a
+    diverging corrector can neither poison nor rescale the encoder's gradient, and when `aux` (or its
+    gradient) is not finite, or above `guard.aux_max_loss`, only those groups skip the update. Every process runs the
+    backward (DDP needs it) and the decision is reduced over processes, so all of them take the same one."""
+    aux_params = auxiliary_params(optimizer)
+    aux_ids = {id(p) for p in aux_params}
+    main_params = [p for p in params if id(p) not in aux_ids]
+    total = loss if aux is None else loss + aux
+    accelerator.backward(total)
+    main_norm = _finite_norm(main_params, max_grad_norm, accelerator)
+    aux_norm = _finite_norm(aux_params, 0.0, accelerator) if aux_params else torch.zeros(())  # checked, not clipped
+    aux_value = aux.detach().float().cpu() if aux is not None else torch.zeros(())
+    flags = torch.tensor([
+        not torch.isfinite(loss.detach()).all().item(),
+        not bool(torch.isfinite(main_norm)),
+        not bool(torch.isfinite(aux_value)),
+        not bool(torch.isfinite(aux_norm)),
+        guard.aux_max_loss > 0 and bool(aux_value > guard.aux_max_loss),
+    ], dtype=torch.float32, device=accelerator.device)
+    if accelerator.num_processes > 1:
+        flags = accelerator.reduce(flags, reduction="sum")
+    bad_loss, bad_grad, bad_aux_loss, bad_aux_grad, aux_exploding = (bool(v > 0) for v in flags.tolist())
+    if getattr(accelerator, "scaler", None) is not None:  # fp16: the loss scaler skips inf-gradient steps itself
+        bad_grad = bad_aux_grad = False
+    bad, aux_bad = bad_loss or bad_grad, bad_aux_loss or bad_aux_grad or aux_exploding
+    why = ("non-finite loss" if bad_loss else "non-finite gradient" if bad_grad
+           else "non-finite corrector loss or gradient" if bad_aux_loss or bad_aux_grad
+           else f"corrector loss above strategy.corrector.max_loss={guard.aux_max_loss}")
+    guard.record(accelerator, bad, aux_bad, why)
+    if not bad:
+        if aux_bad:
+            for p in aux_params:
+                p.grad = None  # AdamW leaves parameters without a gradient (and their moments) untouched
         optimizer.step()
         scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return stepped
+    return not bad
 
 
 def save_full_model(accelerator: Accelerator, prepared: torch.nn.Module, save: Callable[[torch.nn.Module], None]) -> None:
@@ -209,6 +383,15 @@ def save_full_model(accelerator: Accelerator, prepared: torch.nn.Module, save: C
         model.load_state_dict(state)
         save(model)
     accelerator.wait_for_everyone()
+
+
+def save_pretrained_atomic(directory: Path, *objects: Any) -> None:
+    """`save_pretrained` of each object (model, tokenizer) into one folder, written beside and swapped in."""
+    from rag_train.io import atomic_directory
+
+    with atomic_directory(directory) as tmp:
+        for obj in objects:
+            obj.save_pretrained(str(tmp))
 
 
 def linear_warmup(optimizer: torch.optim.Optimizer, warmup_steps: int) -> torch.optim.lr_scheduler.LambdaLR:

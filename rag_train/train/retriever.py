@@ -25,8 +25,8 @@ from rag_train.data.supervised import load_retrieval
 from rag_train.eval.retrieval import EvalSet, evaluate_retrieval
 from rag_train.models.retriever import DualEncoder
 from rag_train.strategies import REGISTRY, StrategyContext, build_strategy
-from rag_train.train.common import (NonFiniteGuard, TrainingRun, global_batch, linear_warmup, local_slice,
-                                    optimizer_step, save_full_model)
+from rag_train.train.common import (TrainingRun, global_batch, linear_warmup, local_slice, optimizer_step,
+                                    save_full_model)
 from rag_train.train.stages import ensure_buffer, gather_with_grad, my_share
 
 
@@ -35,6 +35,7 @@ def train_retriever(cfg: RetrieverTrainConfig) -> dict:
     acc = run.accelerator
     files = resolve_data(cfg.data, acc, ["retrieval-train"], ["retrieval-dev"])
     corpus = Corpus.open(files.passages)
+    run.check_corpus(corpus)  # k <= corpus size, same corpus on every process: before any long work
     train_set = [ex for path in files.train for ex in load_retrieval(path, corpus=corpus)][: cfg.data.max_train_examples]
     dev_sets = {dataset_name(p): load_retrieval(p, corpus=corpus, limit=cfg.data.max_eval_examples) for p in files.dev}
     dev_sets = {name: EvalSet([e.question for e in ex], [e.positive_ids for e in ex], [e.answers for e in ex])
@@ -51,7 +52,7 @@ def train_retriever(cfg: RetrieverTrainConfig) -> dict:
     scheduler = linear_warmup(optimizer, cfg.train.warmup_steps)
     model, optimizer, scheduler = acc.prepare(model, optimizer, scheduler)
     ctx.model = acc.unwrap_model(model)
-    guard = NonFiniteGuard(cfg.train.max_bad_steps)
+    guard = run.guard
     step = run.resume()
     if step:
         strategy.load(run.latest_checkpoint())
@@ -79,17 +80,18 @@ def train_retriever(cfg: RetrieverTrainConfig) -> dict:
         scores = queries.float() @ passages.float().t()
         task_loss, logged = strategy.task_loss(scores, subset)
         aux = strategy.auxiliary_loss(queries.detach(), subset.rows, passages.detach(), scores.detach())
-        loss = task_loss + (aux if aux is not None else 0.0)
 
-        # 4. update, then let the strategy refresh its state with the new parameters
-        optimizer_step(acc, loss, list(model.parameters()), optimizer, scheduler, guard, cfg.train.max_grad_norm)
+        # 4. update (a non-finite step is skipped; a diverged corrector skips only its own update), then let the
+        # strategy refresh its state with the new parameters
+        optimizer_step(acc, task_loss, list(model.parameters()), optimizer, scheduler, guard, cfg.train.max_grad_norm,
+                       aux=aux)
         step += 1
         strategy.after_step(step)
         bar.update(1)
 
         if step % cfg.train.log_every == 0 or step == cfg.train.steps:
             values = {"loss": task_loss.item(), "subset": len(subset.rows), "embedded": strategy.embedded,
-                      "skipped_steps": guard.skipped, **logged}
+                      **guard.counts(), **logged}
             if aux is not None:
                 values["corrector_loss"] = aux.item()
             run.log(values, step)
@@ -111,7 +113,6 @@ def train_retriever(cfg: RetrieverTrainConfig) -> dict:
         "answer_recall": main_set.get("answer_recall", {}),
         "datasets": final,
         "reembedded_passages": strategy.embedded,
-        "skipped_steps": guard.skipped,
         "steps": step,
         "strategy": cfg.strategy.name,
         "history": history,

@@ -33,8 +33,8 @@ from rag_train.losses import perplexity_distillation, retrieval_scores
 from rag_train.models.reader import FiDReader
 from rag_train.models.tokenizer import load_tokenizer
 from rag_train.strategies import REGISTRY, StrategyContext, build_strategy
-from rag_train.train.common import (NonFiniteGuard, TrainingRun, global_batch, linear_warmup, local_slice,
-                                    optimizer_step, save_full_model)
+from rag_train.train.common import (TrainingRun, global_batch, linear_warmup, local_slice, optimizer_step,
+                                    save_full_model, save_pretrained_atomic)
 from rag_train.train.stages import ensure_buffer
 from rag_train.train.warm_start import warm_start_reader, warm_start_retriever
 
@@ -110,6 +110,7 @@ def train_rlm(cfg: RLMConfig) -> dict:
     acc = run.accelerator
     files = resolve_data(cfg.data, acc, TOY_TRAIN_SETS, TOY_DEV_SETS)
     corpus = Corpus.open(files.passages)
+    run.check_corpus(corpus)  # k <= corpus size, same corpus on every process: before any long work
     train_set = [ex for path in files.train for ex in load_qa(path, corpus=corpus)][: cfg.data.max_train_examples]
     dev_sets = {dataset_name(p): load_qa(p, corpus=corpus, limit=cfg.data.max_eval_examples) for p in files.dev}
     tokenizer = load_tokenizer(cfg.reader.tokenizer or files.tokenizer)
@@ -137,7 +138,7 @@ def train_rlm(cfg: RLMConfig) -> dict:
     reader, optimizer, scheduler = acc.prepare(reader, optimizer, scheduler)
     retriever_ddp = acc.prepare(retriever) if trains_retriever else retriever.to(acc.device)
     ctx.model = retriever = acc.unwrap_model(retriever_ddp)
-    guard = NonFiniteGuard(cfg.train.max_bad_steps)
+    guard = run.guard
     gate = RetrieverGate(cfg, trains_retriever, acc)
     step = run.resume()
     if step:
@@ -169,7 +170,7 @@ def train_rlm(cfg: RLMConfig) -> dict:
         inputs = {name: tensor.to(acc.device) for name, tensor in inputs.items()}
         out = reader(**inputs, labels=labels)
         reader_loss = global_token_mean(out.logits, labels, acc)
-        loss = reader_loss
+        loss, aux = reader_loss, None
         logged = {"reader_loss": reader_loss.item()}
         if rows is not None:
             with torch.no_grad():
@@ -190,13 +191,12 @@ def train_rlm(cfg: RLMConfig) -> dict:
                 # 7. corrector loss on the same passages, detached inputs: it only reaches the corrector
                 aux = strategy.auxiliary_loss(queries.detach(), rows, passage_vectors.detach(), scores.detach())
                 if aux is not None:
-                    loss = loss + aux
                     logged["corrector_loss"] = aux.item()
             logged["p_a_answer_lift"] = gate.lift
 
         # 8. one optimizer step for reader, retriever and corrector (their losses are disjoint)
         optimizer_step(acc, loss, [p for g in groups for p in g["params"]], optimizer, scheduler, guard,
-                       cfg.train.max_grad_norm)
+                       cfg.train.max_grad_norm, aux=aux)
         step += 1
         strategy.after_step(step)
         bar.update(1)
@@ -216,9 +216,8 @@ def train_rlm(cfg: RLMConfig) -> dict:
     run.save(step, extra=strategy.save)
     metrics, predictions = evaluate_qa(retriever, acc.unwrap_model(reader), tokenizer, corpus, dev_sets, settings, acc)
     save_full_model(acc, retriever_ddp, lambda m: m.save(run.dir / "retriever"))
-    save_full_model(acc, reader, lambda m: m.save_pretrained(run.dir / "reader"))
+    save_full_model(acc, reader, lambda m: save_pretrained_atomic(run.dir / "reader", m, tokenizer))
     if acc.is_main_process:
-        tokenizer.save_pretrained(run.dir / "reader")
         write_predictions(run.dir / "predictions", predictions)
     result = {
         "em": {name: m["em"] for name, m in metrics.items()},

@@ -21,14 +21,21 @@ def ensure_buffer(run: TrainingRun, cfg: BufferConfig, model: nn.Module, corpus:
     """The stale buffer B = g(Y; Theta_0): built with the initial model unless a complete one exists.
 
     A buffer named by `buffer.path` must match this corpus (and, at a fresh start, this model); the run's
-    own buffer is reused as is when resuming (it was built from the run's initial model)."""
+    own buffer is reused as is when resuming (it was built from the run's initial model). Before the build
+    every process must hold the same corpus and initial model; after it, the same manifest, and (with
+    `buffer.verify`) every shard's sha256 is checked, each process hashing its share."""
     directory = Path(cfg.path) if cfg.path else run.dir / "buffer"
+    acc = run.accelerator
     if run.latest_checkpoint() is not None:  # resuming: the buffer of this run's initial model, as it is
-        Buffer.open(directory, corpus_fingerprint=corpus.fingerprint)
-        return directory
-    # A user-named buffer is reused when it matches and never overwritten; the run's own is rebuilt.
-    build_buffer(model, corpus, directory, batch_size=cfg.embed_batch_size, shard_rows=cfg.shard_rows,
-                 dtype=cfg.dtype, accelerator=run.accelerator, overwrite=cfg.path is None)
+        buffer = Buffer.open(directory, corpus_fingerprint=corpus.fingerprint)
+    else:
+        run.agree(corpus_fingerprint=corpus.fingerprint, initial_model=model.fingerprint())
+        # A user-named buffer is reused when it matches and never overwritten; the run's own is rebuilt.
+        buffer = build_buffer(model, corpus, directory, batch_size=cfg.embed_batch_size, shard_rows=cfg.shard_rows,
+                              dtype=cfg.dtype, accelerator=acc, overwrite=cfg.path is None)
+    run.check_buffer(directory)
+    if cfg.verify:
+        buffer.verify(acc.process_index, acc.num_processes)
     return directory
 
 
