@@ -10,10 +10,12 @@ The schema lives here, in one place: the sections below are shared by both recip
 
 from __future__ import annotations
 
+import os
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, TypeVar
+from typing import Any, Iterator, Optional, TypeVar
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -408,6 +410,30 @@ def save_config(cfg: Any, path: str | Path) -> None:
     atomic_write_text(Path(path), to_yaml(cfg))
 
 
+INPUT_FAULT_EXIT = 2  # bad config, data, buffer, checkpoint or model path
+NUMERICAL_FAULT_EXIT = 3  # the run stopped after too many non-finite / diverged steps
+
+
+@contextmanager
+def exit_on_fault() -> Iterator[None]:
+    """For entry scripts: a known fault ends the process with `error: <message>` on stderr (the message names
+    the file, line, field or key) and a non-zero status, without a traceback; anything else propagates."""
+    from rag_train.buffer.store import BufferError
+    from rag_train.data.errors import DataError
+    from rag_train.io import CorruptFileError
+    from rag_train.models.reader import ReaderLoadError
+
+    prefix = f"[rank {os.environ['RANK']}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+    try:
+        yield
+    except (ConfigError, DataError, BufferError, CorruptFileError, ReaderLoadError) as exc:
+        print(f"{prefix}error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(INPUT_FAULT_EXIT) from exc
+    except FloatingPointError as exc:
+        print(f"{prefix}error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(NUMERICAL_FAULT_EXIT) from exc
+
+
 def parse_cli(schema: type[T], argv: Optional[list[str]] = None, description: str = "",
               default_config: Optional[str | Path] = None) -> T:
     """`script.py [--config FILE] [key=value ...]`; on a bad config print the reason and exit 2."""
@@ -421,4 +447,4 @@ def parse_cli(schema: type[T], argv: Optional[list[str]] = None, description: st
         return load_config(schema, args.config, args.overrides)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from exc
+        raise SystemExit(INPUT_FAULT_EXIT) from exc

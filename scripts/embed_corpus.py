@@ -4,14 +4,15 @@ Rerun the same command to resume a killed build; see rag_train.config.EmbedConfi
 """
 
 from rag_train.buffer.build import embed_corpus
-from rag_train.config import EmbedConfig, parse_cli
+from rag_train.config import EmbedConfig, exit_on_fault, parse_cli
 from rag_train.launch import make_accelerator
 
 
 def main(argv=None) -> None:
     cfg = parse_cli(EmbedConfig, argv, description=__doc__)
-    accelerator = make_accelerator()
-    buffer = embed_corpus(cfg, accelerator)
+    with exit_on_fault():  # `error: <file, line, field>` and exit status 2 on bad input
+        accelerator = make_accelerator(timeout_s=cfg.collective_timeout)
+        buffer = embed_corpus(cfg, accelerator)
     if accelerator.is_main_process:
         print(f"buffer: {buffer.path} ({buffer.rows} rows x {buffer.dim}, {buffer.dtype}; "
               f"{accelerator.num_processes} process(es))")

@@ -1,14 +1,16 @@
 """Algorithm 2: `accelerate launch scripts/train_rlm.py [--config FILE] [key=value ...]`.
 
 With no arguments it runs the toy default (configs/toy/rlm.yaml): the toy world is generated on first use,
-tiny models are warm-started, then reader and retriever train together through the corrector."""
+tiny models are warm-started, then reader and retriever train together through the corrector. A bad config,
+data file, buffer or checkpoint ends it with `error: <where and why>` and exit status 2; too many
+non-finite steps in a row with status 3."""
 
 import sys
 from pathlib import Path
 
 from accelerate import PartialState
 
-from rag_train.config import RLMConfig, parse_cli
+from rag_train.config import RLMConfig, exit_on_fault, parse_cli
 from rag_train.train.report import print_rlm_table
 from rag_train.train.rlm import train_rlm
 
@@ -16,5 +18,6 @@ DEFAULT = Path(__file__).resolve().parent.parent / "configs" / "toy" / "rlm.yaml
 
 if __name__ == "__main__":
     cfg = parse_cli(RLMConfig, sys.argv[1:], default_config=DEFAULT)
-    print_rlm_table(cfg, train_rlm(cfg))
+    with exit_on_fault():
+        print_rlm_table(cfg, train_rlm(cfg))
     PartialState().destroy_process_group()  # clean exit of a multi-process run

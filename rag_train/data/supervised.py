@@ -115,6 +115,8 @@ def _load_dpr(path: Path, corpus: Optional[Corpus], limit: Optional[int]) -> lis
         examples.append(RetrievalExample(question, positives, hard_negatives, answers, example_id))
     if skipped:
         logger.warning("%s: skipped %d of %d examples without positive_ctxs", path, skipped, seen)
+    if not seen:
+        raise data_error(path, None, None, "no examples (the file is empty)")
     if not examples:
         raise data_error(path, None, "positive_ctxs", "no examples with positive passages")
     if corpus is not None:

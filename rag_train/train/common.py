@@ -282,8 +282,9 @@ class TrainingRun:
             self.accelerator.log(values, step=step)
 
     def write_metrics(self, metrics: dict) -> None:
-        """metrics.json (atomically), the marker of a finished run; it always carries the fault counters."""
-        metrics = dict(metrics, **self.guard.counts(), wall_seconds=round(time.time() - self.started, 2))
+        """metrics.json (atomically), the marker of a finished run. Adds the fault counters and the wall time to
+        `metrics` (in place, so the recipe returns what was written)."""
+        metrics.update(self.guard.counts(), wall_seconds=round(time.time() - self.started, 2))
         if self.accelerator.is_main_process:
             atomic_write_json(self.dir / "metrics.json", metrics)
 
