@@ -412,6 +412,8 @@ def save_config(cfg: Any, path: str | Path) -> None:
 
 INPUT_FAULT_EXIT = 2  # bad config, data, buffer, checkpoint or model path
 NUMERICAL_FAULT_EXIT = 3  # the run stopped after too many non-finite / diverged steps
+PEER_FAULT_EXIT = 4  # a collective failed: another process died, or hung past the collective timeout
+_PEER_FAILURE = ("Timed out", "timed out", "Connection reset by peer", "Connection closed by peer", "Broken pipe")
 
 
 @contextmanager
@@ -432,6 +434,14 @@ def exit_on_fault() -> Iterator[None]:
     except FloatingPointError as exc:
         print(f"{prefix}error: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(NUMERICAL_FAULT_EXIT) from exc
+    except RuntimeError as exc:  # torch.distributed reports a dead / hung peer as a RuntimeError from gloo / NCCL
+        text = str(exc)
+        if not any(marker in text for marker in _PEER_FAILURE):
+            raise
+        print(f"{prefix}error: a collective operation with the other processes failed: another process died, or hung "
+              f"longer than train.collective_timeout; stopping. The last checkpoint is intact (train.resume=true "
+              f"continues from it). Cause: {text.splitlines()[0][:300]}", file=sys.stderr, flush=True)
+        raise SystemExit(PEER_FAULT_EXIT) from exc
 
 
 def parse_cli(schema: type[T], argv: Optional[list[str]] = None, description: str = "",

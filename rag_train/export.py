@@ -16,7 +16,6 @@ process after `accelerator.unwrap_model`; see docs/serving.md for ZeRO-3 runs.
 
 from __future__ import annotations
 
-import json
 import shutil
 import warnings
 from pathlib import Path
@@ -29,7 +28,8 @@ from tqdm.auto import tqdm
 
 from rag_train.buffer.embed import embed_rows
 from rag_train.data.corpus import Corpus
-from rag_train.io import atomic_directory, atomic_open, atomic_write_json, atomic_write_text
+from rag_train.io import (CorruptFileError, atomic_directory, atomic_open, atomic_write_json, atomic_write_text,
+                          folder_checksums, read_json, verify_checksums)
 from rag_train.models.retriever import META_FILE, DualEncoder
 
 EXPORT_FORMAT_VERSION = 1
@@ -55,7 +55,10 @@ def _load_run(run_dir: Path) -> tuple[dict, dict]:
     except Exception as exc:
         raise ExportError(f"{run_dir / 'config.yaml'}: not valid YAML: {exc}") from exc
     metrics_path = run_dir / "metrics.json"
-    metrics = json.loads(metrics_path.read_text(encoding="utf-8")) if metrics_path.is_file() else {}
+    try:
+        metrics = read_json(metrics_path) if metrics_path.is_file() else {}
+    except CorruptFileError as exc:
+        raise ExportError(str(exc)) from None
     return config, metrics
 
 
@@ -257,17 +260,24 @@ def export_retriever(run_dir: str | Path, out_dir: str | Path, faiss_factory: Op
                                  "ids": IDS_FILE, "nprobe": nprobe}
         if onnx:
             manifest["onnx"] = _export_onnx(model, folders, tmp)
+        manifest["files"] = folder_checksums(tmp)  # sha256 + size of every file, checked when it is served
         atomic_write_json(tmp / MANIFEST, manifest)
     return manifest
 
 
-def load_manifest(export_dir: str | Path) -> dict:
-    """The manifest of an export, checked for the version this code reads."""
+def load_manifest(export_dir: str | Path, verify: bool = True) -> dict:
+    """The manifest of an export, checked for the version this code reads; with `verify`, every file of the
+    export is checked against the manifest's sha256 and size (ExportError naming a truncated / altered file)."""
     path = Path(export_dir) / MANIFEST
     if not path.is_file():
         raise ExportError(f"{path}: missing; {export_dir} is not an export (run scripts/export_retriever.py)")
-    manifest = json.loads(path.read_text(encoding="utf-8"))
-    if manifest.get("format_version") != EXPORT_FORMAT_VERSION:
-        raise ExportError(f"{path}: field 'format_version': {manifest.get('format_version')!r} is not "
-                          f"{EXPORT_FORMAT_VERSION}, the version this code reads")
+    try:
+        manifest = read_json(path)
+        if manifest.get("format_version") != EXPORT_FORMAT_VERSION:
+            raise ExportError(f"{path}: field 'format_version': {manifest.get('format_version')!r} is not "
+                              f"{EXPORT_FORMAT_VERSION}, the version this code reads")
+        if verify and "files" in manifest:
+            verify_checksums(Path(export_dir), manifest["files"], path)
+    except CorruptFileError as exc:
+        raise ExportError(str(exc)) from None
     return manifest

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import json
 import tempfile
 from pathlib import Path
 from typing import Optional, Sequence, Union
@@ -18,7 +17,7 @@ import torch
 from torch import nn
 
 from rag_train.config import ConfigError, RetrieverConfig
-from rag_train.io import atomic_directory, atomic_write_json
+from rag_train.io import atomic_directory, atomic_write_json, folder_checksums, read_json, verify_checksums
 
 SAVE_FORMAT_VERSION = 1
 META_FILE = "dual_encoder.json"
@@ -206,6 +205,7 @@ class DualEncoder(nn.Module):
                 "max_passage_length": self.max_passage_length,
                 "train_passage_encoder": self.train_passage_encoder,
                 "fingerprint": self.fingerprint(),
+                "files": folder_checksums(tmp),  # sha256 + size of every tower file, checked by `load`
             })
 
     @classmethod
@@ -217,9 +217,11 @@ class DualEncoder(nn.Module):
         meta_path = directory / META_FILE
         if not meta_path.is_file():
             raise FileNotFoundError(f"{meta_path}: missing; {directory} is not a saved DualEncoder")
-        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        meta = read_json(meta_path)
         if meta.get("format_version") != SAVE_FORMAT_VERSION:
             raise ValueError(f"{meta_path}: field 'format_version': {meta.get('format_version')!r} is not supported")
+        if "files" in meta:  # CorruptFileError naming a truncated or altered weight / config file
+            verify_checksums(directory, meta["files"], meta_path)
 
         def tower(name: str):
             return SentenceTransformer(str(directory / name), device="cpu", local_files_only=True)
