@@ -89,9 +89,10 @@ class DataConfig:
 class RetrieverConfig:
     """Dual encoder f(x), g(y).
 
-    `model`: `tiny` (random init from `tiny`), a Hugging Face encoder id / path, or a
+    `model`: `tiny` (random init from `tiny`), a Hugging Face encoder id / path, a
     sentence-transformers folder (e.g. `sentence-transformers/gtr-t5-base`: T5 encoder, mean
-    pooling, 768->768 projection, L2 normalisation).
+    pooling, 768->768 projection, L2 normalisation), or a trained retriever's folder (`<run>/retriever`,
+    both towers as saved: training continues from a retrieval-pretrained model).
     """
 
     model: str = "tiny"

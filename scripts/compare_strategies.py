@@ -8,30 +8,19 @@ run (metrics.json present) is reused, so an interrupted comparison continues whe
 """
 
 import argparse
-import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from rag_train.experiments import cell, run_once
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def run_one(config: str, strategy: str, seed: int, runs: Path, overrides: list[str], processes: int) -> dict:
-    out = runs / f"{strategy}-seed{seed}"
-    if not (out / "metrics.json").is_file():
-        cmd = ["accelerate", "launch", "--num_processes", str(processes), "--cpu", str(ROOT / "scripts" / "train_retriever.py"),
-               "--config", config, f"strategy.name={strategy}", f"train.seed={seed}", f"train.output_dir={out}",
-               "train.resume=true", *overrides]
-        print("+", " ".join(cmd), flush=True)
-        subprocess.run(cmd, check=True)
-    return json.loads((out / "metrics.json").read_text())
-
-
-def cell(values: list[float]) -> str:
-    mean = 100 * statistics.mean(values)
-    return f"{mean:.1f}" if len(values) == 1 else f"{mean:.1f} ± {100 * statistics.stdev(values):.1f}"
+    return run_once(ROOT / "scripts" / "train_retriever.py", config, runs / f"{strategy}-seed{seed}",
+                    [f"strategy.name={strategy}", f"train.seed={seed}", *overrides], processes)
 
 
 def main() -> None:

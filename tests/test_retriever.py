@@ -111,6 +111,23 @@ def test_save_load_round_trip(tokenizer, tmp_path, shared):
     assert {p.name for p in (tmp_path / "retriever").iterdir() if p.is_dir()} == expected
 
 
+def test_config_can_name_a_saved_retriever(tokenizer, tmp_path):
+    """retriever.model=<run>/retriever continues from a trained model (the retrieval-pretrained init)."""
+    model = DualEncoder.from_config(tiny_cfg(projection_dim=8), tokenizer)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    (model.encode_queries(QUESTIONS) @ model.encode_passages(PASSAGES).T).sum().backward()
+    optimizer.step()
+    model.save(tmp_path / "retriever")
+    loaded = DualEncoder.from_config(RetrieverConfig(model=str(tmp_path / "retriever"), max_query_length=7,
+                                                     train_passage_encoder=False))
+    assert loaded.fingerprint() == model.fingerprint() and not loaded.shared_towers
+    assert loaded.max_query_length == 7 and not any(p.requires_grad for p in loaded.passage_encoder.parameters())
+    with pytest.raises(ConfigError, match="shared_towers=false"):
+        DualEncoder.from_config(RetrieverConfig(model=str(tmp_path / "retriever"), shared_towers=True))
+    with pytest.raises(ConfigError, match="tokenizer"):
+        DualEncoder.from_config(RetrieverConfig(model=str(tmp_path / "retriever"), tokenizer="x"))
+
+
 def _tiny_t5_folder(tokenizer, folder):
     from transformers import T5EncoderModel
 

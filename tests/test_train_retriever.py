@@ -73,6 +73,7 @@ def test_every_strategy_trains_and_writes_metrics(recipe_toy_dir, tmp_path, monk
     assert all(0 <= r <= 1 for r in recall) and recall == sorted(recall)
     assert 0 <= metrics["mrr@10"] <= 1 and metrics["mrr@10"] >= recall[0] - 1e-12
     assert metrics["steps"] == STEPS and metrics["wall_seconds"] > 0 and metrics["strategy"] == name
+    assert metrics["steps_per_second"] > 0
     assert metrics["reembedded_passages"] == expected_reembedded(name)
     assert returned["recall"] == metrics["recall"]
     initial = DualEncoder.from_config(cfg.retriever, tokenizer=str(recipe_toy_dir / "tokenizer"))
@@ -88,6 +89,13 @@ def test_every_strategy_trains_and_writes_metrics(recipe_toy_dir, tmp_path, monk
         log_z = top[:, 0] + np.log(np.exp(logits - top).sum(axis=1))
         hand = np.mean(log_z - logits[np.arange(len(target)), target])
         np.testing.assert_allclose(loss, hand, rtol=1e-5)
+
+
+def test_history_starts_at_the_initial_model(recipe_toy_dir, tmp_path):
+    """With train.eval_every, curves start at step 0 (before any update); the final evaluation is separate."""
+    metrics = train_retriever(config(recipe_toy_dir, tmp_path / "run", "in_batch", steps=4, **{"train.eval_every": 2}))
+    assert [entry["step"] for entry in metrics["history"]] == [0, 2]
+    assert all("recall" in entry["retrieval"] for entry in metrics["history"])
 
 
 def test_resume_reaches_the_uninterrupted_run(recipe_toy_dir, tmp_path):

@@ -147,7 +147,21 @@ class DualEncoder(nn.Module):
 
     @classmethod
     def from_config(cls, cfg: RetrieverConfig, tokenizer=None, seed: int = 0) -> "DualEncoder":
-        """Build from config; separate towers start as copies (like GTR's f and g from one checkpoint)."""
+        """Build from config; separate towers start as copies (like GTR's f and g from one checkpoint).
+
+        `retriever.model` may also name a folder written by `save` (a trained retriever's `retriever/`):
+        both towers are loaded as saved (their own tokenizer, pooling and projection), with the config's
+        lengths and `train_passage_encoder`; this is how a run starts from a retrieval-pretrained model."""
+        if cfg.model != "tiny" and (Path(cfg.model) / META_FILE).is_file():
+            saved = cls.load(cfg.model)
+            if saved.shared_towers != cfg.shared_towers:
+                raise ConfigError(f"retriever.model={cfg.model!r} was saved with shared_towers={saved.shared_towers}; "
+                                  f"set retriever.shared_towers={str(saved.shared_towers).lower()}")
+            if cfg.tokenizer is not None:
+                raise ConfigError(f"retriever.tokenizer={cfg.tokenizer!r} cannot override the tokenizer of the saved "
+                                  f"retriever {cfg.model}; leave it unset")
+            return cls(saved.query_encoder, None if saved.shared_towers else saved.passage_encoder,
+                       cfg.max_query_length, cfg.max_passage_length, cfg.train_passage_encoder)
         query_tower = _build_tower(cfg, tokenizer, seed)
         passage_tower = None if cfg.shared_towers else copy.deepcopy(query_tower)
         return cls(query_tower, passage_tower, cfg.max_query_length, cfg.max_passage_length, cfg.train_passage_encoder)

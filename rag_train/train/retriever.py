@@ -58,6 +58,17 @@ def train_retriever(cfg: RetrieverTrainConfig) -> dict:
         strategy.load(run.latest_checkpoint())
 
     history = []
+
+    def record_eval() -> float:
+        """Evaluate into `history` (curves start at step 0, the initial model); returns the seconds it took."""
+        eval_started = time.time()
+        history.append({"step": step, **evaluate_retrieval(ctx.model, corpus, dev_sets, cfg.eval.recall_at, acc, cfg.eval.batch_size)})
+        run.log(flat_metrics(history[-1]), step)
+        return time.time() - eval_started
+
+    if cfg.train.eval_every and step == 0:
+        record_eval()
+    first_step, started, eval_seconds = step, time.time(), 0.0
     bar = tqdm(total=cfg.train.steps, initial=step, desc="retriever", disable=not acc.is_main_process)
     while step < cfg.train.steps:
         batch = [train_set[i] for i in local_slice(global_batch(len(train_set), cfg.train.batch_size, cfg.train.seed, step), acc)]
@@ -97,11 +108,11 @@ def train_retriever(cfg: RetrieverTrainConfig) -> dict:
             run.log(values, step)
             bar.set_postfix(loss=f"{values['loss']:.3f}")
         if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < cfg.train.steps:
-            history.append({"step": step, **evaluate_retrieval(ctx.model, corpus, dev_sets, cfg.eval.recall_at, acc, cfg.eval.batch_size)})
-            run.log(flat_metrics(history[-1]), step)
+            eval_seconds += record_eval()
         if cfg.train.save_every and step % cfg.train.save_every == 0 and step < cfg.train.steps:
             run.save(step, extra=strategy.save)
     bar.close()
+    train_seconds = time.time() - started - eval_seconds  # training steps only: evaluations left out
 
     final = evaluate_retrieval(ctx.model, corpus, dev_sets, cfg.eval.recall_at, acc, cfg.eval.batch_size)
     run.save(step, extra=strategy.save)
@@ -114,6 +125,7 @@ def train_retriever(cfg: RetrieverTrainConfig) -> dict:
         "datasets": final,
         "reembedded_passages": strategy.embedded,
         "steps": step,
+        "steps_per_second": (step - first_step) / train_seconds if step > first_step else None,
         "strategy": cfg.strategy.name,
         "history": history,
     }

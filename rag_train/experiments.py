@@ -1,0 +1,52 @@
+"""Experiment drivers shared by the comparison scripts (scripts/compare_strategies.py, scripts/reproduce.py):
+launch one training run as its own process, reuse it once finished, and summarise values over seeds."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Optional
+
+
+def launch_command(script: str | Path, config: Optional[str | Path], overrides: list[str], processes: int = 1,
+                   threads: Optional[int] = None) -> list[str]:
+    """`accelerate launch --num_processes N --cpu SCRIPT [--config FILE] key=value ...` (this interpreter);
+    `threads`: torch threads per process (default: accelerate's choice, all cores / processes)."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(processes), "--cpu"]
+    if threads is not None:
+        cmd += ["--num_cpu_threads_per_process", str(threads)]
+    cmd.append(str(script))
+    if config is not None:
+        cmd += ["--config", str(config)]
+    return cmd + list(overrides)
+
+
+def run_once(script: str | Path, config: Optional[str | Path], out: str | Path, overrides: list[str],
+             processes: int = 1, threads: Optional[int] = None) -> dict:
+    """Metrics of the run in `out`: launched (and resumed from its last checkpoint if it was interrupted)
+    unless `out/metrics.json` shows it finished already."""
+    out = Path(out)
+    metrics = out / "metrics.json"
+    if not metrics.is_file():
+        cmd = launch_command(script, config, [*overrides, f"train.output_dir={out}", "train.resume=true"], processes,
+                             threads)
+        print("+", " ".join(cmd), flush=True)
+        subprocess.run(cmd, check=True)
+    return json.loads(metrics.read_text())
+
+
+def mean_std(values: list[float]) -> tuple[float, Optional[float]]:
+    """Mean and sample standard deviation (None for a single value)."""
+    return statistics.mean(values), (statistics.stdev(values) if len(values) > 1 else None)
+
+
+def cell(values: list[float], scale: float = 100.0, digits: int = 1) -> str:
+    """`mean ± std` over seeds (as percentages by default); `-` when there is nothing to show."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return "-"
+    mean, std = mean_std([scale * v for v in values])
+    return f"{mean:.{digits}f}" if std is None else f"{mean:.{digits}f} ± {std:.{digits}f}"
