@@ -53,12 +53,17 @@ def env(**extra: str) -> dict:
 
 
 def run_script(args: list, fault: str = "", timeout: int = 240, **extra_env: str) -> subprocess.CompletedProcess:
-    """Run a command (tests/dist/train_faulty.py or a script) with FAULT set; fail the test instead of hanging."""
+    """Run a command (tests/dist/train_faulty.py or a script) with FAULT set, in its own process group; on a
+    hang, kill the whole group (launcher and workers) and fail the test instead of waiting."""
+    proc = subprocess.Popen([str(a) for a in args], cwd=ROOT, env=env(FAULT=fault, **extra_env), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     try:
-        return subprocess.run([str(a) for a in args], cwd=ROOT, env=env(FAULT=fault, **extra_env), capture_output=True,
-                              text=True, timeout=timeout, start_new_session=True)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"{args[:3]}... with FAULT={fault!r} hung for {timeout}s:\n{(exc.stderr or b'')[-3000:]!r}")
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"{args[:3]}... with FAULT={fault!r} hung for {timeout}s:\n{stderr[-3000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 
 def faulty(toy_dir: Path, out: Path, fault: str, **extra) -> subprocess.CompletedProcess:
@@ -184,6 +189,39 @@ def test_damaged_file_is_named_and_nothing_is_loaded(recipe_toy_dir, tmp_path, r
     if error is CorruptFileError:  # and the way out: the older checkpoint is named
         assert "step-00000004" in str(caught.value)
     assert_unfinished(out)
+
+
+def test_disk_full_during_a_write_keeps_the_previous_file(tmp_path):
+    """A real short write (RLIMIT_FSIZE: the kernel refuses to grow the file, EFBIG, like a full disk) while
+    metrics.json and a buffer shard are replaced: the error propagates, the old files are intact, no
+    temporary file is left behind."""
+    import errno
+    import resource
+
+    import numpy as np
+
+    from rag_train.buffer.store import write_shard
+    from rag_train.io import atomic_write_json
+
+    metrics, shard = tmp_path / "metrics.json", tmp_path / "shard-00000.npy"
+    atomic_write_json(metrics, {"recall": 0.5})
+    write_shard(shard, np.zeros((4, 4), np.float16))
+    before = shard.read_bytes()
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))
+    try:
+        with pytest.raises(OSError) as big_json:
+            atomic_write_json(metrics, {"recall": 0.5, "history": ["x" * 100] * 100})
+        with pytest.raises(OSError) as big_shard:
+            write_shard(shard, np.ones((64, 64), np.float16))
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, handler)
+    assert big_json.value.errno == errno.EFBIG  # numpy reports its short write as "N requested and M written"
+    assert big_shard.value.errno == errno.EFBIG or "written" in str(big_shard.value)
+    assert json.loads(metrics.read_text()) == {"recall": 0.5} and shard.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.json", "shard-00000.npy"]
 
 
 def test_damaged_saved_model_export_and_metrics_are_named(tmp_path, reference):
@@ -419,6 +457,24 @@ def test_corrector_fault_leaves_the_encoder_update_bitwise_unchanged():
     assert nan[2].skipped == exploding[2].skipped == 0
 
 
+@pytest.mark.parametrize("error, status", [
+    (DataError("data.jsonl:3: field 'id': empty passage id"), 2),
+    (FloatingPointError("3 consecutive steps had a non-finite loss"), 3),
+    (RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer"), 4),
+    (RuntimeError("an unrelated bug"), None),
+])
+def test_entry_scripts_map_faults_to_exit_status(capsys, error, status):
+    """What scripts/train_*.py do with a fault raised inside training: one `error:` line and a status
+    (2 input, 3 numerical stop, 4 dead / hung peer); anything else keeps its traceback."""
+    from rag_train.config import exit_on_fault
+
+    with pytest.raises(SystemExit if status else RuntimeError) as caught:
+        with exit_on_fault():
+            raise error
+    if status:
+        assert caught.value.code == status and capsys.readouterr().err.startswith("error: ")
+
+
 # ---------------------------------------------------------------------------------------------------
 # 5. two processes
 # ---------------------------------------------------------------------------------------------------
@@ -450,9 +506,10 @@ def test_one_of_two_processes_hung_times_out_the_other(recipe_toy_dir, tmp_path)
 
 
 @pytest.mark.slow
-def test_processes_that_disagree_stop_before_training(recipe_toy_dir, tmp_path):
-    proc = two_processes(recipe_toy_dir, tmp_path / "run", "fingerprint")
+@pytest.mark.parametrize("fault, what", [("override:train.lr=0.5", "config"), ("fingerprint", "corpus fingerprint")])
+def test_processes_that_disagree_stop_before_training(recipe_toy_dir, tmp_path, fault, what):
+    proc = two_processes(recipe_toy_dir, tmp_path / "run", fault)
     assert proc.returncode != 0, proc.stderr[-3000:]
-    assert "error: processes disagree on the corpus fingerprint (rank(s) [1] differ from rank 0" in proc.stderr
+    assert f"error: processes disagree on the {what} (rank(s) [1] differ from rank 0" in proc.stderr, proc.stderr[-3000:]
     assert not (tmp_path / "run" / "buffer").exists()
     assert_unfinished(tmp_path / "run")

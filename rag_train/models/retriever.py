@@ -46,6 +46,8 @@ def resolve_model_path(name_or_path: str) -> Path:
         if not path.is_dir():
             raise ConfigError(f"retriever.model={name_or_path!r} is a file; give a model folder")
         return path
+    if str(name_or_path).startswith(("/", "./", "../", "~")) or str(name_or_path).count("/") > 1:
+        raise ConfigError(f"retriever.model={name_or_path!r}: no such local folder (and not a hub id 'org/name')")
     from huggingface_hub import snapshot_download
 
     try:

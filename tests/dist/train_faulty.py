@@ -8,6 +8,7 @@
                                  `latest.json` pointer moved
     FAULT="hang:step:K"          sleep forever right after optimizer step K (a hung process)
     FAULT="fingerprint"          this process reports another corpus fingerprint (a different corpus file)
+    FAULT="override:KEY=VALUE"   this process gets one more config override (a different config)
     FAULT_RANK=R                 inject only on rank R (default: every rank)
 
 usage: [accelerate launch ...] python train_faulty.py --config FILE key=value ...
@@ -90,7 +91,9 @@ if targeted and fault[0] in ("kill", "hang"):
         raise SystemExit(f"unknown FAULT {os.environ['FAULT']!r}")
 elif targeted and fault[0] == "fingerprint":
     corpus_module.Corpus.fingerprint = property(lambda self: "0" * 64)
-elif fault[0] not in ("", "kill", "hang", "fingerprint"):
+elif targeted and fault[0] == "override":
+    sys.argv.append(os.environ["FAULT"].split(":", 1)[1])
+elif fault[0] not in ("", "kill", "hang", "fingerprint", "override"):
     raise SystemExit(f"unknown FAULT {os.environ['FAULT']!r}")
 
 if __name__ == "__main__":
