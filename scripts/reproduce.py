@@ -1,0 +1,851 @@
+"""Reproduce seed 000's comparisons on the toy world end to end and write the report (docs/reproduction.md).
+
+    nice -n 10 python scripts/reproduce.py                      # every section, default budgets and seeds
+    python scripts/reproduce.py --only table1 ablation --seeds 0 1 2
+    python scripts/reproduce.py --quick                         # tiny budgets, small world: a smoke test
+    python scripts/reproduce.py --report-only                   # rewrite the report from finished runs
+
+Sections (--only):
+  table1    Algorithm 1 (paper Table 1): in-batch, stale, corrector, exhaustive, SNM, negative cache, from a
+            random init (the paper's T5) and from a retrieval-pretrained one (its GTR: a tiny retriever first
+            trained supervised, in-batch, on ANOTHER toy world, toy_seed=1, with other entities);
+  table3    Algorithm 2 (paper Table 3): closed book, frozen retriever, corrector, exhaustive, all from one
+            shared warm start (`warm_start.from_run`); EM on the three toy datasets, steps/s;
+  ablation  corrector hidden size (paper Table 2): steps/s and recall, random init;
+  curves    recall and EM over training steps for stale, corrector and exhaustive (the table1/table3 runs);
+  synthetic the Section 5.3 grid (scripts/synthetic_corrector.py; an existing results.json is reused).
+
+Every training run is its own process (`accelerate launch --num_processes 1 --cpu`) with its own folder
+under --runs; a finished run (metrics.json there) is reused and an interrupted one resumes from its last
+checkpoint, so an interrupted reproduction continues where it stopped. The report always covers every
+finished run it finds, whichever sections this invocation ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))  # synthetic_corrector's aggregation, also when imported by the tests
+
+from rag_train.config import RetrieverTrainConfig, load_config  # noqa: E402
+from rag_train.experiments import cell, mean_std, run_once  # noqa: E402
+from rag_train.io import atomic_write_json  # noqa: E402
+
+SECTIONS = ("table1", "table3", "ablation", "curves", "synthetic")
+INITS = ("random", "pretrained")
+INIT_LABELS = {"random": "random init (paper: T5-base)", "pretrained": "retrieval-pretrained init (paper: GTR-base)"}
+TABLE1 = ("in_batch", "stale", "corrector", "exhaustive", "snm", "negative_cache")
+TABLE3 = ("closed_book", "frozen", "corrector", "exhaustive")
+CURVES = ("stale", "corrector", "exhaustive")
+RLM_CURVES = ("frozen", "corrector", "exhaustive")
+DATASETS = ("nq", "tqa", "hotpotqa")
+DATASET_LABELS = {"nq": "NQ-like", "tqa": "TQA-like", "hotpotqa": "HPQA-like"}
+COLORS = {"in_batch": "tab:gray", "stale": "tab:blue", "corrector": "tab:red", "exhaustive": "tab:green",
+          "snm": "tab:purple", "negative_cache": "tab:brown", "closed_book": "tab:gray", "frozen": "tab:blue"}
+RETRIEVER_CONFIG = ROOT / "configs" / "toy" / "retriever.yaml"
+RLM_CONFIG = ROOT / "configs" / "toy" / "rlm.yaml"
+
+# ---- the paper's numbers (notes/corrector-networks.md) ---------------------------------------------------------
+PAPER_TABLE1 = {  # NQ test recall@k
+    "pretrained": {"in_batch": {"1": 37.92, "5": 64.76, "10": 72.54, "20": 78.28, "100": 87.00},
+                   "stale": {"1": 46.76, "5": 68.64, "10": 75.21, "20": 80.66, "100": 87.48},
+                   "corrector": {"1": 50.61, "5": 71.00, "10": 77.73, "20": 82.66, "100": 88.39},
+                   "exhaustive": {"1": 50.30, "5": 71.55, "10": 78.12, "20": 82.83, "100": 88.59}},
+    "random": {"in_batch": {"1": 23.40, "5": 47.50, "10": 56.39, "20": 65.34, "100": 77.97},
+               "stale": {"1": 27.65, "5": 50.19, "10": 59.28, "20": 66.98, "100": 78.95},
+               "corrector": {"1": 36.65, "5": 59.25, "10": 68.06, "20": 73.71, "100": 83.13},
+               "exhaustive": {"1": 37.34, "5": 60.42, "10": 68.70, "20": 74.76, "100": 83.41}},
+}
+PAPER_TABLE3 = {  # exact match, GTR-base retriever
+    "closed_book": {"nq": 25.4, "tqa": 26.1, "hotpotqa": 14.5},
+    "frozen": {"nq": 48.4, "tqa": 55.1, "hotpotqa": 28.0},
+    "corrector": {"nq": 52.3, "tqa": 66.4, "hotpotqa": 36.7},
+    "exhaustive": {"nq": 52.4, "tqa": 66.5, "hotpotqa": 33.8},
+}
+PAPER_TABLE2_STEPS_PER_SECOND = {2048: 1.83, 4096: 1.10, 8192: 0.83, "exhaustive": 0.43}
+FINALISE = "> **To finalise after the full run (lead):**"
+INVOCATIONS = "invocations.json"  # under --runs: every invocation that ran sections, with its wall time
+
+
+# ---- budgets -----------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Budget:
+    """Overrides that set the size of every run, the seeds and the ablation's corrector sizes."""
+
+    retriever: tuple[str, ...]  # every Algorithm 1 run (Table 1, ablation)
+    pretrain: tuple[str, ...]  # the GTR stand-in's supervised pretraining on the other world
+    rlm: tuple[str, ...]  # every Algorithm 2 run
+    synthetic: tuple[str, ...]  # scripts/synthetic_corrector.py arguments
+    seeds: tuple[int, ...]
+    hidden: tuple[int, ...]  # corrector sizes of the ablation
+    toy_passages: Optional[int] = None  # None: the configs' world (3,000 passages in data/toy)
+
+
+FULL = Budget(
+    retriever=("train.steps=300", "train.eval_every=50", "strategy.refresh_every=50"),
+    pretrain=("strategy.name=in_batch", "train.steps=300", "train.batch_size=32", "train.eval_every=0"),
+    rlm=("strategy.refresh_every=50", "train.eval_every=50"),
+    synthetic=(),
+    seeds=(0, 1, 2),
+    hidden=(64, 256, 1024),
+)
+QUICK = Budget(
+    retriever=("train.steps=12", "train.eval_every=6", "strategy.refresh_every=6", "strategy.snm_targets=100",
+               "strategy.cache_size=64", "strategy.cache_refresh=8"),
+    pretrain=("strategy.name=in_batch", "train.steps=12", "train.eval_every=0"),
+    rlm=("train.steps=6", "train.eval_every=3", "strategy.refresh_every=3", "warm_start.reader_steps=8",
+         "warm_start.reader_copy_steps=4", "warm_start.retriever_steps=6", "data.max_eval_examples=16"),
+    synthetic=("--quick",),
+    seeds=(0,),
+    hidden=(64, 256),
+    toy_passages=300,
+)
+
+
+# ---- runs --------------------------------------------------------------------------------------------------------
+@dataclass
+class Run:
+    script: str
+    config: Path
+    out: Path
+    overrides: list[str] = field(default_factory=list)
+
+    def metrics(self) -> Optional[dict]:
+        path = self.out / "metrics.json"
+        return json.loads(path.read_text()) if path.is_file() else None
+
+    def execute(self, threads: Optional[int] = None) -> dict:
+        return run_once(ROOT / "scripts" / self.script, self.config, self.out, self.overrides, threads=threads)
+
+
+class Plan:
+    """Every run of every section, by name and folder; the same plan runs them and collects their results."""
+
+    def __init__(self, runs: Path, budget: Budget, seeds: list[int], hidden: list[int], out: Path):
+        self.runs, self.budget, self.seeds, self.hidden, self.out = runs, budget, seeds, hidden, out
+        self.default_hidden = load_config(RetrieverTrainConfig, RETRIEVER_CONFIG).strategy.corrector.hidden
+        world = [] if budget.toy_passages is None else [f"data.toy_dir={runs / 'toy-world'}",
+                                                          f"data.toy_passages={budget.toy_passages}"]
+        self.common = ["train.tracker=null", *world]
+
+    def pretrain(self) -> Run:
+        """The GTR stand-in: Algorithm 1 with in-batch negatives on a toy world with other entities (toy_seed=1)."""
+        other = [f"data.toy_dir={self.runs / 'toy-world-seed1'}", "data.toy_seed=1"]
+        if self.budget.toy_passages is not None:
+            other.append(f"data.toy_passages={self.budget.toy_passages}")
+        return Run("train_retriever.py", RETRIEVER_CONFIG, self.runs / "pretrain",
+                   ["train.tracker=null", *other, *self.budget.pretrain])
+
+    def table1(self, init: str, strategy: str, seed: int, extra: tuple[str, ...] = ()) -> Run:
+        model = [f"retriever.model={self.pretrain().out / 'retriever'}"] if init == "pretrained" else []
+        return Run("train_retriever.py", RETRIEVER_CONFIG, self.runs / "table1" / init / f"{strategy}-seed{seed}",
+                   [*self.common, *self.budget.retriever, *model, f"strategy.name={strategy}", f"train.seed={seed}",
+                    *extra])
+
+    def ablation(self, hidden: int, seed: int) -> Run:
+        if hidden == self.default_hidden:  # the Table 1 corrector run is this very run
+            return self.table1("random", "corrector", seed)
+        run = self.table1("random", "corrector", seed, (f"strategy.corrector.hidden={hidden}",))
+        run.out = self.runs / "ablation" / f"corrector-h{hidden}-seed{seed}"
+        return run
+
+    def table3(self, strategy: str, seed: int) -> Run:
+        holder = self.table3_holder()
+        shared = [] if (strategy, seed) == (TABLE3[0], self.seeds[0]) else [f"warm_start.from_run={holder}"]
+        return Run("train_rlm.py", RLM_CONFIG, self.runs / "table3" / f"{strategy}-seed{seed}",
+                   [*self.common, *self.budget.rlm, f"strategy.name={strategy}", f"train.seed={seed}", *shared])
+
+    def table3_holder(self) -> Path:
+        """The run whose warm-start stages every other Table 3 run reuses (it runs first)."""
+        return self.runs / "table3" / f"{TABLE3[0]}-seed{self.seeds[0]}"
+
+    def section(self, name: str) -> list[Run]:
+        if name == "table1":
+            return [self.pretrain()] + [self.table1(i, s, seed) for i in INITS for s in TABLE1 for seed in self.seeds]
+        if name == "table3":
+            return [self.table3(s, seed) for seed in self.seeds for s in TABLE3]  # the holder first
+        if name == "ablation":
+            return [self.ablation(h, seed) for h in self.hidden for seed in self.seeds]
+        if name == "curves":
+            return ([self.pretrain()] + [self.table1(i, s, seed) for i in INITS for s in CURVES for seed in self.seeds]
+                    + [self.table3(TABLE3[0], self.seeds[0])]
+                    + [self.table3(s, seed) for seed in self.seeds for s in RLM_CURVES])
+        if name == "synthetic":
+            return []
+        raise ValueError(f"unknown section {name!r}; expected one of {SECTIONS}")
+
+    def synthetic_dir(self) -> Path:
+        return self.out / "figures" / "synthetic"
+
+    def run_synthetic(self) -> None:
+        if (self.synthetic_dir() / "results.json").is_file():
+            print(f"synthetic: reusing {self.synthetic_dir() / 'results.json'}", flush=True)
+            return
+        cmd = [sys.executable, str(ROOT / "scripts" / "synthetic_corrector.py"), "--out-dir", str(self.synthetic_dir()),
+               *self.budget.synthetic]
+        print("+", " ".join(cmd), flush=True)
+        subprocess.run(cmd, check=True)
+
+    def collect(self) -> dict:
+        """Metrics of every finished run, every section (missing runs are left out)."""
+        def found(runs: list[Run]) -> list[dict]:
+            return [m for m in (r.metrics() for r in runs) if m is not None]
+
+        synthetic = self.synthetic_dir() / "results.json"
+        every = {run.out: run for name in SECTIONS for run in self.section(name)}  # each folder once
+        return {
+            "run_seconds": sum(m.get("wall_seconds", 0.0) for m in found(list(every.values()))),
+            "pretrain": self.pretrain().metrics(),
+            "table1": {i: {s: found([self.table1(i, s, seed) for seed in self.seeds]) for s in TABLE1} for i in INITS},
+            "table3": {s: found([self.table3(s, seed) for seed in self.seeds]) for s in TABLE3},
+            "ablation": {h: found([self.ablation(h, seed) for seed in self.seeds]) for h in self.hidden},
+            "synthetic": json.loads(synthetic.read_text()) if synthetic.is_file() else None,
+        }
+
+
+# ---- reading metrics ---------------------------------------------------------------------------------------------
+def recall(m: dict, k: str = "1") -> Optional[float]:
+    return m.get("recall", {}).get(k)
+
+
+def mean_of(values: list[Optional[float]]) -> Optional[float]:
+    values = [v for v in values if v is not None]
+    return statistics.mean(values) if values else None
+
+
+def mean_em(m: dict) -> Optional[float]:
+    return mean_of([m["em"].get(d) for d in DATASETS])
+
+
+def retrieval_curve(m: dict, k: str = "1") -> list[tuple[int, float]]:
+    """(step, recall@k) from a retriever run's history plus its final evaluation."""
+    points = []
+    for entry in m.get("history", []):
+        data = next((v for v in entry.values() if isinstance(v, dict) and "recall" in v), None)
+        if data is not None:
+            points.append((entry["step"], data["recall"][k]))
+    if recall(m, k) is not None:
+        points.append((m["steps"], recall(m, k)))
+    return points
+
+
+def em_curve(m: dict) -> list[tuple[int, float]]:
+    """(step, EM averaged over the three datasets) from an RLM run's history plus its final evaluation."""
+    points = [(e["step"], mean_of([e.get(d, {}).get("em") for d in DATASETS])) for e in m.get("history", [])]
+    return [p for p in points if p[1] is not None] + [(m["steps"], mean_em(m))]
+
+
+def seed_mean_curve(runs: list[dict], curve) -> tuple[list[int], list[float], list[float], list[float]]:
+    """Steps every run evaluated at, with the mean, min and max over runs."""
+    curves = [dict(curve(m)) for m in runs]
+    steps = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
+    values = [[c[s] for c in curves] for s in steps]
+    return steps, [statistics.mean(v) for v in values], [min(v) for v in values], [max(v) for v in values]
+
+
+# ---- tables ------------------------------------------------------------------------------------------------------
+def _rate(runs: list[dict]) -> str:
+    rates = [m.get("steps_per_second") for m in runs]
+    return cell(rates, scale=1.0, digits=2)
+
+
+def table1_markdown(rows: dict[str, list[dict]], init: str) -> str:
+    present = {s: r for s, r in rows.items() if r}
+    if not present:
+        return "_no finished runs_"
+    ks = sorted(next(iter(present.values()))[0]["recall"], key=int)
+    paper = PAPER_TABLE1[init]
+    lines = ["| strategy | seeds | re-embedded | " + " | ".join(f"R@{k}" for k in ks) + " | MRR@10 | steps/s | "
+             "paper R@1 / R@20 |", "|---|---|---|" + "---|" * (len(ks) + 3)]
+    for strategy, runs in present.items():
+        recalls = " | ".join(cell([recall(m, k) for m in runs]) for k in ks)
+        ref = paper.get(strategy)
+        ref = f"{ref['1']:.1f} / {ref['20']:.1f}" if ref else "-"
+        lines.append(f"| {strategy} | {len(runs)} | {runs[0]['reembedded_passages']} | {recalls} | "
+                     f"{cell([m.get('mrr@10') for m in runs])} | {_rate(runs)} | {ref} |")
+    return "\n".join(lines)
+
+
+def table3_markdown(rows: dict[str, list[dict]]) -> str:
+    present = {s: r for s, r in rows.items() if r}
+    if not present:
+        return "_no finished runs_"
+    head = " | ".join(f"{DATASET_LABELS[d]} EM" for d in DATASETS)
+    paper = " | ".join(f"paper {d}" for d in ("NQ", "TQA", "HPQA"))
+    lines = [f"| strategy | seeds | re-embedded | {head} | mean EM | steps/s | retriever trained from step | {paper} |",
+             "|" + "---|" * 12]
+    for strategy, runs in present.items():
+        ems = " | ".join(cell([m["em"].get(d) for m in runs]) for d in DATASETS)
+        ref = " | ".join(f"{PAPER_TABLE3[strategy][d]:.1f}" for d in DATASETS)
+        gate = "-" if strategy in ("closed_book", "frozen") else ", ".join(
+            "never" if m.get("retriever_trained_from_step") is None else str(m["retriever_trained_from_step"])
+            for m in runs)
+        lines.append(f"| {strategy} | {len(runs)} | {runs[0]['reembedded_passages']} | {ems} | "
+                     f"{cell([mean_em(m) for m in runs])} | {_rate(runs)} | {gate} | {ref} |")
+    return "\n".join(lines)
+
+
+def ablation_markdown(rows: dict[int, list[dict]], references: dict[str, list[dict]]) -> str:
+    present = {h: r for h, r in rows.items() if r}
+    if not present:
+        return "_no finished runs_"
+    lines = ["| corrector hidden | seeds | steps/s | R@1 | R@5 | MRR@10 | paper steps/s |", "|" + "---|" * 7]
+    for hidden, runs in sorted(present.items()):
+        lines.append(f"| {hidden} | {len(runs)} | {_rate(runs)} | {cell([recall(m, '1') for m in runs])} | "
+                     f"{cell([recall(m, '5') for m in runs])} | {cell([m.get('mrr@10') for m in runs])} | - |")
+    lines += [f"| paper {h} (D = 768) | | | | | | {v:.2f} |" for h, v in PAPER_TABLE2_STEPS_PER_SECOND.items()
+              if h != "exhaustive"]
+    for name, runs in references.items():
+        if runs:
+            paper = f"{PAPER_TABLE2_STEPS_PER_SECOND['exhaustive']:.2f}" if name == "exhaustive" else "-"
+            lines.append(f"| ({name}) | {len(runs)} | {_rate(runs)} | {cell([recall(m, '1') for m in runs])} | "
+                         f"{cell([recall(m, '5') for m in runs])} | {cell([m.get('mrr@10') for m in runs])} | "
+                         f"{paper} |")
+    return "\n".join(lines)
+
+
+def curve_table(runs_by_strategy: dict[str, list[dict]], curve, scale: float = 100.0) -> str:
+    """Mean over seeds at every evaluated step, one column per strategy."""
+    series = {s: dict(zip(*seed_mean_curve(r, curve)[:2])) for s, r in runs_by_strategy.items() if r}
+    if not series:
+        return "_no finished runs_"
+    steps = sorted(set().union(*series.values()))
+    lines = ["| step | " + " | ".join(series) + " |", "|---|" + "---|" * len(series)]
+    for step in steps:
+        values = [f"{scale * v[step]:.1f}" if step in v else "-" for v in series.values()]
+        lines.append(f"| {step} | " + " | ".join(values) + " |")
+    return "\n".join(lines)
+
+
+# ---- comparisons with the paper, computed ------------------------------------------------------------------------
+PAR = 1.0  # points: a paper gap this small is the claim "on par", not an ordering
+
+
+def _verdict(measured: float, paper: float, spread: Optional[float]) -> str:
+    if abs(paper) < PAR:
+        on_par = abs(measured) <= max(spread or 0.0, PAR)
+        return "reproduces (on par)" if on_par else "does not reproduce (paper: on par)"
+    if spread is None:
+        return "same sign (one seed: no spread)" if measured * paper > 0 else "does not reproduce (one seed)"
+    if measured * paper > 0 and abs(measured) > spread:
+        return "reproduces"
+    if measured * paper > 0:
+        return "same sign, within the seed spread"
+    return "does not reproduce"
+
+
+def pair_claims(rows: dict[str, list[dict]], paper: dict[str, float], pairs: list[tuple[str, str]], value,
+                unit: str = "points") -> list[str]:
+    """One line per (better, worse) pair of the paper: measured mean difference, per-seed wins, the paper's."""
+    lines = []
+    for better, worse in pairs:
+        a, b = rows.get(better) or [], rows.get(worse) or []
+        if not a or not b or better not in paper or worse not in paper:
+            continue
+        va, vb = [100 * value(m) for m in a], [100 * value(m) for m in b]
+        diff = statistics.mean(va) - statistics.mean(vb)
+        stds = [x for x in (mean_std(va)[1], mean_std(vb)[1]) if x is not None]
+        spread = max(stds) if stds else None
+        wins = sum(x > y for x, y in zip(va, vb))
+        ref = paper[better] - paper[worse]
+        std = f"; seed std up to {spread:.1f}" if spread is not None else ""
+        lines.append(f"- {better} − {worse}: measured {diff:+.1f} {unit} ({better} ahead on {wins}/"
+                     f"{min(len(va), len(vb))} seeds{std}), paper {ref:+.1f} → **{_verdict(diff, ref, spread)}**.")
+    return lines
+
+
+def ordering(rows: dict[str, list[dict]], value, names) -> str:
+    means = {s: statistics.mean(100 * value(m) for m in rows[s]) for s in names if rows.get(s)}
+    return ranked(means)
+
+
+def ranked(values: dict[str, float]) -> str:
+    """`a 1.0 < b 2.0 = c 2.0`, lowest first (equal at the printed precision: `=`)."""
+    items = sorted(values.items(), key=lambda kv: kv[1])
+    out = ""
+    for i, (name, value) in enumerate(items):
+        if i:
+            out += " = " if f"{value:.1f}" == f"{items[i - 1][1]:.1f}" else " < "
+        out += f"{name} {value:.1f}"
+    return out
+
+
+def gap_closed(low: float, mid: float, high: float) -> Optional[float]:
+    """Share of the low -> high gap that `mid` closes (None unless high is above low)."""
+    return (mid - low) / (high - low) if high - low > 1e-9 else None
+
+
+def _pct(x: Optional[float]) -> str:
+    return "n/a (no positive gap)" if x is None else f"{100 * x:.0f}%"
+
+
+def table1_comparison(table1: dict[str, dict[str, list[dict]]]) -> list[str]:
+    lines = []
+    gaps = {}
+    for init in INITS:
+        rows = table1[init]
+        paper = {s: v["1"] for s, v in PAPER_TABLE1[init].items()}
+        if not any(rows.values()):
+            continue
+        r1 = lambda m: recall(m, "1")  # noqa: E731
+        start = [dict(retrieval_curve(m)).get(0) for r in rows.values() for m in r]
+        start = mean_of(start)
+        start = f" The initial model's R@1 (step 0) is {100 * start:.1f}." if start is not None else ""
+        lines.append(f"**{INIT_LABELS[init]}.**{start} Measured R@1 order: {ordering(rows, r1, TABLE1)}; paper: "
+                     f"{ranked(paper)}.")
+        lines += pair_claims(rows, paper, [("stale", "in_batch"), ("corrector", "stale"), ("exhaustive", "stale"),
+                                           ("exhaustive", "corrector")], r1)
+        if all(rows.get(s) for s in ("stale", "corrector", "exhaustive")):
+            m = {s: statistics.mean(recall(x, "1") for x in rows[s]) for s in ("stale", "corrector", "exhaustive")}
+            closed = gap_closed(m["stale"], m["corrector"], m["exhaustive"])
+            ref = gap_closed(paper["stale"], paper["corrector"], paper["exhaustive"])
+            gaps[init] = 100 * (m["exhaustive"] - m["stale"])
+            lines.append(f"- The corrector closes {_pct(closed)} of the stale → exhaustive R@1 gap "
+                         f"({100 * m['stale']:.1f} → {100 * m['exhaustive']:.1f}); paper {_pct(ref)} "
+                         f"({paper['stale']:.1f} → {paper['exhaustive']:.1f}), with 0 re-embedded passages.")
+        exhaustive = rows["exhaustive"][0]["reembedded_passages"] if rows.get("exhaustive") else "-"
+        for s in (s for s in ("snm", "negative_cache") if rows.get(s)):
+            r = statistics.mean(100 * recall(m, "1") for m in rows[s])
+            lines.append(f"- {s}: R@1 {r:.1f} with {rows[s][0]['reembedded_passages']} re-embedded passages "
+                         f"(exhaustive: {exhaustive}).")
+        lines.append("")
+    if len(gaps) == 2:
+        paper_gap = {i: PAPER_TABLE1[i]["exhaustive"]["1"] - PAPER_TABLE1[i]["stale"]["1"] for i in INITS}
+        same = (gaps["random"] > gaps["pretrained"]) == (paper_gap["random"] > paper_gap["pretrained"])
+        lines.append(f"**Staleness hurts more without retrieval pretraining:** the stale → exhaustive R@1 gap is "
+                     f"{gaps['random']:.1f} points from random init and {gaps['pretrained']:.1f} from the pretrained "
+                     f"init; paper {paper_gap['random']:.1f} (T5) and {paper_gap['pretrained']:.1f} (GTR) → "
+                     f"**{'reproduces' if same else 'does not reproduce'}**.")
+    return lines
+
+
+def table3_comparison(table3: dict[str, list[dict]]) -> list[str]:
+    lines = []
+    trainers = [m for s in ("corrector", "exhaustive") for m in table3.get(s) or []]
+    closed = sum(m.get("retriever_trained_from_step") is None for m in trainers)
+    if closed:
+        lines += [f"**Caveat:** in {closed} of {len(trainers)} corrector / exhaustive runs the retriever never trained "
+                  "(the reader's P_a never passed `pdist_gate`): those are frozen-retriever runs, and their "
+                  "differences from the frozen row come from the reader's training alone.", ""]
+    for d in DATASETS:
+        em = lambda m, d=d: m["em"].get(d)  # noqa: E731
+        paper = {s: v[d] for s, v in PAPER_TABLE3.items()}
+        if not any(table3.get(s) for s in TABLE3):
+            return lines
+        lines.append(f"**{DATASET_LABELS[d]}.** Measured EM order: {ordering(table3, em, TABLE3)}; paper: "
+                     f"{ranked(paper)}.")
+        lines += pair_claims(table3, paper, [("frozen", "closed_book"), ("corrector", "frozen"),
+                                             ("exhaustive", "frozen"), ("exhaustive", "corrector")], em, "EM points")
+        if all(table3.get(s) for s in ("frozen", "corrector", "exhaustive")):
+            m = {s: statistics.mean(em(x) for x in table3[s]) for s in ("frozen", "corrector", "exhaustive")}
+            lines.append(f"- The corrector closes {_pct(gap_closed(m['frozen'], m['corrector'], m['exhaustive']))} of "
+                         f"the frozen → exhaustive gap; paper "
+                         f"{_pct(gap_closed(paper['frozen'], paper['corrector'], paper['exhaustive']))}.")
+        lines.append("")
+    rates = {s: mean_of([m.get("steps_per_second") for m in table3.get(s) or []]) for s in ("corrector", "exhaustive")}
+    if all(rates.values()):
+        lines.append(f"**Speed:** corrector {rates['corrector']:.2f} steps/s vs exhaustive {rates['exhaustive']:.2f} "
+                     f"({rates['corrector'] / rates['exhaustive']:.2f}x; the paper's Table 2: 0.83 vs 0.43 = 1.93x "
+                     "with an 8192-hidden corrector). The RLM's steps/s include its in-loop evaluations "
+                     "(train.eval_every).")
+    return lines
+
+
+def ablation_comparison(ablation: dict[int, list[dict]], references: dict[str, list[dict]]) -> list[str]:
+    rates = {h: mean_of([m.get("steps_per_second") for m in r]) for h, r in ablation.items() if r}
+    rates = {h: v for h, v in rates.items() if v is not None}
+    lines = []
+    if len(rates) >= 2:
+        sizes = sorted(rates)
+        monotone = all(rates[a] >= rates[b] for a, b in zip(sizes, sizes[1:]))
+        lines.append("- steps/s by hidden size: " + ", ".join(f"{h}: {rates[h]:.2f}" for h in sizes)
+                     + f"; paper 2048: 1.83, 4096: 1.10, 8192: 0.83 → smaller is faster: "
+                     f"**{'reproduces' if monotone else 'does not reproduce'}** "
+                     f"(largest / smallest speed ratio {rates[sizes[0]] / rates[sizes[-1]]:.2f}x, paper 2.20x).")
+    r1 = {h: statistics.mean(100 * recall(m, "1") for m in r) for h, r in ablation.items() if r}
+    if len(r1) >= 2:
+        lines.append("- R@1 by hidden size: " + ", ".join(f"{h}: {v:.1f}" for h, v in sorted(r1.items()))
+                     + f" (spread {max(r1.values()) - min(r1.values()):.1f} points; paper: 4096 and 2048 nearly as "
+                       "good as 8192).")
+    exhaustive = mean_of([m.get("steps_per_second") for m in references.get("exhaustive") or []])
+    if exhaustive and rates:
+        slowest = min(rates.values())
+        lines.append(f"- every corrector size vs exhaustive ({exhaustive:.2f} steps/s): slowest corrector "
+                     f"{slowest / exhaustive:.2f}x its speed; paper 8192-hidden corrector 1.93x exhaustive "
+                     f"→ **{'reproduces' if slowest > exhaustive else 'does not reproduce'}**.")
+    return lines
+
+
+def synthetic_summary(results: dict) -> list[str]:
+    from synthetic_corrector import aggregate
+
+    agg = aggregate(results["runs"])
+    fractions = sorted(results["fractions"])
+    full = fractions[-1]
+    tenth = 0.1 if 0.1 in fractions and full != 0.1 else None  # the paper: ~10% of targets is generally enough
+    by_params = sorted({(v["params"], v["corrector"]) for v in agg.values()})
+    smallest, largest = by_params[0][1], by_params[-1][1]
+    lines = ["| drift scale | staleness KL | best corrector (all targets) | KL after | reduction | "
+             + ("same corrector on 10% of targets | " if tenth else "")
+             + f"KL after: {smallest} / {largest} |", "|" + "---|" * (6 + bool(tenth))]
+    ratios = []
+    for drift in sorted(results["drift_scales"]):
+        rows = {v["corrector"]: v for (d, _, _, f), v in agg.items() if d == drift and f == full}
+        best = min(rows.values(), key=lambda v: v["kl_after"])
+        ratio = rows[smallest]["kl_after"] / rows[largest]["kl_after"]
+        ratios.append(ratio)
+        few = ""
+        if tenth:
+            at_tenth = next(v for (d, _, _, f), v in agg.items() if d == drift and f == tenth
+                            and v["corrector"] == best["corrector"])
+            few = f"{at_tenth['kl_after']:.4f} | "
+        lines.append(f"| {drift:g} | {best['kl_stale']:.3f} | {best['corrector']} | {best['kl_after']:.4f} | "
+                     f"{100 * (1 - best['kl_after'] / best['kl_stale']):.0f}% | {few}{ratio:.1f}x |")
+    grows = all(a <= b for a, b in zip(ratios, ratios[1:]))
+    lines += ["", f"{len(results['runs'])} corrector trainings ({len(results['correctors'])} correctors, "
+              f"{len(results['drift_scales'])} drift levels, fractions {fractions}, seeds {results['seeds']}) in "
+              f"{results['wall_seconds']:.0f} s. The advantage of the largest corrector ({largest}) over the smallest "
+              f"({smallest}) {'grows' if grows else 'does not grow monotonically'} with the drift (paper: more "
+              "parameters help more when the drift is larger)."]
+    return lines
+
+
+# ---- plots -------------------------------------------------------------------------------------------------------
+def _axes(ncols: int, width: float = 4.6):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, ncols, figsize=(width * ncols, 3.6), squeeze=False)
+    return plt, fig, axes[0]
+
+
+def _save(plt, fig, path: Path) -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path.name
+
+
+def _bars(ax, groups: list[str], series: dict[str, list[list[float]]], ylabel: str) -> None:
+    """Grouped bars: x = groups, one bar per series, mean with min-max whiskers over seeds."""
+    width = 0.8 / max(1, len(series))
+    for i, (name, per_group) in enumerate(series.items()):
+        xs = [g + (i - (len(series) - 1) / 2) * width for g in range(len(groups))]
+        means = [statistics.mean(v) if v else 0.0 for v in per_group]
+        err = [[m - min(v) if v else 0 for m, v in zip(means, per_group)],
+               [max(v) - m if v else 0 for m, v in zip(means, per_group)]]
+        ax.bar(xs, means, width, yerr=err, capsize=2, label=name, color=COLORS.get(name))
+    ax.set_xticks(range(len(groups)), groups, fontsize=8)
+    ax.set_ylabel(ylabel)
+
+
+def plot_table1(table1: dict, path: Path) -> Optional[str]:
+    inits = [i for i in INITS if any(table1[i].values())]
+    if not inits:
+        return None
+    plt, fig, axes = _axes(len(inits))
+    for ax, init in zip(axes, inits):
+        rows = {s: r for s, r in table1[init].items() if r}
+        ks = ["1", "5", "20"]
+        _bars(ax, [f"R@{k}" for k in ks], {s: [[100 * recall(m, k) for m in r] for k in ks] for s, r in rows.items()},
+              "recall (%)")
+        low = min(100 * recall(m, "1") for r in rows.values() for m in r)
+        ax.set_ylim(max(0, low - 10), 100.5)
+        ax.set_title(INIT_LABELS[init], fontsize=9)
+    axes[0].legend(fontsize=7)
+    return _save(plt, fig, path)
+
+
+def plot_table3(table3: dict, path: Path) -> Optional[str]:
+    rows = {s: r for s, r in table3.items() if r}
+    if not rows:
+        return None
+    plt, fig, axes = _axes(1, 6.5)
+    _bars(axes[0], [DATASET_LABELS[d] for d in DATASETS],
+          {s: [[100 * m["em"][d] for m in r] for d in DATASETS] for s, r in rows.items()}, "exact match (%)")
+    axes[0].legend(fontsize=7)
+    axes[0].set_title("Algorithm 2 on the toy world (dev EM)", fontsize=9)
+    return _save(plt, fig, path)
+
+
+def _curve_panel(ax, runs_by_strategy: dict[str, list[dict]], curve, ylabel: str, title: str) -> None:
+    for strategy, runs in runs_by_strategy.items():
+        if not runs:
+            continue
+        steps, mean, low, high = seed_mean_curve(runs, curve)
+        ax.plot(steps, [100 * v for v in mean], marker="o", ms=3, label=f"{strategy} ({len(runs)} seeds)",
+                color=COLORS.get(strategy))
+        if len(runs) > 1:
+            ax.fill_between(steps, [100 * v for v in low], [100 * v for v in high], alpha=0.2,
+                            color=COLORS.get(strategy))
+    ax.set(xlabel="training step", ylabel=ylabel)
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
+
+
+def plot_curves(table1: dict, table3: dict, path: Path) -> Optional[str]:
+    panels = [(f"R@1, {INIT_LABELS[i]}", {s: table1[i][s] for s in CURVES}, retrieval_curve, "R@1 (%)")
+              for i in INITS if any(table1[i].get(s) for s in CURVES)]
+    if any(table3.get(s) for s in RLM_CURVES):
+        panels.append(("RLM: EM, mean of the 3 datasets", {s: table3[s] for s in RLM_CURVES}, em_curve, "EM (%)"))
+    if not panels:
+        return None
+    plt, fig, axes = _axes(len(panels))
+    for ax, (title, runs, curve, ylabel) in zip(axes, panels):
+        _curve_panel(ax, runs, curve, ylabel, title)
+    return _save(plt, fig, path)
+
+
+def plot_ablation(ablation: dict, references: dict, path: Path) -> Optional[str]:
+    rows = {h: r for h, r in sorted(ablation.items()) if r}
+    if not rows:
+        return None
+    plt, fig, axes = _axes(2)
+    sizes = list(rows)
+    for ax, (label, value) in zip(axes, [("steps/s (training only)", lambda m: m.get("steps_per_second")),
+                                         ("R@1 (%)", lambda m: 100 * recall(m, "1"))]):
+        means = [mean_of([value(m) for m in rows[h]]) for h in sizes]
+        ax.plot(sizes, means, marker="o", color=COLORS["corrector"], label="corrector")
+        for name, runs in references.items():
+            ref = mean_of([value(m) for m in runs])
+            if ref is not None:
+                ax.axhline(ref, ls="--", color=COLORS.get(name), label=name)
+        ax.set(xscale="log", xlabel="corrector hidden units", ylabel=label)
+        ax.set_xticks(sizes, [str(s) for s in sizes])
+        ax.minorticks_off()
+        ax.legend(fontsize=7)
+    axes[0].set_title("corrector size ablation (random init)", fontsize=9)
+    return _save(plt, fig, path)
+
+
+# ---- the report --------------------------------------------------------------------------------------------------
+def _figure(name: Optional[str], alt: str) -> list[str]:
+    return [f"![{alt}](figures/reproduction/{name})", ""] if name else ["_(no finished runs to plot)_", ""]
+
+
+def invocation_table(invocations: list[dict]) -> list[str]:
+    if not invocations:
+        return []
+    lines = ["| command | started | wall min | per section, min | runs launched / reused | torch threads per run | "
+             "load avg before / after |", "|" + "---|" * 7]
+    for i in invocations:
+        sections = ", ".join(f"{k} {v / 60:.1f}" for k, v in i["sections"].items())
+        lines.append(f"| `{i['command']}` | {i['date']} | {i['wall_seconds'] / 60:.1f} | {sections} | "
+                     f"{i['launched']} / {i['reused']} | {i.get('threads', '-')} | {i['load'][0]} / {i['load'][1]} |")
+    return lines + [""]
+
+
+def write_report(results: dict, meta: dict, out: Path) -> Path:
+    """docs/reproduction.md (+ figures/reproduction/*.png) from collected metrics; returns the markdown path."""
+    figures = out / "figures" / "reproduction"
+    references = {s: results["table1"]["random"].get(s) or [] for s in ("stale", "exhaustive")}
+    plots = {
+        "table1": plot_table1(results["table1"], figures / "table1_recall.png"),
+        "table3": plot_table3(results["table3"], figures / "table3_em.png"),
+        "ablation": plot_ablation(results["ablation"], references, figures / "ablation_hidden.png"),
+        "curves": plot_curves(results["table1"], results["table3"], figures / "curves.png"),
+    }
+    pre = results["pretrain"]
+    lines = [
+        "# Reproduction on the toy world: seed 000's Tables 1, 2, 3 and Section 5.3 in miniature",
+        "",
+        "Generated by `scripts/reproduce.py` (do not edit by hand: rerun it). Every number below is read from the "
+        "runs' `metrics.json`; the verdicts in bold are computed from those numbers.",
+        "",
+        "## How this was produced",
+        "",
+        "```bash",
+        *([i["command"] for i in meta["invocations"]] or ["(no invocation launched runs into this folder)"]),
+        "```",
+        "",
+        f"- Machine: {meta['machine']}, CPU only.",
+        f"- Wall time measured by the script: **{sum(i['wall_seconds'] for i in meta['invocations']) / 60:.1f} min** "
+        f"over {len(meta['invocations'])} invocation(s) (table below); the runs' own wall times add up to "
+        f"{results['run_seconds'] / 60:.1f} min (process start-up not included).",
+        f"- Seeds {meta['seeds']}; budgets: Algorithm 1 `{' '.join(meta['budget'].retriever)}`, Algorithm 2 "
+        f"`{' '.join(meta['budget'].rlm) or '(configs/toy/rlm.yaml as is)'}`"
+        + (f", toy world of {meta['budget'].toy_passages} passages" if meta["budget"].toy_passages else "")
+        + ". Configs: `configs/toy/retriever.yaml`, `configs/toy/rlm.yaml`; run folders under "
+        f"`{meta['runs']}`.",
+        "- Tables give mean ± sample std over seeds (std only with 2+ seeds). The seed changes data order, uniform "
+        "samples and the RLM's answer draws; the tiny models' initial weights are the same for every seed.",
+        "- steps/s are wall-clock rates: they compare strategies only when the machine was otherwise idle (load "
+        "averages in the table below).",
+        "",
+        *invocation_table(meta["invocations"]),
+        "## Table 1 in miniature: supervised retrieval (Algorithm 1)",
+        "",
+        "Toy world (retrieval-dev questions, gold passage recall@k over the corpus embedded by the final model). "
+        "Random init stands in for T5-base, the retrieval-pretrained init for GTR-base: a tiny dual encoder first "
+        "trained with Algorithm 1 (in-batch negatives) on a *different* toy world (`toy_seed=1`, other entities), so "
+        "it knows the task's language but not this corpus — as GTR was trained on other data than NQ."
+        + (f" Pretraining: {pre['steps']} steps, {pre.get('wall_seconds', 0):.0f} s, R@1 on its own world "
+           f"{100 * recall(pre, '1'):.1f}." if pre else ""),
+        "",
+    ]
+    for init in INITS:
+        lines += [f"### {INIT_LABELS[init]}", "", table1_markdown(results["table1"][init], init), ""]
+    lines += _figure(plots["table1"], "Table 1 recall")
+    lines += ["### Against the paper (computed)", ""] + table1_comparison(results["table1"]) + [
+        "",
+        f"{FINALISE} why the gaps differ from the paper's. Candidates to check against the numbers: the toy task "
+        "saturates beyond R@5, so only R@1 / MRR separate methods (the paper's gaps persist to R@100 over 21M "
+        "passages); 300 steps vs 40K; SNM samples ~17% of a 3,000-passage corpus every refresh (paper: 5% of 21M), "
+        "which makes it unusually strong; the corrector's hidden/D ratio (256/64) vs the paper's 8192/768.",
+        "",
+        "## Table 2 in miniature: corrector size",
+        "",
+        "Random init, Algorithm 1, only `strategy.corrector.hidden` changes (D = 64). steps/s counts training steps "
+        "only (evaluations excluded); stale and exhaustive are the Table 1 runs, for reference.",
+        "",
+        ablation_markdown(results["ablation"], references),
+        "",
+    ]
+    lines += _figure(plots["ablation"], "corrector size ablation")
+    lines += ablation_comparison(results["ablation"], references) + [
+        "",
+        f"{FINALISE} the corrector's share of a step's cost. On the toy world h(B) covers 3,000 x 64 values, "
+        "while the paper's covers 21M x 768 and re-embedding one passage costs a T5-base forward pass: the "
+        "speed gap to exhaustive re-embedding should be far smaller here; say whether the measured ratios agree.",
+        "",
+        "## Table 3 in miniature: retrieval-augmented QA (Algorithm 2)",
+        "",
+        "Tiny FiD reader and retriever, warm-started once (the stand-ins for T5 / GTR pre-training) in the first "
+        "run; every other run reuses those stages (`warm_start.from_run`), so all strategies start from the same "
+        "models. Exact match on the dev sets of the three toy question families; exhaustive re-embeds the corpus "
+        "every `strategy.refresh_every` steps. The retriever trains only once the reader's answer likelihoods "
+        "discriminate between passages (`pdist_gate`, docs/rlm_toy.md): a run whose gate never opened kept the "
+        "warm-start retriever, i.e. it is a frozen-retriever run whatever its strategy.",
+        "",
+        table3_markdown(results["table3"]),
+        "",
+    ]
+    lines += _figure(plots["table3"], "Table 3 exact match")
+    lines += ["### Against the paper (computed)", ""] + table3_comparison(results["table3"]) + [
+        "",
+        f"{FINALISE} the toy reader's EM level and what it implies. At the time of writing the toy reader stayed "
+        "near closed-book EM (docs/rlm_toy.md), in which case perplexity distillation has little signal and the "
+        "strategies cannot separate; state whether that is still so in the final numbers.",
+        "",
+        "## Training curves",
+        "",
+        "Mean over seeds (band: min-max) of R@1 during Algorithm 1 (the Table 1 runs, evaluated every "
+        "`train.eval_every` steps from step 0) and of EM during Algorithm 2 (the Table 3 runs).",
+        "",
+    ]
+    lines += _figure(plots["curves"], "training curves")
+    for init in INITS:
+        lines += [f"R@1 (%) over steps, {INIT_LABELS[init]}:", "",
+                  curve_table({s: results["table1"][init][s] for s in CURVES}, retrieval_curve), ""]
+    lines += ["EM (%, mean of the three datasets) over steps, Algorithm 2:", "",
+              curve_table({s: results["table3"][s] for s in RLM_CURVES}, em_curve), "",
+              f"{FINALISE} the curves' shape: whether the corrector tracks exhaustive from the start or only after "
+              "the encoders' early drift (the paper shows corrector and exhaustive overlapping throughout).", "",
+              "## Section 5.3: the synthetic experiment", "",
+              "The corrector alone, trained to map stale vectors g'(y) to drifted ones g(y) (details and the full "
+              "table: [synthetic_corrector.md](synthetic_corrector.md)).", ""]
+    if results["synthetic"]:
+        rel = os.path.relpath(out / "figures" / "synthetic", out)
+        lines += synthetic_summary(results["synthetic"]) + [
+            "", f"![KL after vs parameters]({rel}/kl_vs_params.png)", "",
+            f"![KL after vs staleness]({rel}/kl_after_vs_staleness.png)", ""]
+    else:
+        lines += ["_(not run: `--only synthetic`)_", ""]
+    path = out / "reproduction.md"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines).rstrip() + "\n")
+    return path
+
+
+# ---- main --------------------------------------------------------------------------------------------------------
+def machine() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+        model = next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
+    except (OSError, subprocess.CalledProcessError, StopIteration):
+        model = platform.processor() or "unknown CPU"
+    import torch
+
+    return f"{model}, {os.cpu_count()} cores, torch {torch.__version__}"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS), help="sections to run")
+    parser.add_argument("--seeds", nargs="+", type=int, default=None, help="default: 0 1 2 (quick: 0)")
+    parser.add_argument("--hidden", nargs="+", type=int, default=None, help="ablation sizes; default 64 256 1024")
+    parser.add_argument("--runs", type=Path, default=None, help="default runs/reproduce (quick: runs/reproduce-quick)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="folder for reproduction.md and figures/ (default docs; quick: <runs>/report)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads per run (default 1: the tiny models gain little from a second thread, and "
+                             "two threads stall badly when another job holds a core)")
+    parser.add_argument("--quick", action="store_true", help="tiny budgets on a 300-passage world, for testing")
+    parser.add_argument("--report-only", action="store_true", help="launch nothing; rewrite the report")
+    args = parser.parse_args(argv)
+    budget = QUICK if args.quick else FULL
+    args.budget = budget
+    args.seeds = args.seeds or list(budget.seeds)
+    args.hidden = args.hidden or list(budget.hidden)
+    args.runs = args.runs or Path("runs/reproduce-quick" if args.quick else "runs/reproduce")
+    args.out = args.out or (args.runs / "report" if args.quick else Path("docs"))
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    started, load_before = time.time(), os.getloadavg()
+    plan = Plan(args.runs, args.budget, args.seeds, args.hidden, args.out)
+    log = args.runs / INVOCATIONS
+    invocations = json.loads(log.read_text()) if log.is_file() else []
+    if not args.report_only:
+        launched = reused = 0
+        seconds: dict[str, float] = {}
+        done: set[Path] = set()
+        for section in args.only:
+            section_started = time.time()
+            if section == "synthetic":
+                plan.run_synthetic()
+            for run in plan.section(section):
+                if run.out in done:
+                    continue
+                done.add(run.out)
+                finished = run.metrics() is not None
+                run.execute(args.threads)
+                reused += finished
+                launched += not finished
+            seconds[section] = round(time.time() - section_started, 1)
+            print(f"[reproduce] {section}: {seconds[section]:.0f} s", flush=True)
+        niceness = os.nice(0)
+        command = " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+        invocations.append({
+            "command": (f"nice -n {niceness} " if niceness else "") + f"python scripts/reproduce.py {command}".strip(),
+            "date": time.strftime("%Y-%m-%d %H:%M", time.localtime(started)), "sections": seconds,
+            "wall_seconds": round(time.time() - started, 1), "launched": launched, "reused": reused,
+            "threads": args.threads,
+            "load": [round(load_before[0], 1), round(os.getloadavg()[0], 1)]})
+        args.runs.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(log, invocations)
+    meta = {"machine": machine(), "seeds": args.seeds, "budget": args.budget, "runs": args.runs,
+            "invocations": invocations}
+    path = write_report(plan.collect(), meta, args.out)
+    print(f"[reproduce] report: {path} ({time.time() - started:.0f} s)", flush=True)
+
+
+if __name__ == "__main__":
+    main()

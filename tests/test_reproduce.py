@@ -1,0 +1,136 @@
+"""scripts/reproduce.py: the plan's run folders and overrides, and the report written from given metrics
+(tables, computed verdicts against the paper, PNG plots) — no training here."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def reproduce():
+    spec = importlib.util.spec_from_file_location("reproduce", ROOT / "scripts" / "reproduce.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["reproduce"] = module  # its dataclasses resolve their annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+def retriever_metrics(r1: float, reembedded: int = 0, rate: float = 2.0, seconds: float = 10.0) -> dict:
+    recall = {"1": r1, "5": min(1.0, r1 + 0.1), "10": 1.0, "20": 1.0, "100": 1.0}
+    history = [{"step": s, "retrieval": {"recall": {k: v * s / 40 for k, v in recall.items()}}} for s in (0, 20)]
+    return {"recall": recall, "mrr@10": r1 + 0.01, "reembedded_passages": reembedded, "steps": 40,
+            "steps_per_second": rate, "wall_seconds": seconds, "history": history}
+
+
+def rlm_metrics(em: float, reembedded: int = 0, gate_opened: int | None = 30) -> dict:
+    ems = {"nq": em, "tqa": em + 0.02, "hotpotqa": em / 2}
+    return {"em": ems, "reembedded_passages": reembedded, "steps": 10, "steps_per_second": 3.0, "wall_seconds": 5.0,
+            "retriever_trained_from_step": gate_opened,
+            "history": [{"step": 5, **{d: {"em": v / 2} for d, v in ems.items()}}]}
+
+
+def fake_results() -> dict:
+    # random init: in_batch beats stale (against the paper), corrector beats stale on both seeds
+    random = {"in_batch": [retriever_metrics(0.70), retriever_metrics(0.72)],
+              "stale": [retriever_metrics(0.60), retriever_metrics(0.62)],
+              "corrector": [retriever_metrics(0.90, rate=1.5), retriever_metrics(0.80, rate=1.5)],
+              "exhaustive": [retriever_metrics(0.95, 18000, rate=1.0), retriever_metrics(0.97, 18000, rate=1.0)],
+              "snm": [retriever_metrics(0.93, 3000)], "negative_cache": []}
+    pretrained = {name: [retriever_metrics(0.99)] for name in ("in_batch", "stale", "corrector", "exhaustive")}
+    synthetic = {"fractions": [0.1, 1.0], "drift_scales": [0.5, 2.0], "correctors": ["linear", "1x8"], "seeds": [0],
+                 "wall_seconds": 12.0, "runs": [
+                     {"drift_scale": d, "hidden_layers": layers, "width": width, "fraction": fraction,
+                      "corrector": name, "params": params, "kl_stale": d, "epochs": 10,
+                      "kl_after": after * (2 if fraction < 1 else 1)}
+                     for d, layers, width, name, params, after in [
+                         (0.5, 0, 0, "linear", 72, 0.2), (0.5, 1, 8, "1x8", 144, 0.1),
+                         (2.0, 0, 0, "linear", 72, 1.2), (2.0, 1, 8, "1x8", 144, 0.3)]
+                     for fraction in (0.1, 1.0)]}
+    return {
+        "run_seconds": 123.0,
+        "pretrain": retriever_metrics(1.0),
+        "table1": {"random": random, "pretrained": pretrained},
+        "table3": {"closed_book": [rlm_metrics(0.05)], "frozen": [rlm_metrics(0.30, gate_opened=None)],
+                   "corrector": [rlm_metrics(0.40)], "exhaustive": [rlm_metrics(0.42, 9000, gate_opened=None)]},
+        "ablation": {64: [retriever_metrics(0.85, rate=1.8)], 256: random["corrector"],
+                     1024: [retriever_metrics(0.86, rate=1.1)]},
+        "synthetic": synthetic,
+    }
+
+
+def test_report_from_given_metrics(reproduce, tmp_path):
+    invocations = [{"command": "python scripts/reproduce.py --quick", "date": "2025-01-01 10:00", "wall_seconds": 60.0,
+                    "sections": {"table1": 50.0, "table3": 10.0}, "launched": 3, "reused": 0, "load": [1.0, 2.0]},
+                   {"command": "python scripts/reproduce.py --quick", "date": "2025-01-01 11:00", "wall_seconds": 30.0,
+                    "sections": {"table1": 30.0}, "launched": 1, "reused": 3, "load": [0.5, 1.0], "threads": 1}]
+    meta = {"machine": "Test CPU, 2 cores", "seeds": [0, 1], "budget": reproduce.QUICK, "runs": "runs/x",
+            "invocations": invocations}
+    path = reproduce.write_report(fake_results(), meta, tmp_path)
+    text = path.read_text()
+
+    # numbers come from the inputs: corrector R@1 over seeds 0.90 / 0.80 -> 85.0 ± 7.1; EM nq 40.0
+    assert "| corrector | 2 | 0 | 85.0 ± 7.1 |" in text
+    assert "| exhaustive | 2 | 18000 | 96.0 ± 1.4 |" in text
+    assert "| corrector | 1 | 0 | 40.0 | 42.0 | 20.0 | 34.0 | 3.00 | 30 |" in text
+    assert "| frozen | 1 | 0 | 30.0 | 32.0 | 15.0 | 25.7 | 3.00 | - |" in text  # never trains its retriever
+    assert "| exhaustive | 1 | 9000 | 42.0 | 44.0 | 21.0 | 35.7 | 3.00 | never |" in text
+    assert "in 1 of 2 corrector / exhaustive runs the retriever never trained" in text
+    assert "Test CPU, 2 cores" in text and "**1.5 min**" in text and "2.0 min" in text  # 60 + 30 s; 123 s
+    assert "| 2025-01-01 11:00 | 0.5 | table1 0.5 | 1 / 3 | 1 | 0.5 / 1.0 |" in text
+    # computed verdicts against the paper
+    assert "stale − in_batch: measured -10.0 points (stale ahead on 0/2 seeds" in text
+    assert "corrector − stale: measured +24.0 points (corrector ahead on 2/2 seeds" in text
+    assert "stale − in_batch: measured +0.0 points (stale ahead on 0/1 seeds), paper +8.8 → **does not" in text
+    assert "closes 69% of the stale → exhaustive R@1 gap" in text  # (85 - 61) / (96 - 61)
+    assert "exhaustive − corrector: measured +11.0 points" in text
+    assert "**does not reproduce (paper: on par)**" in text
+    assert "(paper: GTR-base).** The initial model's R@1 (step 0) is 0.0. Measured R@1 order: in_batch 99.0 = " \
+           "stale 99.0 = corrector 99.0 = exhaustive 99.0" in text
+    assert "the stale → exhaustive R@1 gap is 35.0 points from random init and 0.0" in text
+    assert "smaller is faster: **reproduces**" in text
+    assert "corrector − frozen: measured +10.0 EM points" in text
+    assert "| 2 | 2.000 | 1x8 | 0.3000 | 85% | 0.6000 | 4.0x |" in text  # the best corrector at drift 2, not linear
+    assert "grows with the drift" in text
+    assert text.count(reproduce.FINALISE) >= 4
+
+    figures = tmp_path / "figures" / "reproduction"
+    for name in ("table1_recall.png", "table3_em.png", "ablation_hidden.png", "curves.png"):
+        data = (figures / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, name
+        assert f"figures/reproduction/{name}" in text
+
+
+def test_report_with_missing_sections(reproduce, tmp_path):
+    results = fake_results()
+    results["table3"] = {name: [] for name in reproduce.TABLE3}
+    results["synthetic"] = None
+    meta = {"machine": "m", "seeds": [0], "budget": reproduce.FULL, "runs": "runs/x", "invocations": []}
+    text = reproduce.write_report(results, meta, tmp_path).read_text()
+    assert "_no finished runs_" in text and "not run" in text
+    assert not (tmp_path / "figures" / "reproduction" / "table3_em.png").exists()
+
+
+def test_plan_shares_one_warm_start_and_reuses_the_default_corrector(reproduce, tmp_path):
+    plan = reproduce.Plan(tmp_path, reproduce.FULL, [0, 1], [64, 256], tmp_path / "docs")
+    table3 = plan.section("table3")
+    holder = table3[0]
+    assert holder.out == plan.table3_holder() and not any("from_run" in o for o in holder.overrides)
+    assert all(f"warm_start.from_run={holder.out}" in run.overrides for run in table3[1:])
+    assert {o for run in table3 for o in run.overrides if o.startswith("strategy.name=")} == {
+        f"strategy.name={s}" for s in reproduce.TABLE3}
+    pretrained = plan.table1("pretrained", "stale", 1)
+    assert f"retriever.model={plan.pretrain().out / 'retriever'}" in pretrained.overrides
+    assert plan.section("table1")[0].out == plan.pretrain().out  # pretraining runs first
+    assert plan.ablation(256, 0).out == plan.table1("random", "corrector", 0).out  # config default: same run
+    assert "strategy.corrector.hidden=64" in plan.ablation(64, 0).overrides
+    # later overrides win in load_config: the section's strategy and seed come after the budget's
+    from rag_train.config import RetrieverTrainConfig, load_config
+
+    cfg = load_config(RetrieverTrainConfig, reproduce.RETRIEVER_CONFIG, plan.ablation(64, 1).overrides)
+    assert (cfg.strategy.name, cfg.strategy.corrector.hidden, cfg.train.seed) == ("corrector", 64, 1)
