@@ -15,9 +15,15 @@ Sections (--only):
   curves    recall and EM over training steps for stale, corrector and exhaustive (the table1/table3 runs);
   synthetic the Section 5.3 grid (scripts/synthetic_corrector.py; an existing results.json is reused).
 
+Cost on 2 CPU cores (estimated from single runs, one torch thread per run): table1 + ablation + curves with
+the default 3 seeds about 35 min (a 300-step run is 40-70 s); table3 is dominated by the shared reader warm start
+and by the RLM's in-loop evaluations, roughly 45-60 min more with configs/toy/rlm.yaml as of this writing; the
+synthetic grid reuses docs/figures/synthetic/results.json (about 5 min when it has to be rerun).
+
 Every training run is its own process (`accelerate launch --num_processes 1 --cpu`) with its own folder
-under --runs; a finished run (metrics.json there) is reused and an interrupted one resumes from its last
-checkpoint, so an interrupted reproduction continues where it stopped. The report always covers every
+under --runs; a finished run (metrics.json there) is reused and an interrupted one is launched again with
+train.resume=true (from its last checkpoint if it saved one; finished RLM warm-start stages are kept), so an
+interrupted reproduction continues where it stopped. The report always covers every
 finished run it finds, whichever sections this invocation ran.
 """
 
@@ -96,7 +102,7 @@ class Budget:
 FULL = Budget(
     retriever=("train.steps=300", "train.eval_every=50", "strategy.refresh_every=50"),
     pretrain=("strategy.name=in_batch", "train.steps=300", "train.batch_size=32", "train.eval_every=0"),
-    rlm=("strategy.refresh_every=50", "train.eval_every=50"),
+    rlm=("strategy.refresh_every=50", "train.eval_every=100"),
     synthetic=(),
     seeds=(0, 1, 2),
     hidden=(64, 256, 1024),
