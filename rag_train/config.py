@@ -273,7 +273,8 @@ class WarmStartConfig:
     """
 
     reader_steps: int = 0
-    reader_lr: float = 1e-3
+    # Adafactor's lr (T5's pre-training optimizer; each step is scaled by the weight's RMS)
+    reader_lr: float = 1e-2
     reader_passages: int = 2  # gold passage(s) + random ones per question, in random order
     # the first steps show single-hop questions their gold passage alone: a tiny T5 learns to copy an answer
     # there within a few hundred steps, and then to find the right passage among several much faster

@@ -33,7 +33,12 @@ def main() -> None:
     parser.add_argument("--families", default="nq,tqa,hotpotqa", help="training families")
     parser.add_argument("--d-model", type=int, default=128)
     parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--d-kv", type=int, default=None, help="per-head width (default d_model / heads)")
+    parser.add_argument("--encoder-layers", type=int, default=2)
+    parser.add_argument("--decoder-layers", type=int, default=2)
     parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--optimizer", choices=("adamw", "adafactor"), default="adamw",
+                        help="adafactor: T5's own optimizer, steps scaled by each parameter's RMS")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--copy-steps", type=int, default=1000)
@@ -54,10 +59,16 @@ def main() -> None:
     train = [q for family in args.families.split(",") for q in load(f"{family}-train")]
     single_hop = [q for q in train if len(q["gold_ids"]) == 1]
     dev = {family: load(f"{family}-dev")[: args.eval_questions] for family in FAMILIES}
-    tiny = TinyModelConfig(d_model=args.d_model, d_ff=2 * args.d_model, d_kv=args.d_model // args.heads,
-                           num_heads=args.heads, num_layers=2, num_decoder_layers=2)
+    tiny = TinyModelConfig(d_model=args.d_model, d_ff=2 * args.d_model, d_kv=args.d_kv or args.d_model // args.heads,
+                           num_heads=args.heads, num_layers=args.encoder_layers,
+                           num_decoder_layers=args.decoder_layers)
     reader = FiDReader.from_config(ReaderConfig(tiny=tiny), tokenizer)
-    optimizer = torch.optim.AdamW(reader.parameters(), lr=args.lr)
+    if args.optimizer == "adafactor":
+        from transformers.optimization import Adafactor
+
+        optimizer = Adafactor(reader.parameters(), lr=args.lr, scale_parameter=True, relative_step=False)
+    else:
+        optimizer = torch.optim.AdamW(reader.parameters(), lr=args.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 100))
 
     def passages(question: dict, k: int) -> list[dict]:

@@ -147,7 +147,18 @@ def train_rlm(cfg: RLMConfig) -> dict:
     settings = QAEvalSettings(cfg.eval.num_passages or cfg.strategy.top_k, cfg.reader.max_input_length,
                               cfg.reader.max_answer_length, cfg.eval.batch_size, closed_book=not strategy.retrieves)
     history = []
-    first_step, started = step, time.time()
+
+    def record_eval() -> float:
+        """Evaluate into `history` (curves start at step 0, the warm-started models); returns its seconds."""
+        eval_started = time.time()
+        metrics, _ = evaluate_qa(retriever, acc.unwrap_model(reader), tokenizer, corpus, dev_sets, settings, acc)
+        history.append({"step": step, **metrics})
+        run.log({f"eval/{n}/{k}": v for n, m in metrics.items() for k, v in m.items()}, step)
+        return time.time() - eval_started
+
+    if cfg.train.eval_every and step == 0:
+        record_eval()
+    first_step, started, eval_seconds = step, time.time(), 0.0
     bar = tqdm(total=cfg.train.steps, initial=step, desc=f"rlm[{cfg.strategy.name}]", disable=not acc.is_main_process)
     while step < cfg.train.steps:
         batch = [train_set[i] for i in local_slice(global_batch(len(train_set), cfg.train.batch_size, cfg.train.seed, step), acc)]
@@ -205,16 +216,15 @@ def train_rlm(cfg: RLMConfig) -> dict:
             run.log({**logged, "embedded": strategy.embedded, "skipped_steps": guard.skipped}, step)
             bar.set_postfix(reader=f"{logged['reader_loss']:.3f}", gate=int(gate.open))
         if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < cfg.train.steps:
-            metrics, _ = evaluate_qa(retriever, acc.unwrap_model(reader), tokenizer, corpus, dev_sets, settings, acc)
-            history.append({"step": step, **metrics})
-            run.log({f"eval/{n}/{k}": v for n, m in metrics.items() for k, v in m.items()}, step)
+            eval_seconds += record_eval()
         if cfg.train.save_every and step % cfg.train.save_every == 0 and step < cfg.train.steps:
             run.save(step, extra=strategy.save)
     bar.close()
-    train_seconds = time.time() - started
+    train_seconds = time.time() - started - eval_seconds  # training steps only: evaluations left out
 
     run.save(step, extra=strategy.save)
     metrics, predictions = evaluate_qa(retriever, acc.unwrap_model(reader), tokenizer, corpus, dev_sets, settings, acc)
+    history.append({"step": step, **metrics})
     save_full_model(acc, retriever_ddp, lambda m: m.save(run.dir / "retriever"))
     save_full_model(acc, reader, lambda m: save_pretrained_atomic(run.dir / "reader", m, tokenizer))
     if acc.is_main_process:

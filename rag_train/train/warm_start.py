@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
+from transformers.optimization import Adafactor
 
 from rag_train.config import RLMConfig, RetrieverTrainConfig
 from rag_train.data.collate import answer_labels, fid_inputs
@@ -44,7 +45,9 @@ def warm_start_retriever(cfg: RLMConfig, files: DataFiles, run: TrainingRun) -> 
     if warm.retriever_steps == 0:
         return DualEncoder.from_config(cfg.retriever, tokenizer=cfg.retriever.tokenizer or files.tokenizer)
     out = stage_dir(cfg, run, "warm_start_retriever")
-    if not (out / "metrics.json").is_file():
+    finished = (out / "metrics.json").is_file()
+    run.accelerator.wait_for_everyone()  # every process looks before the stage writes (see the reader stage)
+    if not finished:
         from rag_train.train.retriever import train_retriever
 
         train = warm.retriever_train or str(Path(files.passages).parent / "retrieval-train.jsonl")
@@ -72,13 +75,20 @@ def warm_start_reader(cfg: RLMConfig, reader: torch.nn.Module, tokenizer, corpus
     if steps == 0 or run.latest_checkpoint() is not None:
         return
     out = stage_dir(cfg, run, "warm_start_reader")
-    if out.is_dir():
+    finished = out.is_dir()
+    # every process looks before any writes: this stage has no collectives, so a late rank could otherwise
+    # find the folder the main rank just saved, skip the stage and miss its closing barrier (a hang)
+    run.accelerator.wait_for_everyone()
+    if finished:
         reader.load_state_dict(type(reader).from_pretrained(out).state_dict())
         run.accelerator.print(f"warm-start reader: {out}")
         return
     device = run.accelerator.device
     reader.to(device).train()
-    optimizer = torch.optim.AdamW(reader.parameters(), lr=cfg.warm_start.reader_lr)
+    # T5's own pre-training optimizer: steps scaled by each weight's RMS. Under AdamW a random-init tiny T5
+    # learned to copy several times slower (lr 1e-3) or not at all (2e-3; docs/rlm_toy.md).
+    optimizer = Adafactor(reader.parameters(), lr=cfg.warm_start.reader_lr, scale_parameter=True,
+                          relative_step=False, warmup_init=False)
     scheduler = linear_warmup(optimizer, min(100, steps // 10))
     generator = torch.Generator().manual_seed(cfg.train.seed + 1)
     labelled = [ex for ex in train_set if ex.gold_ids]
