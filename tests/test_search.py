@@ -54,6 +54,28 @@ def test_modes_match_brute_force(data, mode, chunk_rows):
     assert result.scores.dtype == torch.float32 and result.rows.dtype == torch.int64
 
 
+@pytest.mark.parametrize("mode", ["exact", "corrector_full"])
+def test_cpu_tile_workers_match_one_thread_under_inference_mode(mode):
+    """Several torch threads score row tiles in worker threads: same result as one thread, also when the
+    caller is in inference mode (thread-local, like grad mode), and the caller's thread count comes back."""
+    gen = torch.Generator().manual_seed(3)
+    rows, queries = torch.randn(9000, 16, generator=gen), torch.randn(5, 16, generator=gen)
+    corrector = random_corrector(16, 32)  # parameters require grad, as during training
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = search(queries, rows, 10, corrector=corrector, mode=mode, chunk_rows=6000)
+        torch.set_num_threads(3)
+        with torch.inference_mode():
+            inference_rows = rows.clone()
+            pooled = search(queries, inference_rows, 10, corrector=corrector, mode=mode, chunk_rows=6000)
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(pooled.rows, single.rows)
+    assert torch.equal(pooled.scores, single.scores)
+
+
 @pytest.mark.parametrize("mode", ["exact", "corrector_full", "corrector_rerank"])
 @pytest.mark.parametrize("chunk_rows", [7, 64, 10_000])
 def test_ties_go_to_lower_row(mode, chunk_rows):

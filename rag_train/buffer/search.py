@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import mmap
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -42,6 +43,7 @@ SAMPLINGS = ("topk", "gumbel")
 NOISE_BLOCK = 8192  # Gumbel noise is drawn per block of global rows, so it is independent of chunking and sharding
 HIDDEN_TILE_BYTES = 16 << 20  # [tile, hidden] activations sized to stay in a typical L3 between the two GEMMs
 MIN_HIDDEN_TILE = 1024  # below this the GEMMs get too thin to run near peak
+CPU_TILE_ROWS = 2048  # per-thread tile on CPU: [tile, hidden] activations stay in cache between the GEMMs
 UNIFORM_EPS = 1e-7  # uniforms clamped to [eps, 1 - eps] so the Gumbel transform stays finite
 
 Rows = Union[torch.Tensor, np.ndarray]
@@ -267,40 +269,108 @@ def _scan(queries, rows, k, corrector, exclude, noise, row_offset, chunk_rows):
         if corrector.first.weight.dtype != compute_dtype:  # convert the small net once, not per tile
             corrector = copy.deepcopy(corrector).to(compute_dtype)
         folded = (q_hidden.to(compute_dtype), q_bias.float())
-        tile = max(MIN_HIDDEN_TILE, HIDDEN_TILE_BYTES // (4 * corrector.hidden))
-        hidden_buf = torch.empty(min(tile, rows.shape[0]), corrector.hidden, dtype=compute_dtype, device=device)
+    scorer = (_CpuScorer if device.type == "cpu" else _DeviceScorer)(q, folded, corrector, rows.shape[0])
     score_store = torch.empty(queries.shape[0] * min(chunk_rows, rows.shape[0]), device=device)
     best = None
-    for start, block in reader:
-        scores = score_store[: queries.shape[0] * block.shape[0]].view(queries.shape[0], block.shape[0])
-        _score_block(q, block, folded, corrector, hidden_buf if folded else None, scores)
-        global_start = row_offset + start
-        keys = noise.keys(scores, global_start) if noise is not None else scores
-        _mask_excluded(keys, exclude, global_start)
-        values, index = _chunk_topk(keys, k)
-        chunk_best = (values, index + global_start, scores.gather(1, index) if noise is not None else values)
-        merged = chunk_best if best is None else tuple(torch.cat(p, 1) for p in zip(best, chunk_best))
-        best = merge_topk(*merged, k)  # also orders the first chunk's ties by row
+    try:
+        for start, block in reader:
+            scores = score_store[: queries.shape[0] * block.shape[0]].view(queries.shape[0], block.shape[0])
+            scorer(block, scores)
+            best = _merge_chunk(best, scores, noise, exclude, row_offset + start, k)
+    finally:
+        scorer.close()
     return _pad_to_k(*best, k)
 
 
-def _score_block(q, block, folded, corrector, hidden_buf, out):
-    """out[B, n] = <q, b> (+ <W2^T q, relu(W1 b + c1)> + <q, c2> with a corrector), fp32."""
-    if out.device.type == "cpu":
-        torch.mm(q, block.t(), out=out)
-    else:
+def _merge_chunk(best, scores, noise, exclude, global_start, k):
+    """Running top-k after one more chunk of scores [B, n] whose first row is `global_start`."""
+    keys = noise.keys(scores, global_start) if noise is not None else scores
+    _mask_excluded(keys, exclude, global_start)
+    values, index = _chunk_topk(keys, k)
+    chunk_best = (values, index + global_start, scores.gather(1, index) if noise is not None else values)
+    merged = chunk_best if best is None else tuple(torch.cat(p, 1) for p in zip(best, chunk_best))
+    return merge_topk(*merged, k)  # also orders the first chunk's ties by row
+
+
+class _DeviceScorer:
+    """out[B, n] = <q, b> (+ <W2^T q, relu(W1 b + c1)> + <q, c2> with a corrector), fp32, tile by tile."""
+
+    def __init__(self, q, folded, corrector, rows: int):
+        self.q, self.folded, self.corrector = q, folded, corrector
+        if corrector is not None:
+            tile = max(MIN_HIDDEN_TILE, HIDDEN_TILE_BYTES // (4 * corrector.hidden))
+            self.hidden_buf = torch.empty(min(tile, rows), corrector.hidden, dtype=q.dtype, device=q.device)
+
+    def __call__(self, block, out) -> None:
+        q = self.q
         out.copy_(torch.mm(q, block.t(), out_dtype=torch.float32) if q.dtype != torch.float32 else q @ block.t())
-    if folded is None:
-        return
-    q_hidden, q_bias = folded
-    out.add_(q_bias.unsqueeze(1))
-    for lo in range(0, block.shape[0], hidden_buf.shape[0]):
-        tile = block[lo: lo + hidden_buf.shape[0]]
-        activations = corrector.hidden_activations(tile, out=hidden_buf[: tile.shape[0]])
-        if out.device.type == "cpu":
-            out[:, lo: lo + tile.shape[0]].addmm_(q_hidden, activations.t())
-        else:
+        if self.folded is None:
+            return
+        q_hidden, q_bias = self.folded
+        out.add_(q_bias.unsqueeze(1))
+        for lo in range(0, block.shape[0], self.hidden_buf.shape[0]):
+            tile = block[lo: lo + self.hidden_buf.shape[0]]
+            activations = self.corrector.hidden_activations(tile, out=self.hidden_buf[: tile.shape[0]])
             out[:, lo: lo + tile.shape[0]].add_(torch.mm(q_hidden, activations.t(), out_dtype=torch.float32))
+
+    def close(self) -> None:
+        pass
+
+
+class _CpuScorer:
+    """The same scores on CPU, with the torch threads split over row tiles instead of inside each GEMM.
+
+    Measured on 2 cores: the thin GEMMs (K = dim for the first layer, 128 queries for the second) reach
+    ~0.5 of the square-GEMM rate when oneMKL splits each one over 2 threads, but ~0.9 when each thread
+    runs whole small tiles single-threaded (docs/search_benchmark.md). Workers write disjoint columns.
+    Stale search uses the same tiles, so a corrector at init (h = identity) gives bitwise the same scores.
+    """
+
+    def __init__(self, q, folded, corrector, rows: int):
+        self.q, self.folded, self.corrector = q, folded, corrector
+        self.threads = torch.get_num_threads()
+        tile = min(CPU_TILE_ROWS, rows)
+        hidden = corrector.hidden if corrector is not None else 0
+        self.tile = tile
+        self.buffers = [torch.empty(tile, hidden) for _ in range(self.threads)]
+        self.pool = ThreadPoolExecutor(self.threads) if self.threads > 1 else None
+        self.inference_mode = torch.is_inference_mode_enabled()  # thread-local: the workers must copy it
+
+    def _score_tiles(self, worker: int, block, out, lo: int, hi: int) -> None:
+        if self.pool is None:
+            self._score_tile_range(worker, block, out, lo, hi)
+            return
+        torch.set_num_threads(1)  # this thread's GEMMs stay on its own core
+        with torch.inference_mode(self.inference_mode), torch.no_grad():
+            self._score_tile_range(worker, block, out, lo, hi)
+
+    def _score_tile_range(self, worker: int, block, out, lo: int, hi: int) -> None:
+        for start in range(lo, hi, self.tile):
+            tile = block[start: min(hi, start + self.tile)]
+            scores = out[:, start: start + tile.shape[0]]
+            torch.mm(self.q, tile.t(), out=scores)
+            if self.folded is not None:
+                q_hidden, q_bias = self.folded
+                scores.add_(q_bias.unsqueeze(1))
+                activations = self.corrector.hidden_activations(tile, out=self.buffers[worker][: tile.shape[0]])
+                scores.addmm_(q_hidden, activations.t())
+
+    def __call__(self, block, out) -> None:
+        if self.pool is None:
+            self._score_tiles(0, block, out, 0, block.shape[0])
+            return
+        tiles = -(-block.shape[0] // self.tile)
+        bounds = [min(block.shape[0], (tiles * w // self.threads) * self.tile)
+                  for w in range(self.threads + 1)]
+        jobs = [self.pool.submit(self._score_tiles, w, block, out, bounds[w], bounds[w + 1])
+                for w in range(self.threads) if bounds[w] < bounds[w + 1]]
+        for job in jobs:
+            job.result()
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown()
+            torch.set_num_threads(self.threads)  # oneMKL's thread count is process-wide: restore the caller's
 
 
 def _pad_to_k(keys, found, scores, k):
