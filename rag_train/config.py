@@ -275,7 +275,10 @@ class WarmStartConfig:
     reader_steps: int = 0
     # Adafactor's lr (T5's pre-training optimizer; each step is scaled by the weight's RMS)
     reader_lr: float = 1e-2
-    reader_passages: int = 2  # gold passage(s) + random ones per question, in random order
+    reader_passages: int = 2  # gold passage(s) + distractors per question, in random order
+    # distractors: `random` passages, or `retrieved`: the warm-started retriever's top-ranked non-gold ones,
+    # as a FiD reader is trained on its retriever's output (the confusable passages it will see later)
+    reader_distractors: str = "random"
     # the first steps show single-hop questions their gold passage alone: a tiny T5 learns to copy an answer
     # there within a few hundred steps, and then to find the right passage among several much faster
     reader_copy_steps: int = 0
@@ -298,6 +301,7 @@ class WarmStartConfig:
         _positive("warm_start", "reader_batch_size", self.reader_batch_size)
         _positive("warm_start", "retriever_lr", self.retriever_lr)
         _choice("warm_start", "retriever_strategy", self.retriever_strategy, ("in_batch", "uniform", "stale"))
+        _choice("warm_start", "reader_distractors", self.reader_distractors, ("random", "retrieved"))
 
 
 @dataclass

@@ -103,6 +103,37 @@ def test_pdist_gives_the_reader_no_gradient(recipe_toy_dir):
     assert all(p.grad is None for p in reader.parameters())
 
 
+def test_retrieved_distractors_are_the_top_ranked_non_gold_rows(recipe_toy_dir):
+    """The reader warm start's `retrieved` distractors against brute force over the whole corpus."""
+    from types import SimpleNamespace
+
+    from accelerate import Accelerator
+
+    from rag_train.config import RetrieverConfig
+    from rag_train.data.corpus import Corpus
+    from rag_train.data.qa import load_qa
+    from rag_train.train.warm_start import retrieved_distractors
+
+    corpus = Corpus.open(recipe_toy_dir / "passages.jsonl")
+    examples = load_qa(recipe_toy_dir / "hotpotqa-train.jsonl", corpus=corpus, limit=6)  # two gold passages each
+    examples += load_qa(recipe_toy_dir / "nq-train.jsonl", corpus=corpus, limit=6)
+    torch.manual_seed(0)
+    retriever = DualEncoder.from_config(RetrieverConfig(tiny=TinyModelConfig(d_model=32, d_ff=64, d_kv=8)),
+                                        tokenizer=str(recipe_toy_dir / "tokenizer")).eval()
+    found = retrieved_distractors(retriever, corpus, examples, 3, SimpleNamespace(accelerator=Accelerator(cpu=True)),
+                                  batch_size=64)
+    with torch.no_grad():
+        passages = torch.cat([retriever.encode_passages(corpus.passages(range(s, min(s + 64, len(corpus)))))
+                              for s in range(0, len(corpus), 64)])
+        scores = (retriever.encode_queries([ex.question for ex in examples]) @ passages.T).tolist()
+    for ex, row_scores, rows in zip(examples, scores, found):
+        gold = set(corpus.rows(ex.gold_ids))
+        expected = [r for r in sorted(range(len(corpus)), key=lambda r: (-row_scores[r], r)) if r not in gold][:3]
+        assert len(set(rows)) == 3 and not gold & set(rows)
+        # same rows up to float noise between batchings (ties within 1e-5 may swap)
+        assert [row_scores[r] for r in rows] == pytest.approx([row_scores[r] for r in expected], abs=1e-5)
+
+
 def test_resume_continues_as_if_uninterrupted(recipe_toy_dir, tmp_path):
     whole = rlm.train_rlm(config(recipe_toy_dir, tmp_path / "whole", "corrector", **{"train.save_every": 2}))
     rlm.train_rlm(config(recipe_toy_dir, tmp_path / "split", "corrector", steps=2))
@@ -118,7 +149,10 @@ def test_resume_continues_as_if_uninterrupted(recipe_toy_dir, tmp_path):
 def test_two_process_run(recipe_toy_dir, tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     cmd = launch_command(str(ROOT / "scripts" / "train_rlm.py"), "--config", str(CONFIG),
-           *overrides(recipe_toy_dir, tmp_path / "two", "corrector"),
+           *overrides(recipe_toy_dir, tmp_path / "two", "corrector", **{
+               # the reader warm start's retrieved distractors: a sharded search inside a stage without collectives
+               "warm_start.reader_steps": 3, "warm_start.reader_copy_steps": 1,
+               "warm_start.reader_distractors": "retrieved"}),
                          # a tracker: finishing the warm-start run's trackers must not end the process group
                          "train.tracker=tensorboard")
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=500)

@@ -118,7 +118,7 @@ def train_rlm(cfg: RLMConfig) -> dict:
     # Stand-ins for pre-training (toy default): a retriever that can retrieve, a reader that can read.
     retriever = warm_start_retriever(cfg, files, run)
     reader = FiDReader.from_config(cfg.reader, tokenizer)
-    warm_start_reader(cfg, reader, tokenizer, corpus, train_set, run)
+    warm_start_reader(cfg, reader, tokenizer, corpus, train_set, run, retriever)
 
     strategy_cls = REGISTRY[cfg.strategy.name]
     buffer_dir = ensure_buffer(run, cfg.buffer, retriever, corpus) if strategy_cls.needs_buffer else None

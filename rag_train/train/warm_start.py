@@ -18,11 +18,13 @@ import torch
 from tqdm.auto import tqdm
 from transformers.optimization import Adafactor
 
+from rag_train.buffer.embed import embed_local_shard
 from rag_train.config import RLMConfig, RetrieverTrainConfig
 from rag_train.data.collate import answer_labels, fid_inputs
 from rag_train.data.corpus import Corpus
 from rag_train.data.qa import QAExample
 from rag_train.data.sources import DataFiles
+from rag_train.eval.retrieval import rank_passages
 from rag_train.io import atomic_directory
 from rag_train.models.retriever import DualEncoder
 from rag_train.train.common import TrainingRun, global_batch, linear_warmup
@@ -68,9 +70,26 @@ def warm_start_retriever(cfg: RLMConfig, files: DataFiles, run: TrainingRun) -> 
     return DualEncoder.load(out / "retriever")
 
 
+def retrieved_distractors(retriever: DualEncoder, corpus: Corpus, examples: list[QAExample], k: int,
+                          run: TrainingRun, batch_size: int = 256) -> list[list[int]]:
+    """Per example, the retriever's top-k rows that are not gold: the passages a reader must learn to tell
+    from the gold one (for the toy, people sharing a first or family name with the one asked about)."""
+    retriever.to(run.accelerator.device)
+    vectors, offset = embed_local_shard(retriever, corpus, run.accelerator, batch_size)
+    most = max(len(ex.gold_ids) for ex in examples)
+    ranked = rank_passages(retriever, vectors, offset, [ex.question for ex in examples],
+                           min(k + most, len(corpus)), batch_size)
+    distractors = []
+    for ex, rows in zip(examples, ranked.tolist()):
+        gold = set(corpus.rows(ex.gold_ids))
+        distractors.append([row for row in rows if row not in gold][:k])
+    return distractors
+
+
 def warm_start_reader(cfg: RLMConfig, reader: torch.nn.Module, tokenizer, corpus: Corpus,
-                      train_set: list[QAExample], run: TrainingRun) -> None:
-    """Train the reader for `warm_start.reader_steps` on gold passages + random distractors (in place)."""
+                      train_set: list[QAExample], run: TrainingRun, retriever: DualEncoder) -> None:
+    """Train the reader for `warm_start.reader_steps` on gold passages + distractors (in place): random
+    passages, or the warm-started retriever's top-ranked non-gold ones (`warm_start.reader_distractors`)."""
     steps = cfg.warm_start.reader_steps
     if steps == 0 or run.latest_checkpoint() is not None:
         return
@@ -95,15 +114,23 @@ def warm_start_reader(cfg: RLMConfig, reader: torch.nn.Module, tokenizer, corpus
     single_hop = [ex for ex in labelled if len(ex.gold_ids) == 1]
     if not labelled or (cfg.warm_start.reader_copy_steps and not single_hop):
         raise ValueError("the reader warm start needs training questions with gold_ids (single-hop ones for copy steps)")
+    k_many = cfg.warm_start.reader_passages
+    hard = None
+    if cfg.warm_start.reader_distractors == "retrieved" and steps > cfg.warm_start.reader_copy_steps:
+        hard = dict(zip(map(id, labelled), retrieved_distractors(retriever, corpus, labelled, k_many, run)))
     bar = tqdm(range(steps), desc="warm-start reader", disable=not run.accelerator.is_main_process)
     for step in bar:
         copying = step < cfg.warm_start.reader_copy_steps
-        pool, k = (single_hop, 1) if copying else (labelled, cfg.warm_start.reader_passages)
+        pool, k = (single_hop, 1) if copying else (labelled, k_many)
         batch = [pool[i] for i in global_batch(len(pool), cfg.warm_start.reader_batch_size, cfg.train.seed + 1, step)]
         passages = []
         for ex in batch:
             gold = list(corpus.rows(ex.gold_ids[:k]))
-            rows = gold + torch.randint(len(corpus), (k - len(gold),), generator=generator).tolist()
+            if hard is not None and not copying:
+                others = hard[id(ex)][: k - len(gold)]
+            else:
+                others = torch.randint(len(corpus), (k - len(gold),), generator=generator).tolist()
+            rows = gold + others
             order = torch.randperm(k, generator=generator).tolist()
             passages.append(corpus.passages([rows[i] for i in order]))
         inputs = fid_inputs(tokenizer, [ex.question for ex in batch], passages, cfg.reader.max_input_length)
