@@ -134,6 +134,27 @@ def test_retrieved_distractors_are_the_top_ranked_non_gold_rows(recipe_toy_dir):
         assert [row_scores[r] for r in rows] == pytest.approx([row_scores[r] for r in expected], abs=1e-5)
 
 
+def test_a_finished_warm_start_stage_with_other_settings_is_refused(recipe_toy_dir, tmp_path):
+    from rag_train.config import ConfigError
+    from rag_train.train.warm_start import check_stage, record_stage
+
+    made = config(recipe_toy_dir, tmp_path / "run", "corrector")
+    for name in ("warm_start_reader", "warm_start_retriever"):
+        (tmp_path / name).mkdir()
+        record_stage(made, tmp_path / name, name)
+        check_stage(made, tmp_path / name, name)  # same settings: reused
+    changed = config(recipe_toy_dir, tmp_path / "run", "frozen", **{"warm_start.reader_lr": 0.5,
+                                                                   "reader.max_input_length": 40})
+    with pytest.raises(ConfigError, match=r"reader.max_input_length, warm_start.reader_lr differ"):
+        check_stage(changed, tmp_path / "warm_start_reader", "warm_start_reader")
+    check_stage(changed, tmp_path / "warm_start_retriever", "warm_start_retriever")  # its settings did not change
+    reseeded = config(recipe_toy_dir, tmp_path / "run", "corrector", **{"train.seed": 3})
+    with pytest.raises(ConfigError, match="seed"):
+        check_stage(reseeded, tmp_path / "warm_start_reader", "warm_start_reader")
+    shared = config(recipe_toy_dir, tmp_path / "run", "corrector", **{"train.seed": 3, "warm_start.from_run": tmp_path})
+    check_stage(shared, tmp_path / "warm_start_reader", "warm_start_reader")  # other seeds may share a warm start
+
+
 def test_resume_continues_as_if_uninterrupted(recipe_toy_dir, tmp_path):
     whole = rlm.train_rlm(config(recipe_toy_dir, tmp_path / "whole", "corrector", **{"train.save_every": 2}))
     rlm.train_rlm(config(recipe_toy_dir, tmp_path / "split", "corrector", steps=2))

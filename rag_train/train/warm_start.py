@@ -19,13 +19,13 @@ from tqdm.auto import tqdm
 from transformers.optimization import Adafactor
 
 from rag_train.buffer.embed import embed_local_shard
-from rag_train.config import RLMConfig, RetrieverTrainConfig
+from rag_train.config import ConfigError, RLMConfig, RetrieverTrainConfig
 from rag_train.data.collate import answer_labels, fid_inputs
 from rag_train.data.corpus import Corpus
 from rag_train.data.qa import QAExample
 from rag_train.data.sources import DataFiles
 from rag_train.eval.retrieval import rank_passages
-from rag_train.io import atomic_directory
+from rag_train.io import atomic_directory, atomic_write_json
 from rag_train.models.retriever import DualEncoder
 from rag_train.train.common import TrainingRun, global_batch, linear_warmup
 
@@ -41,6 +41,44 @@ def stage_dir(cfg: RLMConfig, run: TrainingRun, name: str) -> Path:
     return path
 
 
+STAGE_SETTINGS = "stage_settings.json"
+
+
+def stage_settings(cfg: RLMConfig, name: str) -> dict:
+    """What a stage's result depends on (its warm_start keys, its model's config, the seed), as JSON values."""
+    model = "reader" if name == "warm_start_reader" else "retriever"
+    warm = {k: v for k, v in dataclasses.asdict(cfg.warm_start).items() if k.startswith(model)}
+    settings = {"warm_start": warm, model: dataclasses.asdict(getattr(cfg, model)), "seed": cfg.train.seed}
+    return json.loads(json.dumps(settings))
+
+
+def record_stage(cfg: RLMConfig, out: Path, name: str) -> None:
+    atomic_write_json(out / STAGE_SETTINGS, stage_settings(cfg, name))
+
+
+def check_stage(cfg: RLMConfig, out: Path, name: str) -> None:
+    """A finished stage is reused only if it was made with the current settings: a changed `warm_start.*` or
+    model key must not silently pick up the old result (the seed is not compared across `warm_start.from_run`).
+    Stages saved before settings were recorded are taken as they are."""
+    recorded = out / STAGE_SETTINGS
+    if not recorded.is_file():
+        return
+    found, expected = _flatten(json.loads(recorded.read_text())), _flatten(stage_settings(cfg, name))
+    if cfg.warm_start.from_run is not None:  # runs with other seeds may share one warm start on purpose
+        found.pop("seed", None), expected.pop("seed", None)
+    changed = sorted(key for key in found.keys() | expected.keys() if found.get(key) != expected.get(key))
+    if changed:
+        raise ConfigError(f"{out} is a finished {name} made with other settings ({', '.join(changed)} differ from "
+                          f"{recorded}): delete it, or set another train.output_dir or warm_start.from_run")
+
+
+def _flatten(settings: dict) -> dict:
+    """{"warm_start": {"reader_lr": ..}, "seed": 0} -> {"warm_start.reader_lr": .., "seed": 0}"""
+    return {f"{section}.{key}" if key else section: value
+            for section, values in settings.items()
+            for key, value in (values.items() if isinstance(values, dict) else [("", values)])}
+
+
 def warm_start_retriever(cfg: RLMConfig, files: DataFiles, run: TrainingRun) -> DualEncoder:
     """The RLM's initial retriever: from config, or from a supervised warm-start run (reused if finished)."""
     warm = cfg.warm_start
@@ -49,7 +87,9 @@ def warm_start_retriever(cfg: RLMConfig, files: DataFiles, run: TrainingRun) -> 
     out = stage_dir(cfg, run, "warm_start_retriever")
     finished = (out / "metrics.json").is_file()
     run.accelerator.wait_for_everyone()  # every process looks before the stage writes (see the reader stage)
-    if not finished:
+    if finished:
+        check_stage(cfg, out, "warm_start_retriever")
+    else:
         from rag_train.train.retriever import train_retriever
 
         train = warm.retriever_train or str(Path(files.passages).parent / "retrieval-train.jsonl")
@@ -64,6 +104,8 @@ def warm_start_retriever(cfg: RLMConfig, files: DataFiles, run: TrainingRun) -> 
         if not rcfg.data.toy or warm.retriever_train:
             rcfg.data.dev = [rcfg.data.train]
         train_retriever(rcfg)
+        if run.accelerator.is_main_process:
+            record_stage(cfg, out, "warm_start_retriever")
     run.accelerator.wait_for_everyone()
     recall = json.loads((out / "metrics.json").read_text()).get("recall", {})
     run.accelerator.print(f"warm-start retriever: {out} (dev recall {recall})")
@@ -99,6 +141,7 @@ def warm_start_reader(cfg: RLMConfig, reader: torch.nn.Module, tokenizer, corpus
     # find the folder the main rank just saved, skip the stage and miss its closing barrier (a hang)
     run.accelerator.wait_for_everyone()
     if finished:
+        check_stage(cfg, out, "warm_start_reader")
         reader.load_state_dict(type(reader).from_pretrained(out).state_dict())
         run.accelerator.print(f"warm-start reader: {out}")
         return
@@ -147,4 +190,5 @@ def warm_start_reader(cfg: RLMConfig, reader: torch.nn.Module, tokenizer, corpus
     if run.accelerator.is_main_process:  # written beside, then renamed: a folder here is a finished stage
         with atomic_directory(out) as tmp:
             reader.save_pretrained(tmp)
+            record_stage(cfg, tmp, "warm_start_reader")
     run.accelerator.wait_for_everyone()
