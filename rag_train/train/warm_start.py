@@ -160,17 +160,18 @@ def warm_start_reader(cfg: RLMConfig, reader: torch.nn.Module, tokenizer, corpus
     k_many = cfg.warm_start.reader_passages
     hard = None
     if cfg.warm_start.reader_distractors == "retrieved" and steps > cfg.warm_start.reader_copy_steps:
-        hard = dict(zip(map(id, labelled), retrieved_distractors(retriever, corpus, labelled, k_many, run)))
+        hard = retrieved_distractors(retriever, corpus, labelled, k_many, run)  # aligned with `labelled`
     bar = tqdm(range(steps), desc="warm-start reader", disable=not run.accelerator.is_main_process)
     for step in bar:
         copying = step < cfg.warm_start.reader_copy_steps
         pool, k = (single_hop, 1) if copying else (labelled, k_many)
-        batch = [pool[i] for i in global_batch(len(pool), cfg.warm_start.reader_batch_size, cfg.train.seed + 1, step)]
+        chosen = global_batch(len(pool), cfg.warm_start.reader_batch_size, cfg.train.seed + 1, step)
+        batch = [pool[i] for i in chosen]
         passages = []
-        for ex in batch:
+        for index, ex in zip(chosen, batch):
             gold = list(corpus.rows(ex.gold_ids[:k]))
             if hard is not None and not copying:
-                others = hard[id(ex)][: k - len(gold)]
+                others = hard[index][: k - len(gold)]
             else:
                 others = torch.randint(len(corpus), (k - len(gold),), generator=generator).tolist()
             rows = gold + others
