@@ -1,4 +1,4 @@
-"""Experiment drivers shared by the comparison scripts (scripts/compare_strategies.py, scripts/reproduce.py):
+"""Experiment drivers shared by the comparisons (scripts/compare_strategies.py, rag_train/reproduction/):
 launch one training run as its own process, reuse it once finished, and summarise values over seeds."""
 
 from __future__ import annotations

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import math
 import sys
+from collections import defaultdict
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from multiprocessing import get_context
+from statistics import mean, pstdev
 
 import torch
 from torch import nn
@@ -301,6 +303,21 @@ def run_jobs(cfg: SyntheticConfig, jobs: list[Job], workers: int) -> list[dict]:
             stream = map(_run, payloads)
         results = list(tqdm(stream, total=len(jobs), desc="correctors", disable=not sys.stderr.isatty()))
     return sorted(results, key=lambda r: (r["seed"], r["drift_scale"], r["hidden_layers"], r["width"], r["fraction"]))
+
+
+def aggregate(results: list[dict]) -> dict[tuple, dict]:
+    """Mean (and population std) over seeds per (drift, corrector, fraction)."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in results:
+        groups[(r["drift_scale"], r["hidden_layers"], r["width"], r["fraction"])].append(r)
+    out = {}
+    for key, rows in groups.items():
+        out[key] = {
+            "corrector": rows[0]["corrector"], "params": rows[0]["params"],
+            "kl_stale": mean(r["kl_stale"] for r in rows), "kl_after": mean(r["kl_after"] for r in rows),
+            "kl_after_std": pstdev([r["kl_after"] for r in rows]), "epochs": mean(r["epochs"] for r in rows),
+        }
+    return out
 
 
 QUICK = dict(targets=1024, train_queries=64, eval_queries=128, max_epochs=200, patience=20)

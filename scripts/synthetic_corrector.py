@@ -8,15 +8,14 @@ import argparse
 import os
 import platform
 import time
-from collections import defaultdict
 from dataclasses import asdict
 from pathlib import Path
-from statistics import mean, pstdev
 
 import torch
 
 from rag_train.io import atomic_open, atomic_write_json, atomic_write_text
-from rag_train.synthetic import CorrectorSpec, SyntheticConfig, corrector_grid, grid_jobs, quick_config, run_jobs
+from rag_train.synthetic import (CorrectorSpec, SyntheticConfig, aggregate, corrector_grid, grid_jobs, quick_config,
+                                 run_jobs)
 
 DEFAULT_DRIFTS = [0.25, 0.5, 1.0, 2.0]
 DEFAULT_FRACTIONS = [0.01, 0.1, 0.5, 1.0]
@@ -46,21 +45,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         if values is not None and name == "fractions" and any(not 0 < v <= 1 for v in values):
             parser.error(f"--fractions must be in (0, 1], got {values}")
     return args
-
-
-def aggregate(results: list[dict]) -> dict[tuple, dict]:
-    """Mean (and population std) over seeds per (drift, corrector, fraction)."""
-    groups: dict[tuple, list[dict]] = defaultdict(list)
-    for r in results:
-        groups[(r["drift_scale"], r["hidden_layers"], r["width"], r["fraction"])].append(r)
-    out = {}
-    for key, rows in groups.items():
-        out[key] = {
-            "corrector": rows[0]["corrector"], "params": rows[0]["params"],
-            "kl_stale": mean(r["kl_stale"] for r in rows), "kl_after": mean(r["kl_after"] for r in rows),
-            "kl_after_std": pstdev([r["kl_after"] for r in rows]), "epochs": mean(r["epochs"] for r in rows),
-        }
-    return out
 
 
 def markdown_table(agg: dict[tuple, dict], drifts: list[float], fractions: list[float], seeds: int) -> str:

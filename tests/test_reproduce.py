@@ -1,24 +1,11 @@
-"""scripts/reproduce.py: the plan's run folders and overrides, and the report written from given metrics
-(tables, computed verdicts against the paper, PNG plots) — no training here."""
+"""rag_train/reproduction (behind scripts/reproduce.py): the plan's run folders and overrides, and the report
+written from given metrics (tables, computed verdicts against the paper, PNG plots) — no training here."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
-import pytest
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture(scope="module")
-def reproduce():
-    spec = importlib.util.spec_from_file_location("reproduce", ROOT / "scripts" / "reproduce.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["reproduce"] = module  # its dataclasses resolve their annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
+from rag_train.config import RetrieverTrainConfig, load_config
+from rag_train.reproduction.plan import FULL, QUICK, RETRIEVER_CONFIG, TABLE3, Plan
+from rag_train.reproduction.report import ANALYSIS, write_report
 
 
 def retriever_metrics(r1: float, reembedded: int = 0, rate: float = 2.0, seconds: float = 10.0) -> dict:
@@ -64,14 +51,14 @@ def fake_results() -> dict:
     }
 
 
-def test_report_from_given_metrics(reproduce, tmp_path):
+def test_report_from_given_metrics(tmp_path):
     invocations = [{"command": "python scripts/reproduce.py --quick", "date": "2025-01-01 10:00", "wall_seconds": 60.0,
                     "sections": {"table1": 50.0, "table3": 10.0}, "launched": 3, "reused": 0, "load": [1.0, 2.0]},
                    {"command": "python scripts/reproduce.py --quick", "date": "2025-01-01 11:00", "wall_seconds": 30.0,
                     "sections": {"table1": 30.0}, "launched": 1, "reused": 3, "load": [0.5, 1.0], "threads": 1}]
-    meta = {"machine": "Test CPU, 2 cores", "seeds": [0, 1], "budget": reproduce.QUICK, "runs": "runs/x",
+    meta = {"machine": "Test CPU, 2 cores", "seeds": [0, 1], "budget": QUICK, "runs": "runs/x",
             "invocations": invocations}
-    path = reproduce.write_report(fake_results(), meta, tmp_path)
+    path = write_report(fake_results(), meta, tmp_path)
     text = path.read_text()
 
     # numbers come from the inputs: corrector R@1 over seeds 0.90 / 0.80 -> 85.0 ± 7.1; EM nq 40.0
@@ -97,7 +84,7 @@ def test_report_from_given_metrics(reproduce, tmp_path):
     assert "corrector − frozen: measured +10.0 EM points" in text
     assert "| 2 | 2.000 | 1x8 | 0.3000 | 85% | 0.6000 | 4.0x |" in text  # the best corrector at drift 2, not linear
     assert "grows with the drift" in text
-    assert text.count(reproduce.ANALYSIS) == 4
+    assert text.count(ANALYSIS) == 4
 
     figures = tmp_path / "figures" / "reproduction"
     for name in ("table1_recall.png", "table3_em.png", "ablation_hidden.png", "curves.png"):
@@ -106,31 +93,29 @@ def test_report_from_given_metrics(reproduce, tmp_path):
         assert f"figures/reproduction/{name}" in text
 
 
-def test_report_with_missing_sections(reproduce, tmp_path):
+def test_report_with_missing_sections(tmp_path):
     results = fake_results()
-    results["table3"] = {name: [] for name in reproduce.TABLE3}
+    results["table3"] = {name: [] for name in TABLE3}
     results["synthetic"] = None
-    meta = {"machine": "m", "seeds": [0], "budget": reproduce.FULL, "runs": "runs/x", "invocations": []}
-    text = reproduce.write_report(results, meta, tmp_path).read_text()
+    meta = {"machine": "m", "seeds": [0], "budget": FULL, "runs": "runs/x", "invocations": []}
+    text = write_report(results, meta, tmp_path).read_text()
     assert "_no finished runs_" in text and "not run" in text
     assert not (tmp_path / "figures" / "reproduction" / "table3_em.png").exists()
 
 
-def test_plan_shares_one_warm_start_and_reuses_the_default_corrector(reproduce, tmp_path):
-    plan = reproduce.Plan(tmp_path, reproduce.FULL, [0, 1], [64, 256], tmp_path / "docs")
+def test_plan_shares_one_warm_start_and_reuses_the_default_corrector(tmp_path):
+    plan = Plan(tmp_path, FULL, [0, 1], [64, 256], tmp_path / "docs")
     table3 = plan.section("table3")
     holder = table3[0]
     assert holder.out == plan.table3_holder() and not any("from_run" in o for o in holder.overrides)
     assert all(f"warm_start.from_run={holder.out}" in run.overrides for run in table3[1:])
     assert {o for run in table3 for o in run.overrides if o.startswith("strategy.name=")} == {
-        f"strategy.name={s}" for s in reproduce.TABLE3}
+        f"strategy.name={s}" for s in TABLE3}
     pretrained = plan.table1("pretrained", "stale", 1)
     assert f"retriever.model={plan.pretrain().out / 'retriever'}" in pretrained.overrides
     assert plan.section("table1")[0].out == plan.pretrain().out  # pretraining runs first
     assert plan.ablation(256, 0).out == plan.table1("random", "corrector", 0).out  # config default: same run
     assert "strategy.corrector.hidden=64" in plan.ablation(64, 0).overrides
     # later overrides win in load_config: the section's strategy and seed come after the budget's
-    from rag_train.config import RetrieverTrainConfig, load_config
-
-    cfg = load_config(RetrieverTrainConfig, reproduce.RETRIEVER_CONFIG, plan.ablation(64, 1).overrides)
+    cfg = load_config(RetrieverTrainConfig, RETRIEVER_CONFIG, plan.ablation(64, 1).overrides)
     assert (cfg.strategy.name, cfg.strategy.corrector.hidden, cfg.train.seed) == ("corrector", 64, 1)

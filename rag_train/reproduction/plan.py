@@ -1,0 +1,207 @@
+"""Every training run of the reproduction, by section: its script, config, folder and overrides; launching the
+runs (a finished run is reused, an interrupted one resumed) and the log of invocations that launched them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from rag_train.config import RetrieverTrainConfig, load_config
+from rag_train.experiments import run_once
+from rag_train.io import atomic_write_json
+
+ROOT = Path(__file__).resolve().parents[2]  # the repository: its configs/ and scripts/
+RETRIEVER_CONFIG = ROOT / "configs" / "toy" / "retriever.yaml"
+RLM_CONFIG = ROOT / "configs" / "toy" / "rlm.yaml"
+SECTIONS = ("table1", "table3", "ablation", "curves", "synthetic")
+INITS = ("random", "pretrained")
+INIT_LABELS = {"random": "random init (paper: T5-base)", "pretrained": "retrieval-pretrained init (paper: GTR-base)"}
+TABLE1 = ("in_batch", "stale", "corrector", "exhaustive", "snm", "negative_cache")
+TABLE3 = ("closed_book", "frozen", "corrector", "exhaustive")
+CURVES = ("stale", "corrector", "exhaustive")
+RLM_CURVES = ("frozen", "corrector", "exhaustive")
+INVOCATIONS = "invocations.json"  # under --runs: every invocation that ran sections, with its wall time
+
+
+# ---- budgets -----------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Budget:
+    """Overrides that set the size of every run, the seeds and the ablation's corrector sizes."""
+
+    retriever: tuple[str, ...]  # every Algorithm 1 run (Table 1, ablation)
+    pretrain: tuple[str, ...]  # the GTR stand-in's supervised pretraining on the other world
+    rlm: tuple[str, ...]  # every Algorithm 2 run
+    synthetic: tuple[str, ...]  # scripts/synthetic_corrector.py arguments
+    seeds: tuple[int, ...]
+    hidden: tuple[int, ...]  # corrector sizes of the ablation
+    toy_passages: Optional[int] = None  # None: the configs' world (3,000 passages in data/toy)
+
+
+FULL = Budget(
+    retriever=("train.steps=300", "train.eval_every=50", "strategy.refresh_every=50"),
+    pretrain=("strategy.name=in_batch", "train.steps=300", "train.batch_size=32", "train.eval_every=0"),
+    rlm=("strategy.refresh_every=50", "train.eval_every=100"),
+    synthetic=(),
+    seeds=(0, 1, 2),
+    hidden=(64, 256, 1024),
+)
+QUICK = Budget(
+    retriever=("train.steps=12", "train.eval_every=6", "strategy.refresh_every=6", "strategy.snm_targets=100",
+               "strategy.cache_size=64", "strategy.cache_refresh=8"),
+    pretrain=("strategy.name=in_batch", "train.steps=12", "train.eval_every=0"),
+    rlm=("train.steps=6", "train.eval_every=3", "strategy.refresh_every=3", "warm_start.reader_steps=8",
+         "warm_start.reader_copy_steps=4", "warm_start.retriever_steps=6", "data.max_eval_examples=16"),
+    synthetic=("--quick",),
+    seeds=(0,),
+    hidden=(64, 256),
+    toy_passages=300,
+)
+
+
+# ---- runs --------------------------------------------------------------------------------------------------------
+@dataclass
+class Run:
+    """One training run; its folder is its identity: a folder with metrics.json is a finished run."""
+
+    script: str
+    config: Path
+    out: Path
+    overrides: list[str] = field(default_factory=list)
+
+    def metrics(self) -> Optional[dict]:
+        path = self.out / "metrics.json"
+        return json.loads(path.read_text()) if path.is_file() else None
+
+    def execute(self, threads: Optional[int] = None) -> dict:
+        return run_once(ROOT / "scripts" / self.script, self.config, self.out, self.overrides, threads=threads)
+
+
+@dataclass
+class Tally:
+    """What one invocation did, for its log entry: wall seconds per section, runs launched and runs found finished."""
+
+    seconds: dict[str, float] = field(default_factory=dict)
+    launched: int = 0
+    reused: int = 0
+
+
+class Plan:
+    """Every run of every section, by name and folder; the same plan runs them and collects their results."""
+
+    def __init__(self, runs: Path, budget: Budget, seeds: list[int], hidden: list[int], out: Path):
+        self.runs, self.budget, self.seeds, self.hidden, self.out = runs, budget, seeds, hidden, out
+        self.default_hidden = load_config(RetrieverTrainConfig, RETRIEVER_CONFIG).strategy.corrector.hidden
+        world = [] if budget.toy_passages is None else [f"data.toy_dir={runs / 'toy-world'}",
+                                                          f"data.toy_passages={budget.toy_passages}"]
+        self.common = ["train.tracker=null", *world]
+
+    def pretrain(self) -> Run:
+        """The GTR stand-in: Algorithm 1 with in-batch negatives on a toy world with other entities (toy_seed=1)."""
+        other = [f"data.toy_dir={self.runs / 'toy-world-seed1'}", "data.toy_seed=1"]
+        if self.budget.toy_passages is not None:
+            other.append(f"data.toy_passages={self.budget.toy_passages}")
+        return Run("train_retriever.py", RETRIEVER_CONFIG, self.runs / "pretrain",
+                   ["train.tracker=null", *other, *self.budget.pretrain])
+
+    def table1(self, init: str, strategy: str, seed: int, extra: tuple[str, ...] = ()) -> Run:
+        model = [f"retriever.model={self.pretrain().out / 'retriever'}"] if init == "pretrained" else []
+        return Run("train_retriever.py", RETRIEVER_CONFIG, self.runs / "table1" / init / f"{strategy}-seed{seed}",
+                   [*self.common, *self.budget.retriever, *model, f"strategy.name={strategy}", f"train.seed={seed}",
+                    *extra])
+
+    def ablation(self, hidden: int, seed: int) -> Run:
+        if hidden == self.default_hidden:  # the Table 1 corrector run is this very run
+            return self.table1("random", "corrector", seed)
+        run = self.table1("random", "corrector", seed, (f"strategy.corrector.hidden={hidden}",))
+        run.out = self.runs / "ablation" / f"corrector-h{hidden}-seed{seed}"
+        return run
+
+    def table3(self, strategy: str, seed: int) -> Run:
+        holder = self.table3_holder()
+        shared = [] if (strategy, seed) == (TABLE3[0], self.seeds[0]) else [f"warm_start.from_run={holder}"]
+        return Run("train_rlm.py", RLM_CONFIG, self.runs / "table3" / f"{strategy}-seed{seed}",
+                   [*self.common, *self.budget.rlm, f"strategy.name={strategy}", f"train.seed={seed}", *shared])
+
+    def table3_holder(self) -> Path:
+        """The run whose warm-start stages every other Table 3 run reuses (it runs first)."""
+        return self.runs / "table3" / f"{TABLE3[0]}-seed{self.seeds[0]}"
+
+    def section(self, name: str) -> list[Run]:
+        if name == "table1":
+            return [self.pretrain()] + [self.table1(i, s, seed) for i in INITS for s in TABLE1 for seed in self.seeds]
+        if name == "table3":
+            return [self.table3(s, seed) for seed in self.seeds for s in TABLE3]  # the holder first
+        if name == "ablation":
+            return [self.ablation(h, seed) for h in self.hidden for seed in self.seeds]
+        if name == "curves":
+            return ([self.pretrain()] + [self.table1(i, s, seed) for i in INITS for s in CURVES for seed in self.seeds]
+                    + [self.table3(TABLE3[0], self.seeds[0])]
+                    + [self.table3(s, seed) for seed in self.seeds for s in RLM_CURVES])
+        if name == "synthetic":
+            return []
+        raise ValueError(f"unknown section {name!r}; expected one of {SECTIONS}")
+
+    def execute(self, sections: list[str], threads: Optional[int]) -> Tally:
+        """Runs the sections in order, each run once even where sections share it (the curves reuse Table 1 and 3)."""
+        tally = Tally()
+        done: set[Path] = set()
+        for section in sections:
+            section_started = time.time()
+            if section == "synthetic":
+                self.run_synthetic()
+            for run in self.section(section):
+                if run.out in done:
+                    continue
+                done.add(run.out)
+                finished = run.metrics() is not None
+                run.execute(threads)
+                tally.reused += finished
+                tally.launched += not finished
+            tally.seconds[section] = round(time.time() - section_started, 1)
+            print(f"[reproduce] {section}: {tally.seconds[section]:.0f} s", flush=True)
+        return tally
+
+    def synthetic_dir(self) -> Path:
+        return self.out / "figures" / "synthetic"
+
+    def run_synthetic(self) -> None:
+        if (self.synthetic_dir() / "results.json").is_file():
+            print(f"synthetic: reusing {self.synthetic_dir() / 'results.json'}", flush=True)
+            return
+        cmd = [sys.executable, str(ROOT / "scripts" / "synthetic_corrector.py"), "--out-dir", str(self.synthetic_dir()),
+               *self.budget.synthetic]
+        print("+", " ".join(cmd), flush=True)
+        subprocess.run(cmd, check=True)
+
+    def collect(self) -> dict:
+        """Metrics of every finished run, every section (missing runs are left out)."""
+        def found(runs: list[Run]) -> list[dict]:
+            return [m for m in (r.metrics() for r in runs) if m is not None]
+
+        synthetic = self.synthetic_dir() / "results.json"
+        every = {run.out: run for name in SECTIONS for run in self.section(name)}  # each folder once
+        return {
+            "run_seconds": sum(m.get("wall_seconds", 0.0) for m in found(list(every.values()))),
+            "pretrain": self.pretrain().metrics(),
+            "table1": {i: {s: found([self.table1(i, s, seed) for seed in self.seeds]) for s in TABLE1} for i in INITS},
+            "table3": {s: found([self.table3(s, seed) for seed in self.seeds]) for s in TABLE3},
+            "ablation": {h: found([self.ablation(h, seed) for seed in self.seeds]) for h in self.hidden},
+            "synthetic": json.loads(synthetic.read_text()) if synthetic.is_file() else None,
+        }
+
+    def invocations(self) -> list[dict]:
+        """The log of earlier invocations that ran sections into this folder (the report lists their commands)."""
+        log = self.runs / INVOCATIONS
+        return json.loads(log.read_text()) if log.is_file() else []
+
+    def log_invocation(self, entry: dict) -> None:
+        """Appends to the log as read now, not at start: another invocation may have appended meanwhile."""
+        invocations = self.invocations()
+        invocations.append(entry)
+        self.runs.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(self.runs / INVOCATIONS, invocations)

@@ -1,0 +1,475 @@
+"""docs/reproduction.md: the measured tables, the paper's numbers beside them and the verdicts computed from both,
+so that a rerun rewrites every claim from its own runs."""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import subprocess
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from rag_train.experiments import cell, mean_std
+from rag_train.reproduction.metrics import (DATASET_LABELS, DATASETS, em_curve, mean_em, mean_of, recall,
+                                           retrieval_curve, seed_mean_curve)
+from rag_train.reproduction.plan import CURVES, INIT_LABELS, INITS, RLM_CURVES, TABLE1, TABLE3
+from rag_train.reproduction.plots import plot_ablation, plot_curves, plot_table1, plot_table3
+from rag_train.synthetic import aggregate
+
+# ---- the paper's numbers (notes/corrector-networks.md) ---------------------------------------------------------
+PAPER_TABLE1 = {  # NQ test recall@k
+    "pretrained": {"in_batch": {"1": 37.92, "5": 64.76, "10": 72.54, "20": 78.28, "100": 87.00},
+                   "stale": {"1": 46.76, "5": 68.64, "10": 75.21, "20": 80.66, "100": 87.48},
+                   "corrector": {"1": 50.61, "5": 71.00, "10": 77.73, "20": 82.66, "100": 88.39},
+                   "exhaustive": {"1": 50.30, "5": 71.55, "10": 78.12, "20": 82.83, "100": 88.59}},
+    "random": {"in_batch": {"1": 23.40, "5": 47.50, "10": 56.39, "20": 65.34, "100": 77.97},
+               "stale": {"1": 27.65, "5": 50.19, "10": 59.28, "20": 66.98, "100": 78.95},
+               "corrector": {"1": 36.65, "5": 59.25, "10": 68.06, "20": 73.71, "100": 83.13},
+               "exhaustive": {"1": 37.34, "5": 60.42, "10": 68.70, "20": 74.76, "100": 83.41}},
+}
+PAPER_TABLE3 = {  # exact match, GTR-base retriever
+    "closed_book": {"nq": 25.4, "tqa": 26.1, "hotpotqa": 14.5},
+    "frozen": {"nq": 48.4, "tqa": 55.1, "hotpotqa": 28.0},
+    "corrector": {"nq": 52.3, "tqa": 66.4, "hotpotqa": 36.7},
+    "exhaustive": {"nq": 52.4, "tqa": 66.5, "hotpotqa": 33.8},
+}
+PAPER_TABLE2_STEPS_PER_SECOND = {2048: 1.83, 4096: 1.10, 8192: 0.83, "exhaustive": 0.43}
+ANALYSIS = "> **Analysis (from the 2026-11-22 runs; rerun and re-read if the numbers change):**"
+
+
+# ---- tables -------------------------------------------------------------------------------------------------------
+def _rate(runs: list[dict]) -> str:
+    rates = [m.get("steps_per_second") for m in runs]
+    return cell(rates, scale=1.0, digits=2)
+
+
+def table1_markdown(rows: dict[str, list[dict]], init: str) -> str:
+    present = {s: r for s, r in rows.items() if r}
+    if not present:
+        return "_no finished runs_"
+    ks = sorted(next(iter(present.values()))[0]["recall"], key=int)
+    paper = PAPER_TABLE1[init]
+    lines = ["| strategy | seeds | re-embedded | " + " | ".join(f"R@{k}" for k in ks) + " | MRR@10 | steps/s | "
+             "paper R@1 / R@20 |", "|---|---|---|" + "---|" * (len(ks) + 3)]
+    for strategy, runs in present.items():
+        recalls = " | ".join(cell([recall(m, k) for m in runs]) for k in ks)
+        ref = paper.get(strategy)
+        ref = f"{ref['1']:.1f} / {ref['20']:.1f}" if ref else "-"
+        lines.append(f"| {strategy} | {len(runs)} | {runs[0]['reembedded_passages']} | {recalls} | "
+                     f"{cell([m.get('mrr@10') for m in runs])} | {_rate(runs)} | {ref} |")
+    return "\n".join(lines)
+
+
+def table3_markdown(rows: dict[str, list[dict]]) -> str:
+    present = {s: r for s, r in rows.items() if r}
+    if not present:
+        return "_no finished runs_"
+    head = " | ".join(f"{DATASET_LABELS[d]} EM" for d in DATASETS)
+    paper = " | ".join(f"paper {d}" for d in ("NQ", "TQA", "HPQA"))
+    lines = [f"| strategy | seeds | re-embedded | {head} | mean EM | steps/s | retriever trained from step | {paper} |",
+             "|" + "---|" * 12]
+    for strategy, runs in present.items():
+        ems = " | ".join(cell([m["em"].get(d) for m in runs]) for d in DATASETS)
+        ref = " | ".join(f"{PAPER_TABLE3[strategy][d]:.1f}" for d in DATASETS)
+        gate = "-" if strategy in ("closed_book", "frozen") else ", ".join(
+            "never" if m.get("retriever_trained_from_step") is None else str(m["retriever_trained_from_step"])
+            for m in runs)
+        lines.append(f"| {strategy} | {len(runs)} | {runs[0]['reembedded_passages']} | {ems} | "
+                     f"{cell([mean_em(m) for m in runs])} | {_rate(runs)} | {gate} | {ref} |")
+    return "\n".join(lines)
+
+
+def ablation_markdown(rows: dict[int, list[dict]], references: dict[str, list[dict]]) -> str:
+    present = {h: r for h, r in rows.items() if r}
+    if not present:
+        return "_no finished runs_"
+    lines = ["| corrector hidden | seeds | steps/s | R@1 | R@5 | MRR@10 | paper steps/s |", "|" + "---|" * 7]
+    for hidden, runs in sorted(present.items()):
+        lines.append(f"| {hidden} | {len(runs)} | {_rate(runs)} | {cell([recall(m, '1') for m in runs])} | "
+                     f"{cell([recall(m, '5') for m in runs])} | {cell([m.get('mrr@10') for m in runs])} | - |")
+    lines += [f"| paper {h} (D = 768) | | | | | | {v:.2f} |" for h, v in PAPER_TABLE2_STEPS_PER_SECOND.items()
+              if h != "exhaustive"]
+    for name, runs in references.items():
+        if runs:
+            paper = f"{PAPER_TABLE2_STEPS_PER_SECOND['exhaustive']:.2f}" if name == "exhaustive" else "-"
+            lines.append(f"| ({name}) | {len(runs)} | {_rate(runs)} | {cell([recall(m, '1') for m in runs])} | "
+                         f"{cell([recall(m, '5') for m in runs])} | {cell([m.get('mrr@10') for m in runs])} | "
+                         f"{paper} |")
+    return "\n".join(lines)
+
+
+def curve_table(runs_by_strategy: dict[str, list[dict]], curve, scale: float = 100.0) -> str:
+    """Mean over seeds at every evaluated step, one column per strategy."""
+    series = {s: dict(zip(*seed_mean_curve(r, curve)[:2])) for s, r in runs_by_strategy.items() if r}
+    if not series:
+        return "_no finished runs_"
+    steps = sorted(set().union(*series.values()))
+    lines = ["| step | " + " | ".join(series) + " |", "|---|" + "---|" * len(series)]
+    for step in steps:
+        values = [f"{scale * v[step]:.1f}" if step in v else "-" for v in series.values()]
+        lines.append(f"| {step} | " + " | ".join(values) + " |")
+    return "\n".join(lines)
+
+
+# ---- comparisons with the paper, computed ------------------------------------------------------------------------
+PAR = 1.0  # points: a paper gap this small is the claim "on par", not an ordering
+
+
+def _verdict(measured: float, paper: float, spread: Optional[float]) -> str:
+    if abs(paper) < PAR:
+        on_par = abs(measured) <= max(spread or 0.0, PAR)
+        return "reproduces (on par)" if on_par else "does not reproduce (paper: on par)"
+    if spread is None:
+        return "same sign (one seed: no spread)" if measured * paper > 0 else "does not reproduce (one seed)"
+    if measured * paper > 0 and abs(measured) > spread:
+        return "reproduces"
+    if measured * paper > 0:
+        return "same sign, within the seed spread"
+    return "does not reproduce"
+
+
+def pair_claims(rows: dict[str, list[dict]], paper: dict[str, float], pairs: list[tuple[str, str]], value,
+                unit: str = "points") -> list[str]:
+    """One line per (better, worse) pair of the paper: measured mean difference, per-seed wins, the paper's."""
+    lines = []
+    for better, worse in pairs:
+        a, b = rows.get(better) or [], rows.get(worse) or []
+        if not a or not b or better not in paper or worse not in paper:
+            continue
+        va, vb = [100 * value(m) for m in a], [100 * value(m) for m in b]
+        diff = statistics.mean(va) - statistics.mean(vb)
+        stds = [x for x in (mean_std(va)[1], mean_std(vb)[1]) if x is not None]
+        spread = max(stds) if stds else None
+        wins = sum(x > y for x, y in zip(va, vb))
+        ref = paper[better] - paper[worse]
+        std = f"; seed std up to {spread:.1f}" if spread is not None else ""
+        lines.append(f"- {better} − {worse}: measured {diff:+.1f} {unit} ({better} ahead on {wins}/"
+                     f"{min(len(va), len(vb))} seeds{std}), paper {ref:+.1f} → **{_verdict(diff, ref, spread)}**.")
+    return lines
+
+
+def ordering(rows: dict[str, list[dict]], value, names) -> str:
+    means = {s: statistics.mean(100 * value(m) for m in rows[s]) for s in names if rows.get(s)}
+    return ranked(means)
+
+
+def ranked(values: dict[str, float]) -> str:
+    """`a 1.0 < b 2.0 = c 2.0`, lowest first (equal at the printed precision: `=`)."""
+    items = sorted(values.items(), key=lambda kv: kv[1])
+    out = ""
+    for i, (name, value) in enumerate(items):
+        if i:
+            out += " = " if f"{value:.1f}" == f"{items[i - 1][1]:.1f}" else " < "
+        out += f"{name} {value:.1f}"
+    return out
+
+
+def gap_closed(low: float, mid: float, high: float) -> Optional[float]:
+    """Share of the low -> high gap that `mid` closes (None unless high is above low)."""
+    return (mid - low) / (high - low) if high - low > 1e-9 else None
+
+
+def _pct(x: Optional[float]) -> str:
+    return "n/a (no positive gap)" if x is None else f"{100 * x:.0f}%"
+
+
+def table1_comparison(table1: dict[str, dict[str, list[dict]]]) -> list[str]:
+    lines = []
+    gaps = {}
+    for init in INITS:
+        rows = table1[init]
+        paper = {s: v["1"] for s, v in PAPER_TABLE1[init].items()}
+        if not any(rows.values()):
+            continue
+        r1 = lambda m: recall(m, "1")  # noqa: E731
+        start = [dict(retrieval_curve(m)).get(0) for r in rows.values() for m in r]
+        start = mean_of(start)
+        start = f" The initial model's R@1 (step 0) is {100 * start:.1f}." if start is not None else ""
+        lines.append(f"**{INIT_LABELS[init]}.**{start} Measured R@1 order: {ordering(rows, r1, TABLE1)}; paper: "
+                     f"{ranked(paper)}.")
+        lines += pair_claims(rows, paper, [("stale", "in_batch"), ("corrector", "stale"), ("exhaustive", "stale"),
+                                           ("exhaustive", "corrector")], r1)
+        if all(rows.get(s) for s in ("stale", "corrector", "exhaustive")):
+            m = {s: statistics.mean(recall(x, "1") for x in rows[s]) for s in ("stale", "corrector", "exhaustive")}
+            closed = gap_closed(m["stale"], m["corrector"], m["exhaustive"])
+            ref = gap_closed(paper["stale"], paper["corrector"], paper["exhaustive"])
+            gaps[init] = 100 * (m["exhaustive"] - m["stale"])
+            lines.append(f"- The corrector closes {_pct(closed)} of the stale → exhaustive R@1 gap "
+                         f"({100 * m['stale']:.1f} → {100 * m['exhaustive']:.1f}); paper {_pct(ref)} "
+                         f"({paper['stale']:.1f} → {paper['exhaustive']:.1f}), with 0 re-embedded passages.")
+        exhaustive = rows["exhaustive"][0]["reembedded_passages"] if rows.get("exhaustive") else "-"
+        for s in (s for s in ("snm", "negative_cache") if rows.get(s)):
+            r = statistics.mean(100 * recall(m, "1") for m in rows[s])
+            lines.append(f"- {s}: R@1 {r:.1f} with {rows[s][0]['reembedded_passages']} re-embedded passages "
+                         f"(exhaustive: {exhaustive}).")
+        lines.append("")
+    if len(gaps) == 2:
+        paper_gap = {i: PAPER_TABLE1[i]["exhaustive"]["1"] - PAPER_TABLE1[i]["stale"]["1"] for i in INITS}
+        same = (gaps["random"] > gaps["pretrained"]) == (paper_gap["random"] > paper_gap["pretrained"])
+        lines.append(f"**Staleness hurts more without retrieval pretraining:** the stale → exhaustive R@1 gap is "
+                     f"{gaps['random']:.1f} points from random init and {gaps['pretrained']:.1f} from the pretrained "
+                     f"init; paper {paper_gap['random']:.1f} (T5) and {paper_gap['pretrained']:.1f} (GTR) → "
+                     f"**{'reproduces' if same else 'does not reproduce'}**.")
+    return lines
+
+
+def table3_comparison(table3: dict[str, list[dict]]) -> list[str]:
+    lines = []
+    trainers = [m for s in ("corrector", "exhaustive") for m in table3.get(s) or []]
+    closed = sum(m.get("retriever_trained_from_step") is None for m in trainers)
+    if closed:
+        lines += [f"**Caveat:** in {closed} of {len(trainers)} corrector / exhaustive runs the retriever never trained "
+                  "(the reader's P_a never passed `pdist_gate`): those are frozen-retriever runs, and their "
+                  "differences from the frozen row come from the reader's training alone.", ""]
+    for d in DATASETS:
+        em = lambda m, d=d: m["em"].get(d)  # noqa: E731
+        paper = {s: v[d] for s, v in PAPER_TABLE3.items()}
+        if not any(table3.get(s) for s in TABLE3):
+            return lines
+        lines.append(f"**{DATASET_LABELS[d]}.** Measured EM order: {ordering(table3, em, TABLE3)}; paper: "
+                     f"{ranked(paper)}.")
+        lines += pair_claims(table3, paper, [("frozen", "closed_book"), ("corrector", "frozen"),
+                                             ("exhaustive", "frozen"), ("exhaustive", "corrector")], em, "EM points")
+        if all(table3.get(s) for s in ("frozen", "corrector", "exhaustive")):
+            m = {s: statistics.mean(em(x) for x in table3[s]) for s in ("frozen", "corrector", "exhaustive")}
+            lines.append(f"- The corrector closes {_pct(gap_closed(m['frozen'], m['corrector'], m['exhaustive']))} of "
+                         f"the frozen → exhaustive gap; paper "
+                         f"{_pct(gap_closed(paper['frozen'], paper['corrector'], paper['exhaustive']))}.")
+        lines.append("")
+    rates = {s: mean_of([m.get("steps_per_second") for m in table3.get(s) or []]) for s in ("corrector", "exhaustive")}
+    if all(rates.values()):
+        lines.append(f"**Speed:** corrector {rates['corrector']:.2f} steps/s vs exhaustive {rates['exhaustive']:.2f} "
+                     f"({rates['corrector'] / rates['exhaustive']:.2f}x; the paper's Table 2: 0.83 vs 0.43 = 1.93x "
+                     "with an 8192-hidden corrector). steps/s count training steps only (evaluations excluded).")
+    return lines
+
+
+def ablation_comparison(ablation: dict[int, list[dict]], references: dict[str, list[dict]]) -> list[str]:
+    rates = {h: mean_of([m.get("steps_per_second") for m in r]) for h, r in ablation.items() if r}
+    rates = {h: v for h, v in rates.items() if v is not None}
+    lines = []
+    if len(rates) >= 2:
+        sizes = sorted(rates)
+        monotone = all(rates[a] >= rates[b] for a, b in zip(sizes, sizes[1:]))
+        lines.append("- steps/s by hidden size: " + ", ".join(f"{h}: {rates[h]:.2f}" for h in sizes)
+                     + f"; paper 2048: 1.83, 4096: 1.10, 8192: 0.83 → smaller is faster: "
+                     f"**{'reproduces' if monotone else 'does not reproduce'}** "
+                     f"(largest / smallest speed ratio {rates[sizes[0]] / rates[sizes[-1]]:.2f}x, paper 2.20x).")
+    r1 = {h: statistics.mean(100 * recall(m, "1") for m in r) for h, r in ablation.items() if r}
+    if len(r1) >= 2:
+        lines.append("- R@1 by hidden size: " + ", ".join(f"{h}: {v:.1f}" for h, v in sorted(r1.items()))
+                     + f" (spread {max(r1.values()) - min(r1.values()):.1f} points; paper: 4096 and 2048 nearly as "
+                       "good as 8192).")
+    exhaustive = mean_of([m.get("steps_per_second") for m in references.get("exhaustive") or []])
+    if exhaustive and rates:
+        slowest = min(rates.values())
+        lines.append(f"- every corrector size vs exhaustive ({exhaustive:.2f} steps/s): slowest corrector "
+                     f"{slowest / exhaustive:.2f}x its speed; paper 8192-hidden corrector 1.93x exhaustive "
+                     f"→ **{'reproduces' if slowest > exhaustive else 'does not reproduce'}**.")
+    return lines
+
+
+def synthetic_summary(results: dict) -> list[str]:
+    agg = aggregate(results["runs"])
+    fractions = sorted(results["fractions"])
+    full = fractions[-1]
+    tenth = 0.1 if 0.1 in fractions and full != 0.1 else None  # the paper: ~10% of targets is generally enough
+    by_params = sorted({(v["params"], v["corrector"]) for v in agg.values()})
+    smallest, largest = by_params[0][1], by_params[-1][1]
+    lines = ["| drift scale | staleness KL | best corrector (all targets) | KL after | reduction | "
+             + ("same corrector on 10% of targets | " if tenth else "")
+             + f"KL after: {smallest} / {largest} |", "|" + "---|" * (6 + bool(tenth))]
+    ratios = []
+    for drift in sorted(results["drift_scales"]):
+        rows = {v["corrector"]: v for (d, _, _, f), v in agg.items() if d == drift and f == full}
+        best = min(rows.values(), key=lambda v: v["kl_after"])
+        ratio = rows[smallest]["kl_after"] / rows[largest]["kl_after"]
+        ratios.append(ratio)
+        few = ""
+        if tenth:
+            at_tenth = next(v for (d, _, _, f), v in agg.items() if d == drift and f == tenth
+                            and v["corrector"] == best["corrector"])
+            few = f"{at_tenth['kl_after']:.4f} | "
+        lines.append(f"| {drift:g} | {best['kl_stale']:.3f} | {best['corrector']} | {best['kl_after']:.4f} | "
+                     f"{100 * (1 - best['kl_after'] / best['kl_stale']):.0f}% | {few}{ratio:.1f}x |")
+    grows = all(a <= b for a, b in zip(ratios, ratios[1:]))
+    lines += ["", f"{len(results['runs'])} corrector trainings ({len(results['correctors'])} correctors, "
+              f"{len(results['drift_scales'])} drift levels, fractions {fractions}, seeds {results['seeds']}) in "
+              f"{results['wall_seconds']:.0f} s. The advantage of the largest corrector ({largest}) over the smallest "
+              f"({smallest}) {'grows' if grows else 'does not grow monotonically'} with the drift (paper: more "
+              "parameters help more when the drift is larger)."]
+    return lines
+
+
+# ---- the report ---------------------------------------------------------------------------------------------------
+def _figure(name: Optional[str], alt: str) -> list[str]:
+    return [f"![{alt}](figures/reproduction/{name})", ""] if name else ["_(no finished runs to plot)_", ""]
+
+
+def invocation_table(invocations: list[dict]) -> list[str]:
+    if not invocations:
+        return []
+    lines = ["| command | started | wall min | per section, min | runs launched / reused | torch threads per run | "
+             "load avg before / after |", "|" + "---|" * 7]
+    for i in invocations:
+        sections = ", ".join(f"{k} {v / 60:.1f}" for k, v in i["sections"].items())
+        lines.append(f"| `{i['command']}` | {i['date']} | {i['wall_seconds'] / 60:.1f} | {sections} | "
+                     f"{i['launched']} / {i['reused']} | {i.get('threads', '-')} | {i['load'][0]} / {i['load'][1]} |")
+    notes = [f"- `{i['command']}`: {i['note']}" for i in invocations if i.get("note")]  # added by hand, e.g. recovery
+    return lines + [""] + (notes + [""] if notes else [])
+
+
+def write_report(results: dict, meta: dict, out: Path) -> Path:
+    """docs/reproduction.md (+ figures/reproduction/*.png) from collected metrics; returns the markdown path."""
+    figures = out / "figures" / "reproduction"
+    references = {s: results["table1"]["random"].get(s) or [] for s in ("stale", "exhaustive")}
+    plots = {
+        "table1": plot_table1(results["table1"], figures / "table1_recall.png"),
+        "table3": plot_table3(results["table3"], figures / "table3_em.png"),
+        "ablation": plot_ablation(results["ablation"], references, figures / "ablation_hidden.png"),
+        "curves": plot_curves(results["table1"], results["table3"], figures / "curves.png"),
+    }
+    pre = results["pretrain"]
+    lines = [
+        "# Reproduction on the toy world: seed 000's Tables 1, 2, 3 and Section 5.3 in miniature",
+        "",
+        "Generated by `scripts/reproduce.py` (do not edit by hand: rerun it). Every number below is read from the "
+        "runs' `metrics.json`; the verdicts in bold are computed from those numbers.",
+        "",
+        "## How this was produced",
+        "",
+        "```bash",
+        *([i["command"] for i in meta["invocations"]] or ["(no invocation launched runs into this folder)"]),
+        "```",
+        "",
+        f"- Machine: {meta['machine']}, CPU only.",
+        f"- Wall time measured by the script: **{sum(i['wall_seconds'] for i in meta['invocations']) / 60:.1f} min** "
+        f"over {len(meta['invocations'])} invocation(s) (table below); the runs' own wall times add up to "
+        f"{results['run_seconds'] / 60:.1f} min (process start-up not included).",
+        f"- Seeds {meta['seeds']}; budgets: Algorithm 1 `{' '.join(meta['budget'].retriever)}`, Algorithm 2 "
+        f"`{' '.join(meta['budget'].rlm) or '(configs/toy/rlm.yaml as is)'}`"
+        + (f", toy world of {meta['budget'].toy_passages} passages" if meta["budget"].toy_passages else "")
+        + ". Configs: `configs/toy/retriever.yaml`, `configs/toy/rlm.yaml`; run folders under "
+        f"`{meta['runs']}`.",
+        "- Tables give mean ± sample std over seeds (std only with 2+ seeds). The seed changes data order, uniform "
+        "samples and the RLM's answer draws; the tiny models' initial weights are the same for every seed.",
+        "- steps/s are wall-clock rates: they compare strategies only when the machine was otherwise idle (load "
+        "averages in the table below).",
+        "",
+        *invocation_table(meta["invocations"]),
+        "## Table 1 in miniature: supervised retrieval (Algorithm 1)",
+        "",
+        "Toy world (retrieval-dev questions, gold passage recall@k over the corpus embedded by the final model). "
+        "Random init stands in for T5-base, the retrieval-pretrained init for GTR-base: a tiny dual encoder first "
+        "trained with Algorithm 1 (in-batch negatives) on a *different* toy world (`toy_seed=1`, other entities), so "
+        "it knows the task's language but not this corpus — as GTR was trained on other data than NQ."
+        + (f" Pretraining: {pre['steps']} steps, {pre.get('wall_seconds', 0):.0f} s, R@1 on its own world "
+           f"{100 * recall(pre, '1'):.1f}." if pre else ""),
+        "",
+    ]
+    for init in INITS:
+        lines += [f"### {INIT_LABELS[init]}", "", table1_markdown(results["table1"][init], init), ""]
+    lines += _figure(plots["table1"], "Table 1 recall")
+    lines += ["### Against the paper (computed)", ""] + table1_comparison(results["table1"]) + [
+        "",
+        f"{ANALYSIS} why the gaps differ from the paper's. The toy task saturates beyond R@5 (every method is at "
+        "98.7+ R@20), so only R@1 / MRR separate methods, where the paper's gaps persist to R@100 over 21M "
+        "passages. From random init the corrector closes about half of the stale -> exhaustive gap, not the paper's "
+        "93%. Corrector capacity is not the limit: the size ablation below moves R@1 by under 2 points, and not "
+        "monotonically. The likelier reason is the amount of drift per step: the encoders go from R@1 1.4 to 97 in "
+        "300 steps (the paper trains 40K), so the stale buffer (embedded by the random initial encoder) is far "
+        "from every later encoder, and the corrector is trained only on each step's retrieved subset. From the "
+        "retrieval-pretrained init, where drift is small, the corrector matches exhaustive, as in the paper. "
+        "SNM is unusually strong here: a refresh re-embeds ~17% of the 3,000-passage corpus (paper: a small "
+        "fraction of 21M).",
+        "",
+        "## Table 2 in miniature: corrector size",
+        "",
+        "Random init, Algorithm 1, only `strategy.corrector.hidden` changes (D = 64). steps/s counts training steps "
+        "only (evaluations excluded); stale and exhaustive are the Table 1 runs, for reference.",
+        "",
+        ablation_markdown(results["ablation"], references),
+        "",
+    ]
+    lines += _figure(plots["ablation"], "corrector size ablation")
+    lines += ablation_comparison(results["ablation"], references) + [
+        "",
+        f"{ANALYSIS} the corrector's share of a step's cost. On the toy world h(B) covers 3,000 x 64 values and a "
+        "refresh re-embeds 3,000 short passages with a 2-layer encoder, so neither the corrector (any size) nor "
+        "the refresh dominates a step: the corrector sizes run within ~5% of each other and ~1.2x faster than "
+        "exhaustive. In the paper h(B) covers 21M x 768 and a refresh is 21M T5-base forward passes, hence its "
+        "2.2x spread over sizes and 1.9x over exhaustive. The direction (corrector faster than exhaustive) "
+        "reproduces; the magnitudes are not expected to at this scale.",
+        "",
+        "## Table 3 in miniature: retrieval-augmented QA (Algorithm 2)",
+        "",
+        "Tiny FiD reader and retriever, warm-started once (the stand-ins for T5 / GTR pre-training) in the first "
+        "run; every other run reuses those stages (`warm_start.from_run`), so all strategies start from the same "
+        "models. Exact match on the dev sets of the three toy question families; exhaustive re-embeds the corpus "
+        "every `strategy.refresh_every` steps. The retriever trains only once the reader's answer likelihoods "
+        "discriminate between passages (`pdist_gate`, docs/rlm_toy.md): a run whose gate never opened kept the "
+        "warm-start retriever, i.e. it is a frozen-retriever run whatever its strategy.",
+        "",
+        table3_markdown(results["table3"]),
+        "",
+    ]
+    lines += _figure(plots["table3"], "Table 3 exact match")
+    lines += ["### Against the paper (computed)", ""] + table3_comparison(results["table3"]) + [
+        "",
+        f"{ANALYSIS} the toy reader reads (EM far above closed book), and perplexity distillation works on the "
+        "retriever: through the corrector, with no re-embedding, answer recall@4 rises from 83.5 to 99.5 on NQ-like "
+        "and from 79.5 to 99.5 on TQA-like, against 100 for exhaustive refresh (docs/rlm_toy.md). The EM ordering "
+        "does not reproduce because of the reader, not the retriever. A better retriever's top 4 holds the gold "
+        "passage plus the most confusable ones (the same person's other passage, people sharing a first or family "
+        "name), and the tiny reader cannot tell those apart. Swapping readers and retrievers between the runs "
+        "shows it: the corrector run's reader beats the frozen run's reader on the same passages (40.5 vs 34.0 "
+        "NQ-like EM), and both readers lose 10-14 points on the trained retriever's passages. HotPotQA-like "
+        "questions need a second hop that a single-vector query cannot reach (answer recall@4 under 10%), so its "
+        "EM stays at closed-book level.",
+        "",
+        "## Training curves",
+        "",
+        "Mean over seeds (band: min-max) of R@1 during Algorithm 1 (the Table 1 runs, evaluated every "
+        "`train.eval_every` steps from step 0) and of EM during Algorithm 2 (the Table 3 runs).",
+        "",
+    ]
+    lines += _figure(plots["curves"], "training curves")
+    for init in INITS:
+        lines += [f"R@1 (%) over steps, {INIT_LABELS[init]}:", "",
+                  curve_table({s: results["table1"][init][s] for s in CURVES}, retrieval_curve), ""]
+    lines += ["EM (%, mean of the three datasets) over steps, Algorithm 2:", "",
+              curve_table({s: results["table3"][s] for s in RLM_CURVES}, em_curve), "",
+              f"{ANALYSIS} the curves' shape. From retrieval-pretrained init, corrector and exhaustive overlap "
+              "throughout (within ~1.5 R@1 points), as in the paper. From random init the corrector runs ahead of "
+              "stale from step 100 on but falls behind exhaustive as soon as the encoders drift fast (steps 100-200), "
+              "and the gap narrows only slowly after. In the RLM, corrector and exhaustive EM overlap up to step "
+              "400 (one seed, ±3 points of noise), and then move apart as the reader's handling of confusable "
+              "passages starts to matter.", "",
+              "## Section 5.3: the synthetic experiment", "",
+              "The corrector alone, trained to map stale vectors g'(y) to drifted ones g(y) (details and the full "
+              "table: [synthetic_corrector.md](synthetic_corrector.md)).", ""]
+    if results["synthetic"]:
+        rel = os.path.relpath(out / "figures" / "synthetic", out)
+        lines += synthetic_summary(results["synthetic"]) + [
+            "", f"![KL after vs parameters]({rel}/kl_vs_params.png)", "",
+            f"![KL after vs staleness]({rel}/kl_after_vs_staleness.png)", ""]
+    else:
+        lines += ["_(not run: `--only synthetic`)_", ""]
+    path = out / "reproduction.md"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines).rstrip() + "\n")
+    return path
+
+
+def describe_machine() -> str:
+    """CPU model, cores and torch version: steps/s in the report mean little without them."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+        model = next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
+    except (OSError, subprocess.CalledProcessError, StopIteration):
+        model = platform.processor() or "unknown CPU"
+    return f"{model}, {os.cpu_count()} cores, torch {torch.__version__}"
+
