@@ -5,8 +5,11 @@ dev EM every --eval-every steps.
         --distractor same --steps 3000
 
 Phase 1 (--copy-steps): single-hop questions with their gold passage alone. Phase 2: --passages per question,
-the gold one(s) plus distractors: `random` passages, or `same` (the same person's other passage, same title).
-Evaluation uses the phase-2 setting on --eval-questions dev questions per family. One torch thread.
+the gold one(s) plus distractors: `random` passages, `same` (the same person's other passage, same title),
+`confusable` (the toy world's hard negatives: that other passage, then the same section of people sharing the
+first or the family name, which is what a trained retriever ranks next) or `mixed` (each distractor
+confusable or random with equal odds). Evaluation uses --eval-distractor (default: the phase-2 setting) on
+--eval-questions dev questions per family. One torch thread.
 """
 
 import argparse
@@ -15,16 +18,19 @@ import random
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from rag_train.config import ReaderConfig, TinyModelConfig
 from rag_train.data.collate import answer_labels, fid_inputs
 from rag_train.data.corpus import Corpus
+from rag_train.data.toy import ToyWorld
 from rag_train.eval.metrics import exact_match
 from rag_train.models.reader import FiDReader
 from rag_train.models.tokenizer import load_tokenizer
 
 FAMILIES = ("nq", "tqa", "hotpotqa")
+DISTRACTORS = ("random", "same", "confusable", "mixed")
 
 
 def main() -> None:
@@ -43,7 +49,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--copy-steps", type=int, default=1000)
     parser.add_argument("--passages", type=int, default=2)
-    parser.add_argument("--distractor", choices=("random", "same"), default="random")
+    parser.add_argument("--distractor", choices=DISTRACTORS, default="random")
+    parser.add_argument("--eval-distractor", choices=DISTRACTORS, default=None)
     parser.add_argument("--max-length", type=int, default=64)
     parser.add_argument("--eval-every", type=int, default=200)
     parser.add_argument("--eval-questions", type=int, default=100)
@@ -55,6 +62,8 @@ def main() -> None:
     root = Path(args.toy_dir)
     tokenizer = load_tokenizer(str(root / "tokenizer"))
     corpus = Corpus.open(root / "passages.jsonl")
+    manifest = json.loads((root / "manifest.json").read_text())
+    world = ToyWorld(manifest["passages"], manifest["seed"])
     load = lambda name: [json.loads(line) for line in open(root / f"{name}.jsonl")]  # noqa: E731
     train = [q for family in args.families.split(",") for q in load(f"{family}-train")]
     single_hop = [q for q in train if len(q["gold_ids"]) == 1]
@@ -71,24 +80,31 @@ def main() -> None:
         optimizer = torch.optim.AdamW(reader.parameters(), lr=args.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 100))
 
-    def passages(question: dict, k: int) -> list[dict]:
+    def passages(question: dict, k: int, distractor: str) -> list[dict]:
         gold = list(corpus.rows(question["gold_ids"][:k]))
-        same_person = [row ^ 1 for row in gold] if args.distractor == "same" else []  # two passages per person
-        rows = (gold + same_person)[:k]
+        if distractor == "same":
+            hard = [row ^ 1 for row in gold]  # two passages per person
+        elif distractor in ("confusable", "mixed"):
+            hard = world.hard_negative_rows(np.asarray(gold[-1:]))[0].tolist()
+            if distractor == "mixed":
+                hard = [row if rng.random() < 0.5 else rng.randrange(len(corpus)) for row in hard]
+        else:
+            hard = []
+        rows = (gold + hard)[:k]
         rows += [rng.randrange(len(corpus)) for _ in range(k - len(rows))]
         rng.shuffle(rows)
         return corpus.passages(rows)
 
-    def batch_tensors(questions: list[dict], k: int) -> dict:
-        return fid_inputs(tokenizer, [q["question"] for q in questions], [passages(q, k) for q in questions],
-                          args.max_length)
+    def batch_tensors(questions: list[dict], k: int, distractor: str) -> dict:
+        return fid_inputs(tokenizer, [q["question"] for q in questions],
+                          [passages(q, k, distractor) for q in questions], args.max_length)
 
     started = time.time()
     for step in range(args.steps):
         k = 1 if step < args.copy_steps else args.passages
         batch = rng.sample(single_hop if k == 1 else train, args.batch_size)
         labels = answer_labels(tokenizer, [q["answers"] for q in batch], 8)
-        loss = reader(**batch_tensors(batch, k), labels=labels).loss
+        loss = reader(**batch_tensors(batch, k, args.distractor), labels=labels).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(reader.parameters(), 1.0)
         optimizer.step()
@@ -99,7 +115,8 @@ def main() -> None:
             em = {}
             with torch.no_grad():
                 for family, questions in dev.items():
-                    out = reader.generate(**batch_tensors(questions, args.passages), max_new_tokens=8)
+                    out = reader.generate(**batch_tensors(questions, args.passages, args.eval_distractor or args.distractor),
+                                         max_new_tokens=8)
                     predictions = tokenizer.batch_decode(out, skip_special_tokens=True)
                     em[family] = sum(exact_match(p, q["answers"]) for p, q in zip(predictions, questions)) / len(questions)
             reader.train()
