@@ -5,7 +5,12 @@
 Every collective of the process group has a timeout (`train.collective_timeout` / `collective_timeout`
 seconds, 30 minutes by default): a process that hangs makes the others fail with a timeout error instead of
 waiting forever, and the launcher then stops the run. A process that dies is noticed sooner: the launcher
-stops the others at once."""
+stops the others at once.
+
+Under a DeepSpeed launch (`--config_file configs/accelerate/deepspeed_zero{2,3}.yaml`) on a machine without a
+GPU the processes also form a gloo group: accelerate 1.x only starts DeepSpeed with `cpu=False` and a named
+backend there, and DeepSpeed's CPU accelerator falls back to gloo when oneCCL is absent. That is how the
+tests run ZeRO-2 / ZeRO-3 on CPU."""
 
 from __future__ import annotations
 
@@ -13,15 +18,30 @@ import os
 from datetime import timedelta
 
 import torch
-from accelerate import Accelerator, InitProcessGroupKwargs
+from accelerate import Accelerator, DistributedDataParallelKwargs, InitProcessGroupKwargs
 
 DEFAULT_COLLECTIVE_TIMEOUT_S = 1800
 
 
-def make_accelerator(timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S, **kwargs) -> Accelerator:
+def deepspeed_launch() -> bool:
+    """True inside `accelerate launch` with a DeepSpeed config (accelerate's launcher sets this variable)."""
+    return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+
+
+def make_accelerator(timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S, find_unused_parameters: bool = False,
+                     **kwargs) -> Accelerator:
     """An Accelerator (gloo on CPU-only multi-process launches) whose collectives time out after `timeout_s`.
-    The timeout is fixed when the process group is created: the first Accelerator of a process decides."""
+    The timeout is fixed when the process group is created: the first Accelerator of a process decides.
+
+    `find_unused_parameters`: DDP tolerates parameters that get no gradient in a step (the RLM's retriever
+    before its gate opens); DDP leaves their gradients at None, so the optimizer skips them as on one process."""
     multi_process = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    kwargs.setdefault("cpu", multi_process and not torch.cuda.is_available())
-    kwargs.setdefault("kwargs_handlers", [InitProcessGroupKwargs(timeout=timedelta(seconds=timeout_s))])
+    no_gpu = not torch.cuda.is_available()
+    deepspeed = deepspeed_launch()
+    kwargs.setdefault("cpu", multi_process and no_gpu and not deepspeed)
+    init = {"backend": "gloo"} if deepspeed and no_gpu else {}
+    handlers = [InitProcessGroupKwargs(timeout=timedelta(seconds=timeout_s), **init)]
+    if find_unused_parameters:
+        handlers.append(DistributedDataParallelKwargs(find_unused_parameters=True))
+    kwargs.setdefault("kwargs_handlers", handlers)
     return Accelerator(**kwargs)

@@ -24,10 +24,11 @@ def retrieval_scores(query_vectors: torch.Tensor, passage_vectors: torch.Tensor)
     """<f(x_i), g(y)> as [B, S]; passages shared by the batch [S, D] (Alg. 1) or per query [B, S, D] (Alg. 2)."""
     q = _wide(query_vectors)
     p = _wide(passage_vectors)
-    if p.dim() == 2:
-        return q @ p.T
-    if p.dim() == 3 and p.shape[0] == q.shape[0]:
-        return torch.einsum("bd,bsd->bs", q, p)
+    with torch.autocast(q.device.type, enabled=False):  # fp32 inside a mixed-precision (autocast) forward too
+        if p.dim() == 2:
+            return q @ p.T
+        if p.dim() == 3 and p.shape[0] == q.shape[0]:
+            return torch.einsum("bd,bsd->bs", q, p)
     raise ValueError(f"passage vectors must be [S, D] or [B={q.shape[0]}, S, D], got {tuple(p.shape)}")
 
 

@@ -234,7 +234,8 @@ def test_corrector_search_goes_through_h(world):
 @pytest.mark.parametrize("loss", ["ce", "mse"])
 def test_corrector_and_task_gradients_are_separate(world, loss):
     strategy, model = make(world, "corrector", corrector=CorrectorConfig(hidden=12, loss=loss), uniform_negatives=2)
-    strategy.prepare(world["accelerator"])
+    assert strategy.modules() == {"corrector": strategy.corrector}  # a part of the recipe's one prepared module
+    assert [g["auxiliary"] for g in strategy.param_groups()] == [True]
     perturb(strategy.corrector, scale=0.2, seed=51)  # W2 != 0, so every corrector parameter gets a gradient
     corpus = world["corpus"]
     subset = strategy.subset(queries_of(model), torch.tensor([1, 2, 3, 4]))

@@ -12,10 +12,11 @@ top-k, so every process sees the same answer as a single process would.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, ContextManager, Optional
 
 import numpy as np
 import torch
@@ -33,6 +34,10 @@ from rag_train.io import atomic_write_json
 from rag_train.losses import truncated_softmax_ce
 
 
+def _no_gathering(*modules: nn.Module) -> ContextManager:
+    return contextlib.nullcontext()
+
+
 @dataclass
 class StrategyContext:
     """What a strategy may use: the (unwrapped) dual encoder to embed passages, the corpus, the stale buffer."""
@@ -44,6 +49,10 @@ class StrategyContext:
     buffer_dir: Optional[Path]  # the stale buffer (built before training); None for strategies without one
     temperature: float
     seed: int
+    # `with gather(*modules):` the modules hold their full weights on this process (DeepSpeed ZeRO-3: gathered,
+    # a collective every process enters; the recipe sets it to `train.common.full_weights` once prepared).
+    # Wraps everything that runs them outside the training forward, or reads their weights directly.
+    gather: Callable[..., ContextManager] = _no_gathering
 
 
 @dataclass
@@ -90,8 +99,9 @@ class Strategy:
 
     def embed(self, rows: np.ndarray) -> torch.Tensor:
         """Current passage-encoder vectors for corpus rows (no gradient). Callers count `embedded`."""
-        return embed_rows(self.ctx.model, self.ctx.corpus, rows, self.ctx.buffer_cfg.embed_batch_size,
-                          self.ctx.accelerator.device)
+        with self.ctx.gather(self.ctx.model):  # each process embeds its own rows: not in lockstep
+            return embed_rows(self.ctx.model, self.ctx.corpus, rows, self.ctx.buffer_cfg.embed_batch_size,
+                              self.ctx.accelerator.device)
 
     # -- proposals ---------------------------------------------------------------------------------
 
@@ -133,9 +143,14 @@ class Strategy:
         all inputs are detached, so it can only train the strategy's own modules. None: no extra loss."""
         return None
 
-    def prepare(self, accelerator: Accelerator) -> list[dict]:
-        """Prepare the strategy's trainable modules; return their optimizer param groups (none here). Groups
-        trained only by `auxiliary_loss` carry `"auxiliary": True` (see train.common.optimizer_step)."""
+    def modules(self) -> dict[str, nn.Module]:
+        """The strategy's trainable modules by name (none here). The recipe makes them parts of its one prepared
+        module (train.common.Trainable), so `auxiliary_loss` must run inside that module's forward."""
+        return {}
+
+    def param_groups(self) -> list[dict]:
+        """Optimizer param groups of `modules()` (none here). Groups trained only by `auxiliary_loss` carry
+        `"auxiliary": True` (see train.common.optimizer_step)."""
         return []
 
     # -- state ---------------------------------------------------------------------------------------
@@ -189,7 +204,8 @@ class IndexedStrategy(Strategy):
     def retrieve_global(self, queries: torch.Tensor, k: int) -> torch.Tensor:
         device = self.vectors.device if isinstance(self.vectors, torch.Tensor) else torch.device("cpu")
         all_queries = gather_queries(queries, self.ctx.accelerator).float().to(device)
-        with torch.no_grad():
+        weights = self.ctx.gather(self.corrector) if self.corrector is not None else contextlib.nullcontext()
+        with torch.no_grad(), weights:  # the search reads the corrector's weights directly
             result = search(
                 all_queries,
                 self.vectors,

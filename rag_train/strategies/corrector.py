@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from accelerate import Accelerator
 
 from rag_train.config import StrategyConfig
 from rag_train.losses import corrector_ce, corrector_mse, retrieval_scores
@@ -23,11 +22,11 @@ class CorrectorStrategy(Stale):
         self.search_mode = ctx.buffer_cfg.search if ctx.buffer_cfg.search != "exact" else "corrector_full"
         super().__init__(cfg, ctx)
         self.corrector = Corrector(self.buffer.dim, cfg.corrector.hidden).to(search_device(ctx))
-        self.trained_corrector: torch.nn.Module = self.corrector  # the prepared (e.g. DDP) module
 
-    def prepare(self, accelerator: Accelerator) -> list[dict]:
-        self.trained_corrector = accelerator.prepare(self.corrector)
-        self.corrector = accelerator.unwrap_model(self.trained_corrector)
+    def modules(self) -> dict[str, torch.nn.Module]:
+        return {"corrector": self.corrector}
+
+    def param_groups(self) -> list[dict]:
         # "auxiliary": optimizer_step leaves it out of the clipping norm and drops its update when the corrector diverges
         return [{"params": list(self.corrector.parameters()), "lr": self.cfg.corrector.lr, "weight_decay": 0.0,
                  "auxiliary": True}]
@@ -35,8 +34,10 @@ class CorrectorStrategy(Stale):
     def auxiliary_loss(
         self, queries: torch.Tensor, rows: torch.Tensor, fresh_vectors: torch.Tensor, fresh_scores: torch.Tensor
     ) -> Optional[torch.Tensor]:
+        """Runs inside the recipe's training forward (the corrector is a part of its prepared module)."""
         device = fresh_scores.device
-        corrected = self.trained_corrector(self.stale_vectors(rows).to(device))
+        dtype = next(self.corrector.parameters()).dtype  # the engine's (bf16 under DeepSpeed bf16), else fp32
+        corrected = self.corrector(self.stale_vectors(rows).to(device, dtype))
         weight = self.cfg.corrector.weight
         if self.cfg.corrector.loss == "mse":
             return weight * corrector_mse(fresh_vectors, corrected)

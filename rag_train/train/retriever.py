@@ -7,6 +7,9 @@ Per step, for a batch of (question x_i, positive y_i):
   3. task loss = cross-entropy of softmax(beta <f(x_i), g(y)>) over S against y_i (the strategy may replace
      it, e.g. the negative cache's surrogate); auxiliary loss (the corrector's) on the same subset;
   4. one optimizer step; then the strategy updates its own state (refresh, FIFO, ...).
+
+The retriever and the strategy's corrector are parts of ONE prepared module (`Trainable`, one optimizer) whose
+forward is steps 2-3, as in the RLM recipe: the same loop runs on one process, under DDP and DeepSpeed ZeRO.
 """
 
 from __future__ import annotations
@@ -24,9 +27,10 @@ from rag_train.data.sources import dataset_name, resolve_data
 from rag_train.data.supervised import load_retrieval
 from rag_train.eval.retrieval import EvalSet, evaluate_retrieval
 from rag_train.models.retriever import DualEncoder
-from rag_train.strategies import REGISTRY, StrategyContext, build_strategy
-from rag_train.train.common import (TrainingRun, global_batch, linear_warmup, local_slice, optimizer_step,
-                                    save_full_model)
+from rag_train.losses import retrieval_scores
+from rag_train.strategies import REGISTRY, StrategyContext, Subset, build_strategy
+from rag_train.train.common import (Trainable, TrainingRun, full_weights, global_batch, linear_warmup, local_slice,
+                                    optimizer_step, save_parts)
 from rag_train.train.stages import ensure_buffer, gather_with_grad, my_share
 
 
@@ -47,11 +51,12 @@ def train_retriever(cfg: RetrieverTrainConfig) -> dict:
     strategy = build_strategy(cfg.strategy, ctx)
 
     params = [{"params": [p for p in model.parameters() if p.requires_grad], "lr": cfg.train.lr,
-               "weight_decay": cfg.train.weight_decay}] + strategy.prepare(acc)
+               "weight_decay": cfg.train.weight_decay}] + strategy.param_groups()
     optimizer = torch.optim.AdamW(params, lr=cfg.train.lr)
     scheduler = linear_warmup(optimizer, cfg.train.warmup_steps)
-    model, optimizer, scheduler = acc.prepare(model, optimizer, scheduler)
-    ctx.model = acc.unwrap_model(model)
+    trainable, optimizer, scheduler = run.prepare(Trainable(retriever=model, **strategy.modules()), optimizer, scheduler)
+    model = ctx.model = acc.unwrap_model(trainable).retriever  # the same module, on the device
+    ctx.gather = lambda *modules: full_weights(acc, trainable, *modules)
     guard = run.guard
     step = run.resume()
     if step:
@@ -59,12 +64,27 @@ def train_retriever(cfg: RetrieverTrainConfig) -> dict:
 
     history = []
 
+    def evaluate() -> dict:
+        with full_weights(acc, trainable, model):  # each process embeds its share of the corpus: not in lockstep
+            return evaluate_retrieval(model, corpus, dev_sets, cfg.eval.recall_at, acc, cfg.eval.batch_size)
+
     def record_eval() -> float:
         """Evaluate into `history` (curves start at step 0, the initial model); returns the seconds it took."""
         eval_started = time.time()
-        history.append({"step": step, **evaluate_retrieval(ctx.model, corpus, dev_sets, cfg.eval.recall_at, acc, cfg.eval.batch_size)})
+        history.append({"step": step, **evaluate()})
         run.log(flat_metrics(history[-1]), step)
         return time.time() - eval_started
+
+    def losses(parts: Trainable, questions: list[str], passages: list[dict], subset: Subset) -> dict:
+        """Steps 2-3: everything with a gradient, run as the prepared module's forward."""
+        # 2. fresh f(x) and g(y), y in S: each process encodes 1/N of S, gathered with gradient
+        queries, passage_part = parts.retriever(questions, passages)
+        vectors = gather_with_grad(passage_part, len(subset.rows), acc)
+        # 3. losses over the subset
+        scores = retrieval_scores(queries, vectors)
+        task_loss, logged = strategy.task_loss(scores, subset)
+        aux = strategy.auxiliary_loss(queries.detach(), subset.rows, vectors.detach(), scores.detach())
+        return {"loss": task_loss, "aux": aux, "logged": logged}
 
     if cfg.train.eval_every and step == 0:
         record_eval()
@@ -82,15 +102,10 @@ def train_retriever(cfg: RetrieverTrainConfig) -> dict:
             ctx.model.train()
         subset = strategy.subset(query_probe, positives)
 
-        # 2. fresh f(x) and g(y), y in S: one forward per step (DDP), each process 1/N of S
+        # 2.-3. fresh vectors and the losses, in one forward of the prepared module
         mine = my_share(subset.rows, acc)
-        queries, passage_part = model(questions, corpus.passages(mine.tolist()))
-        passages = gather_with_grad(passage_part, len(subset.rows), acc)
-
-        # 3. losses over the subset
-        scores = queries.float() @ passages.float().t()
-        task_loss, logged = strategy.task_loss(scores, subset)
-        aux = strategy.auxiliary_loss(queries.detach(), subset.rows, passages.detach(), scores.detach())
+        out = trainable(losses, questions, corpus.passages(mine.tolist()), subset)
+        task_loss, aux, logged = out["loss"], out["aux"], out["logged"]
 
         # 4. update (a non-finite step is skipped; a diverged corrector skips only its own update), then let the
         # strategy refresh its state with the new parameters
@@ -114,9 +129,9 @@ def train_retriever(cfg: RetrieverTrainConfig) -> dict:
     bar.close()
     train_seconds = time.time() - started - eval_seconds  # training steps only: evaluations left out
 
-    final = evaluate_retrieval(ctx.model, corpus, dev_sets, cfg.eval.recall_at, acc, cfg.eval.batch_size)
+    final = evaluate()
     run.save(step, extra=strategy.save)
-    save_full_model(acc, model, lambda m: m.save(run.dir / "retriever"))
+    save_parts(acc, trainable, {"retriever": lambda m: m.save(run.dir / "retriever")})
     main_set = next(iter(final.values()))
     metrics = {
         "recall": main_set.get("recall", {}),

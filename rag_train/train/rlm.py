@@ -10,6 +10,10 @@ Per step, for questions x with answers a:
   6. retriever loss L = KL(P_a || P~) (perplexity distillation);
   7. corrector loss = CE(P~ || P~_h), which reaches only the corrector;
   8. Theta <- Theta - eta grad (L + L') / 2 ; Psi <- Psi - eta grad (corrector loss).
+
+Reader, retriever and corrector are parts of ONE module (`Trainable`) prepared once with one optimizer, so
+the same loop runs on one process, under DDP and under DeepSpeed ZeRO-2 / ZeRO-3: steps 2-7 (everything with a
+gradient) are that module's forward; retrieval, evaluation and saving follow `train.common`'s rules for ZeRO.
 """
 
 from __future__ import annotations
@@ -33,8 +37,8 @@ from rag_train.losses import perplexity_distillation, retrieval_scores
 from rag_train.models.reader import FiDReader
 from rag_train.models.tokenizer import load_tokenizer
 from rag_train.strategies import REGISTRY, StrategyContext, build_strategy
-from rag_train.train.common import (TrainingRun, global_batch, linear_warmup, local_slice, optimizer_step,
-                                    save_full_model, save_pretrained_atomic)
+from rag_train.train.common import (Trainable, TrainingRun, full_weights, global_batch, linear_warmup, local_slice,
+                                    optimizer_step, save_parts, save_pretrained_atomic)
 from rag_train.train.stages import ensure_buffer
 from rag_train.train.warm_start import warm_start_reader, warm_start_retriever
 
@@ -106,7 +110,7 @@ def global_token_mean(logits: torch.Tensor, labels: torch.Tensor, accelerator) -
 
 
 def train_rlm(cfg: RLMConfig) -> dict:
-    run = TrainingRun(cfg, "rlm")
+    run = TrainingRun(cfg, "rlm", find_unused_parameters=True)  # the retriever has no gradient before its gate opens
     acc = run.accelerator
     files = resolve_data(cfg.data, acc, TOY_TRAIN_SETS, TOY_DEV_SETS)
     corpus = Corpus.open(files.passages)
@@ -126,18 +130,22 @@ def train_rlm(cfg: RLMConfig) -> dict:
     strategy = build_strategy(cfg.strategy, ctx)
     trains_retriever = strategy.trains_retriever
 
+    # Everything trained is one module with one optimizer (DeepSpeed: one engine); groups keep their own lrs.
     groups = [{"params": list(reader.parameters()), "lr": cfg.train.lr, "weight_decay": cfg.train.weight_decay}]
     if trains_retriever:
         groups.append({"params": [p for p in retriever.parameters() if p.requires_grad], "lr": cfg.train.lr,
                        "weight_decay": cfg.train.weight_decay})
     else:
         retriever.requires_grad_(False)
-    groups += strategy.prepare(acc)
+    groups += strategy.param_groups()
     optimizer = torch.optim.AdamW(groups, lr=cfg.train.lr)
     scheduler = linear_warmup(optimizer, cfg.train.warmup_steps)
-    reader, optimizer, scheduler = acc.prepare(reader, optimizer, scheduler)
-    retriever_ddp = acc.prepare(retriever) if trains_retriever else retriever.to(acc.device)
-    ctx.model = retriever = acc.unwrap_model(retriever_ddp)
+    model, optimizer, scheduler = run.prepare(Trainable(reader=reader, retriever=retriever, **strategy.modules()),
+                                              optimizer, scheduler)
+    parts = acc.unwrap_model(model)
+    reader, retriever = parts.reader, parts.retriever  # the same modules, now on the device (and partitioned under ZeRO-3)
+    ctx.gather = lambda *modules: full_weights(acc, model, *modules)
+    trained = [p for g in groups for p in g["params"]]
     guard = run.guard
     gate = RetrieverGate(cfg, trains_retriever, acc)
     step = run.resume()
@@ -148,13 +156,49 @@ def train_rlm(cfg: RLMConfig) -> dict:
                               cfg.reader.max_answer_length, cfg.eval.batch_size, closed_book=not strategy.retrieves)
     history = []
 
+    def evaluate() -> tuple[dict, dict]:
+        """Every process embeds its share of the corpus and generates for all questions: not in lockstep."""
+        with full_weights(acc, model, reader, retriever):
+            return evaluate_qa(retriever, reader, tokenizer, corpus, dev_sets, settings, acc)
+
     def record_eval() -> float:
         """Evaluate into `history` (curves start at step 0, the warm-started models); returns its seconds."""
         eval_started = time.time()
-        metrics, _ = evaluate_qa(retriever, acc.unwrap_model(reader), tokenizer, corpus, dev_sets, settings, acc)
+        metrics, _ = evaluate()
         history.append({"step": step, **metrics})
         run.log({f"eval/{n}/{k}": v for n, m in metrics.items() for k, v in m.items()}, step)
         return time.time() - eval_started
+
+    def losses(parts: Trainable, inputs: dict, labels: torch.Tensor, questions: list[str], passages: list[list[dict]],
+               rows: torch.Tensor | None, contains: torch.Tensor | None) -> dict:
+        """Steps 2-7: everything with a gradient, run as the prepared module's forward."""
+        # 5. reader loss L' = NLL of a given x and S_x (FiD); 4. P(a | y, x) from the same encoder states
+        out = parts.reader(**inputs, labels=labels)
+        reader_loss = global_token_mean(out.logits, labels, acc)
+        result = {"loss": reader_loss, "aux": None, "logged": {"reader_loss": reader_loss.item()}}
+        if rows is None:
+            return result
+        logged = result["logged"]
+        # a distillation target, no gradient; full precision under mixed-precision autocast too
+        with torch.no_grad(), torch.autocast(acc.device.type, enabled=False):
+            loglik = parts.reader.passage_log_likelihoods(inputs["input_ids"], inputs["attention_mask"], labels,
+                                                          encoder_states=out.encoder_last_hidden_state)
+        # 2./6. P~ from fresh f(x), g(y) and perplexity distillation, once the reader discriminates
+        if gate.update(step, loglik, contains):
+            queries, passage_vectors = parts.retriever(questions, [p for ps in passages for p in ps])
+            passage_vectors = passage_vectors.view(len(questions), cfg.strategy.top_k, -1)
+            scores = retrieval_scores(queries, passage_vectors)
+            retriever_loss = perplexity_distillation(scores, loglik, cfg.train.temperature, cfg.reader_temperature)
+            result["loss"] = (retriever_loss + reader_loss) / 2
+            logged["retriever_loss"] = retriever_loss.item()
+            logged["embedding_spread"] = gate.check_collapse(step, passage_vectors)
+            # 7. corrector loss on the same passages, detached inputs: it only reaches the corrector
+            aux = strategy.auxiliary_loss(queries.detach(), rows, passage_vectors.detach(), scores.detach())
+            if aux is not None:
+                logged["corrector_loss"] = aux.item()
+            result["aux"] = aux
+        logged["p_a_answer_lift"] = gate.lift
+        return result
 
     if cfg.train.eval_every and step == 0:
         record_eval()
@@ -167,47 +211,25 @@ def train_rlm(cfg: RLMConfig) -> dict:
         labels = answer_labels(tokenizer, answers, cfg.reader.max_answer_length).to(acc.device)
 
         # 1. S_x: the strategy's top-k for each question (queries without gradient, eval mode)
+        rows = contains = None
         if strategy.retrieves:
             with torch.no_grad():
                 retriever.eval()
                 rows = strategy.retrieve(retriever.encode_queries(questions).float(), cfg.strategy.top_k)
                 retriever.train()
             passages = [corpus.passages(r) for r in rows.tolist()]
+            contains = torch.tensor([[has_answer(p["text"], ex.answers) for p in ps] for ex, ps in zip(batch, passages)])
         else:
-            rows, passages = None, [[EMPTY_PASSAGE] for _ in batch]
-
-        # 5. reader loss L' = NLL of a given x and S_x (FiD); 4. P(a | y, x) from the same encoder states
+            passages = [[EMPTY_PASSAGE] for _ in batch]
         inputs = fid_inputs(tokenizer, questions, passages, cfg.reader.max_input_length)
         inputs = {name: tensor.to(acc.device) for name, tensor in inputs.items()}
-        out = reader(**inputs, labels=labels)
-        reader_loss = global_token_mean(out.logits, labels, acc)
-        loss, aux = reader_loss, None
-        logged = {"reader_loss": reader_loss.item()}
-        if rows is not None:
-            with torch.no_grad():
-                loglik = acc.unwrap_model(reader).passage_log_likelihoods(
-                    inputs["input_ids"], inputs["attention_mask"], labels, encoder_states=out.encoder_last_hidden_state)
 
-            # 2./6. P~ from fresh f(x), g(y) and perplexity distillation, once the reader discriminates
-            contains = torch.tensor([[has_answer(p["text"], ex.answers) for p in ps] for ex, ps in zip(batch, passages)])
-            if gate.update(step, loglik, contains):
-                flat = [p for ps in passages for p in ps]
-                queries, passage_vectors = retriever_ddp(questions, flat)
-                passage_vectors = passage_vectors.view(len(batch), cfg.strategy.top_k, -1)
-                scores = retrieval_scores(queries, passage_vectors)
-                retriever_loss = perplexity_distillation(scores, loglik, cfg.train.temperature, cfg.reader_temperature)
-                loss = (retriever_loss + reader_loss) / 2
-                logged["retriever_loss"] = retriever_loss.item()
-                logged["embedding_spread"] = gate.check_collapse(step, passage_vectors)
-                # 7. corrector loss on the same passages, detached inputs: it only reaches the corrector
-                aux = strategy.auxiliary_loss(queries.detach(), rows, passage_vectors.detach(), scores.detach())
-                if aux is not None:
-                    logged["corrector_loss"] = aux.item()
-            logged["p_a_answer_lift"] = gate.lift
+        # 2.-7. the losses, in one forward of the prepared module
+        out = model(losses, inputs, labels, questions, passages, rows, contains)
+        logged = out["logged"]
 
         # 8. one optimizer step for reader, retriever and corrector (their losses are disjoint)
-        optimizer_step(acc, loss, [p for g in groups for p in g["params"]], optimizer, scheduler, guard,
-                       cfg.train.max_grad_norm, aux=aux)
+        optimizer_step(acc, out["loss"], trained, optimizer, scheduler, guard, cfg.train.max_grad_norm, aux=out["aux"])
         step += 1
         strategy.after_step(step)
         bar.update(1)
@@ -223,10 +245,10 @@ def train_rlm(cfg: RLMConfig) -> dict:
     train_seconds = time.time() - started - eval_seconds  # training steps only: evaluations left out
 
     run.save(step, extra=strategy.save)
-    metrics, predictions = evaluate_qa(retriever, acc.unwrap_model(reader), tokenizer, corpus, dev_sets, settings, acc)
+    metrics, predictions = evaluate()
     history.append({"step": step, **metrics})
-    save_full_model(acc, retriever_ddp, lambda m: m.save(run.dir / "retriever"))
-    save_full_model(acc, reader, lambda m: save_pretrained_atomic(run.dir / "reader", m, tokenizer))
+    save_parts(acc, model, {"retriever": lambda m: m.save(run.dir / "retriever"),
+                            "reader": lambda m: save_pretrained_atomic(run.dir / "reader", m, tokenizer)})
     if acc.is_main_process:
         write_predictions(run.dir / "predictions", predictions)
     result = {
