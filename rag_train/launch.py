@@ -44,4 +44,13 @@ def make_accelerator(timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S, find_unuse
     if find_unused_parameters:
         handlers.append(DistributedDataParallelKwargs(find_unused_parameters=True))
     kwargs.setdefault("kwargs_handlers", handlers)
-    return Accelerator(**kwargs)
+    accelerator = Accelerator(**kwargs)
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is not None and not plugin.zero3_init_flag:
+        # accelerate points transformers at the DeepSpeed config even with zero3_init_flag false, and under
+        # ZeRO-3 transformers then builds every model already partitioned (zero.Init). The recipes build,
+        # warm-start and embed with their models before preparing them: they must be whole until then.
+        from transformers.integrations import unset_hf_deepspeed_config
+
+        unset_hf_deepspeed_config()
+    return accelerator
