@@ -185,3 +185,25 @@ def test_two_process_run(recipe_toy_dir, tmp_path):
     assert all(0 <= v <= 1 for v in two[f"answer_recall@{TOP_K}"].values())
     assert (tmp_path / "two" / "reader" / "model.safetensors").is_file()
     assert (tmp_path / "two" / "checkpoints" / "latest.json").is_file()
+
+
+def test_checkpoint_from_before_one_module_is_named(recipe_toy_dir, tmp_path):
+    """Reader, retriever and corrector were once prepared as separate models (model.safetensors, model_1, ...,
+    unprefixed keys): such a checkpoint is refused by name instead of failing inside accelerate's load_state."""
+    from safetensors.torch import save_file
+
+    from rag_train.config import ConfigError
+    from rag_train.train.common import Trainable, TrainingRun, linear_warmup
+
+    run = TrainingRun(config(recipe_toy_dir, tmp_path / "run", "corrector", **{"train.resume": "true"}), "rlm")
+    model = Trainable(reader=torch.nn.Linear(2, 2), retriever=torch.nn.Linear(2, 2))
+    optimizer = torch.optim.AdamW(model.parameters())
+    run.prepare(model, optimizer, linear_warmup(optimizer, 1))
+    old = tmp_path / "run" / "checkpoints" / "step-00000002"
+    old.mkdir(parents=True)
+    (old / "step.json").write_text('{"step": 2}')
+    for files in (["model.safetensors"], ["model.safetensors", "model_1.safetensors"]):
+        for name in files:
+            save_file({"shared.weight": torch.zeros(2)}, str(old / name))
+        with pytest.raises(ConfigError, match="written before the recipes trained one module"):
+            run.resume()

@@ -133,6 +133,7 @@ class TrainingRun:
         self.agree(config=hashlib.sha256(to_yaml(cfg).encode()).hexdigest())
         set_seed(cfg.train.seed, device_specific=False)
         self.guard = NonFiniteGuard(cfg.train.max_bad_steps, cfg.strategy.corrector.max_loss)
+        self.model: Optional[torch.nn.Module] = None  # the prepared module (`prepare`)
         self.started = time.time()
         if self.accelerator.is_main_process:
             self._tidy_checkpoints()
@@ -198,7 +199,9 @@ class TrainingRun:
                 train_micro_batch_size_per_gpu=self.cfg.train.batch_size // world,
                 train_batch_size=self.cfg.train.batch_size, gradient_accumulation_steps=1,
                 gradient_clipping=float(self.cfg.train.max_grad_norm))
-        return self.accelerator.prepare(model, optimizer, scheduler)
+        prepared = self.accelerator.prepare(model, optimizer, scheduler)
+        self.model = prepared[0]
+        return prepared
 
     # -- checkpoints -------------------------------------------------------------------------------
 
@@ -275,6 +278,21 @@ class TrainingRun:
                     else "no older checkpoint is left; restart without train.resume")
             raise CorruptFileError(f"checkpoint {path.name} is damaged: {exc}. Nothing was loaded; {hint}.") from None
 
+    def _check_model_files(self, path: Path) -> None:
+        """ConfigError naming a checkpoint whose weights are not those of the module prepared now: one written
+        before the recipes trained one `Trainable` (several model files, or unprefixed keys) cannot resume."""
+        files = sorted(path.glob("model*.safetensors"))
+        if self.model is None or not files:  # DeepSpeed writes its own layout (pytorch_model/)
+            return
+        from safetensors import safe_open
+
+        with safe_open(str(files[0]), "pt") as handle:
+            found = {key.split(".")[0] for key in handle.keys()}
+        parts = {name for name, _ in self.accelerator.unwrap_model(self.model).named_children()}
+        if len(files) > 1 or not found <= parts:
+            raise ConfigError(f"{path} was written before the recipes trained one module ({' + '.join(sorted(parts))}) "
+                              "and cannot be resumed by this version; start a new run (train.output_dir)")
+
     def resume(self) -> int:
         """Restore the latest checkpoint (models, optimizer, scheduler, registered objects, RNG, fault
         counters) after checking its checksums; 0 if none."""
@@ -285,6 +303,7 @@ class TrainingRun:
             self.accelerator.print(f"train.resume=true but {self.dir} has no checkpoint yet: starting at step 0")
             return 0
         self.verify_checkpoint(path)
+        self._check_model_files(path)
         self.accelerator.load_state(str(path))
         if (path / TRAINER_STATE).is_file():
             self.guard.load_state_dict(read_json(path / TRAINER_STATE)["guard"])
