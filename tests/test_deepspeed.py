@@ -125,3 +125,44 @@ def test_zero3_without_gathered_saving_is_refused(tmp_path):
     assert proc.returncode != 0
     assert "DeepSpeed ZeRO-3 needs zero3_save_16bit_model: true" in proc.stdout + proc.stderr
     assert not (tmp_path / "run").exists()
+
+
+FAULTY = '''
+import sys
+import rag_train.strategies.base as base
+from rag_train.config import RetrieverTrainConfig, parse_cli
+from rag_train.strategies.corrector import CorrectorStrategy
+from rag_train.train.retriever import train_retriever
+
+task_loss, auxiliary_loss, calls = base.Strategy.task_loss, CorrectorStrategy.auxiliary_loss, [0]
+
+def nan_task_loss(self, scores, subset):  # step 2: NaN task loss
+    calls[0] += 1
+    loss, logged = task_loss(self, scores, subset)
+    return loss * {2: float("nan")}.get(calls[0], 1.0), logged
+
+def diverging(self, *args):  # steps 3 and 4: inf, then above strategy.corrector.max_loss
+    return auxiliary_loss(self, *args) * {3: float("inf"), 4: 1e9}.get(calls[0], 1.0)
+
+base.Strategy.task_loss, CorrectorStrategy.auxiliary_loss = nan_task_loss, diverging
+train_retriever(parse_cli(RetrieverTrainConfig, sys.argv[1:]))
+'''
+
+
+@pytest.mark.slow
+def test_zero2_guard_skips_bad_steps_and_drops_a_diverging_corrector(recipe_toy_dir, tmp_path):
+    """Under DeepSpeed the step happens inside backward, so the guard decides on the losses: a NaN task loss
+    skips the step (no backward), a non-finite or exploding corrector loss is left out of it (Algorithm 1)."""
+    import test_train_retriever
+
+    script = tmp_path / "faulty.py"
+    script.write_text(FAULTY)
+    out = tmp_path / "run"
+    args = test_train_retriever.overrides(recipe_toy_dir, out, "corrector", **{"strategy.corrector.max_loss": 1e6})
+    cmd = deepspeed_command(2, "--config", test_train_retriever.CONFIG, *args)
+    cmd[cmd.index(str(SCRIPT))] = str(script)
+    run(cmd)
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["steps"] == test_train_retriever.STEPS
+    assert metrics["skipped_steps"] == 1 and metrics["corrector_skipped_steps"] == 2
+    assert all(torch.isfinite(value).all() for value in test_train_retriever.weights(out).values())
