@@ -137,6 +137,10 @@ class CorrectorConfig:
     loss: str = "ce"  # ce (Eq. 6, preferred) | mse (Eq. 5)
     weight: float = 10.0
     lr: float = 1e-4
+    # Algorithm 2: h trains on the top-`candidates` of its own ranking (fresh g(y) for them, no gradient); the
+    # reader and perplexity distillation still read the top strategy.top_k. 0 = top_k (the paper, k = 32). A
+    # small k shows h too little of the ranking to learn which passages the moving retriever now ranks high.
+    candidates: int = 0
     # divergence guard: a step whose (weighted) corrector loss is above this skips the corrector's update and
     # keeps the encoder's (0 = off; a non-finite corrector loss or gradient always skips it). See
     # train.common.optimizer_step; train.max_bad_steps such steps in a row stop the run.
@@ -148,6 +152,7 @@ class CorrectorConfig:
         _positive("strategy.corrector", "weight", self.weight, allow_zero=True)
         _positive("strategy.corrector", "lr", self.lr)
         _positive("strategy.corrector", "max_loss", self.max_loss, allow_zero=True)
+        _positive("strategy.corrector", "candidates", self.candidates, allow_zero=True)
 
 
 @dataclass

@@ -79,6 +79,41 @@ def test_strategies_train_and_write_metrics(recipe_toy_dir, tmp_path, monkeypatc
         assert frozen == DualEncoder.load(tmp_path / "run" / "warm_start_retriever" / "retriever").fingerprint()
 
 
+def test_corrector_trains_on_its_deeper_candidates(recipe_toy_dir, tmp_path, monkeypatch):
+    """strategy.corrector.candidates > top_k: the reader and PDist read the top_k, the corrector loss sees the
+    corrector's top-`candidates` (the same first rows, then deeper ones), each with its fresh g(y)."""
+    from rag_train.losses import retrieval_scores
+    from rag_train.strategies.corrector import CorrectorStrategy
+
+    seen, pdist_shapes = [], []
+    original = CorrectorStrategy.auxiliary_loss
+
+    def recording(self, queries, rows, fresh_vectors, fresh_scores):
+        retriever = self.ctx.model
+        with torch.no_grad():  # the live retriever, in the training step's mode
+            expected = retriever.encode_passages([p for r in rows.tolist() for p in self.ctx.corpus.passages(r)])
+            corrected = self.corrector(self.stale_vectors(rows).to(queries))
+        seen.append((rows.clone(), torch.allclose(fresh_vectors, expected.view_as(fresh_vectors), atol=1e-5),
+                     torch.allclose(fresh_scores, retrieval_scores(queries, fresh_vectors)),
+                     bool((retrieval_scores(queries, corrected).diff(dim=1) <= 1e-5).all())))
+        return original(self, queries, rows, fresh_vectors, fresh_scores)
+
+    def pdist(retriever_scores, reader_loglik, *args):
+        pdist_shapes.append(tuple(reader_loglik.shape))
+        return perplexity_distillation(retriever_scores, reader_loglik, *args)
+
+    monkeypatch.setattr(CorrectorStrategy, "auxiliary_loss", recording)
+    monkeypatch.setattr(rlm, "perplexity_distillation", pdist)
+    rlm.train_rlm(config(recipe_toy_dir, tmp_path / "run", "corrector", **{
+        "strategy.corrector.candidates": 10}))
+    assert pdist_shapes == [(4, TOP_K)] * STEPS
+    assert len(seen) == STEPS
+    for rows, fresh_ok, scores_ok, ranked in seen:
+        assert rows.shape == (4, 10) and all(len(set(r)) == 10 for r in rows.tolist())
+        assert fresh_ok and scores_ok
+        assert ranked  # in the corrector's own order: the reader's top_k are its first columns
+
+
 def test_pdist_gives_the_reader_no_gradient(recipe_toy_dir):
     """Even with the reader's log-likelihoods carrying a graph, the retriever loss reaches only the retriever."""
     from rag_train.config import ReaderConfig

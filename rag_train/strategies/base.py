@@ -136,6 +136,11 @@ class Strategy:
         """Algorithm 1 task loss from fresh inner products [B_local, S] (beta = 1 / temperature applied here)."""
         return truncated_softmax_ce(scores, subset.positive_index.to(scores.device), self.ctx.temperature), {}
 
+    def search_depth(self, k: int) -> int:
+        """Algorithm 2: how deep to search for a reader that reads the top k. Rows past k reach only
+        `auxiliary_loss` (with fresh vectors, no gradient)."""
+        return k
+
     def auxiliary_loss(
         self, queries: torch.Tensor, rows: torch.Tensor, fresh_vectors: torch.Tensor, fresh_scores: torch.Tensor
     ) -> Optional[torch.Tensor]:

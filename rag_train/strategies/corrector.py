@@ -31,6 +31,9 @@ class CorrectorStrategy(Stale):
         return [{"params": list(self.corrector.parameters()), "lr": self.cfg.corrector.lr, "weight_decay": 0.0,
                  "auxiliary": True}]
 
+    def search_depth(self, k: int) -> int:
+        return max(k, self.cfg.corrector.candidates)
+
     def auxiliary_loss(
         self, queries: torch.Tensor, rows: torch.Tensor, fresh_vectors: torch.Tensor, fresh_scores: torch.Tensor
     ) -> Optional[torch.Tensor]:

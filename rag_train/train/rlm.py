@@ -170,7 +170,7 @@ def train_rlm(cfg: RLMConfig) -> dict:
         return time.time() - eval_started
 
     def losses(parts: Trainable, inputs: dict, labels: torch.Tensor, questions: list[str], passages: list[list[dict]],
-               rows: torch.Tensor | None, contains: torch.Tensor | None) -> dict:
+               rows: torch.Tensor | None, contains: torch.Tensor | None, deeper: torch.Tensor | None) -> dict:
         """Steps 2-7: everything with a gradient, run as the prepared module's forward."""
         # 5. reader loss L' = NLL of a given x and S_x (FiD); 4. P(a | y, x) from the same encoder states
         out = parts.reader(**inputs, labels=labels)
@@ -192,8 +192,16 @@ def train_rlm(cfg: RLMConfig) -> dict:
             result["loss"] = (retriever_loss + reader_loss) / 2
             logged["retriever_loss"] = retriever_loss.item()
             logged["embedding_spread"] = gate.check_collapse(step, passage_vectors)
-            # 7. corrector loss on the same passages, detached inputs: it only reaches the corrector
-            aux = strategy.auxiliary_loss(queries.detach(), rows, passage_vectors.detach(), scores.detach())
+            # 7. corrector loss on the same passages (and on the rest of its top-`candidates`, embedded fresh),
+            #    detached inputs: it only reaches the corrector
+            aux_rows, aux_vectors = rows, passage_vectors.detach()
+            if deeper is not None and deeper.shape[1]:
+                with torch.no_grad():
+                    more = parts.retriever.encode_passages([p for r in deeper.tolist() for p in corpus.passages(r)])
+                aux_rows = torch.cat([rows, deeper], dim=1)
+                aux_vectors = torch.cat([aux_vectors, more.view(len(questions), deeper.shape[1], -1).to(aux_vectors)], 1)
+            aux = strategy.auxiliary_loss(queries.detach(), aux_rows, aux_vectors,
+                                          retrieval_scores(queries.detach(), aux_vectors))
             if aux is not None:
                 logged["corrector_loss"] = aux.item()
             result["aux"] = aux
@@ -211,12 +219,14 @@ def train_rlm(cfg: RLMConfig) -> dict:
         labels = answer_labels(tokenizer, answers, cfg.reader.max_answer_length).to(acc.device)
 
         # 1. S_x: the strategy's top-k for each question (queries without gradient, eval mode)
-        rows = contains = None
+        rows = contains = deeper = None
         if strategy.retrieves:
             with torch.no_grad():
                 retriever.eval()
-                rows = strategy.retrieve(retriever.encode_queries(questions).float(), cfg.strategy.top_k)
+                ranked = strategy.retrieve(retriever.encode_queries(questions).float(),
+                                           strategy.search_depth(cfg.strategy.top_k))
                 retriever.train()
+            rows, deeper = ranked[:, : cfg.strategy.top_k], ranked[:, cfg.strategy.top_k:]
             passages = [corpus.passages(r) for r in rows.tolist()]
             contains = torch.tensor([[has_answer(p["text"], ex.answers) for p in ps] for ex, ps in zip(batch, passages)])
         else:
@@ -225,7 +235,7 @@ def train_rlm(cfg: RLMConfig) -> dict:
         inputs = {name: tensor.to(acc.device) for name, tensor in inputs.items()}
 
         # 2.-7. the losses, in one forward of the prepared module
-        out = model(losses, inputs, labels, questions, passages, rows, contains)
+        out = model(losses, inputs, labels, questions, passages, rows, contains, deeper)
         logged = out["logged"]
 
         # 8. one optimizer step for reader, retriever and corrector (their losses are disjoint)
