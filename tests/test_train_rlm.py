@@ -114,6 +114,35 @@ def test_corrector_trains_on_its_deeper_candidates(recipe_toy_dir, tmp_path, mon
         assert ranked  # in the corrector's own order: the reader's top_k are its first columns
 
 
+def test_diagnose_rlm_tracking_and_distractor_kinds(recipe_toy_dir, tmp_path, capsys):
+    """scripts/diagnose_rlm.py on a finished corrector run: fresh search agrees with itself, and every
+    non-gold passage a prediction read is classed, against a hand-built case of each kind."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("diagnose_rlm", ROOT / "scripts" / "diagnose_rlm.py")
+    diagnose = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(diagnose)
+    gold = {"title": "Vusa Zuzufus"}
+    cases = [({"title": "Vusa Zuzufus"}, 11, "same person"), ({"title": "Vusa Rerihas"}, 20, "same first name"),
+             ({"title": "Bihe Zuzufus"}, 30, "same family name"), ({"title": "Bihe Rerihas"}, 40, "other person"),
+             ({"title": "Vusa Rerihas"}, 21, "other section")]
+    for other, row, kind in cases:
+        assert diagnose.distractor_kind(gold, other, 10, row) == kind
+
+    run = tmp_path / "run"
+    rlm.train_rlm(config(recipe_toy_dir, run, "corrector", **{"data.max_eval_examples": 6}))
+    diagnose.main(["--run", str(run), "--questions", "6"])
+    out = capsys.readouterr().out
+    fresh = [line for line in out.splitlines() if "| fresh |" in line]
+    assert len(fresh) == 2 and all("| 1.000 |" in line for line in fresh)  # nq train and dev
+    rows = [line for line in out.splitlines() if line.startswith("| nq |") or line.startswith("| tqa |")]
+    assert len(rows) == 2
+    for line in rows:
+        counts = [int(c) for c in line.split("|")[2].split("/")]
+        questions = sum(int(case.split(": ")[1].split("/")[1]) for case in line.split("|")[3].split(", "))
+        assert questions == 6 and sum(counts) in range(6 * (TOP_K - 1), 6 * TOP_K + 1)
+
+
 def test_pdist_gives_the_reader_no_gradient(recipe_toy_dir):
     """Even with the reader's log-likelihoods carrying a graph, the retriever loss reaches only the retriever."""
     from rag_train.config import ReaderConfig

@@ -1,0 +1,127 @@
+"""Why a finished toy RLM run reads as well as it does: how closely its corrector tracked the retriever, and
+which distractors its reader was given. Toy world only (it reads names and sections from the passages).
+
+    python scripts/diagnose_rlm.py --run runs/reproduce/table3/corrector-seed0 [--questions 200] [--k 4]
+
+1. Tracking (runs with a stale buffer): for --questions nq train and dev questions, the top-k of the final
+   retriever over a freshly embedded corpus (what exhaustive refresh would search), of its queries against
+   the stale buffer through the final corrector (what the corrector run searched), and against the stale
+   buffer alone. Prints each one's overlap@k with the fresh top-k and where it puts the gold passage.
+2. Distractors (any run with predictions/): the run's own nq / tqa dev predictions, each non-gold passage
+   classed against the gold one as the same person's other passage, a same-section passage of someone with
+   the same first name or the same family name, another same-section passage, or another section; then EM
+   by (gold retrieved, how many name-sharing same-section distractors).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from safetensors.torch import load_file
+
+from rag_train.buffer.store import Buffer
+from rag_train.config import RLMConfig, load_config
+from rag_train.data.corpus import Corpus
+from rag_train.data.qa import load_qa
+from rag_train.data.sources import resolve_data
+from rag_train.models.corrector import Corrector
+from rag_train.models.retriever import DualEncoder
+from rag_train.train.rlm import TOY_DEV_SETS, TOY_TRAIN_SETS
+
+
+def final_corrector(run: Path, dim: int) -> Corrector | None:
+    """The corrector of the run's last checkpoint (a part of the one prepared module), if it has one."""
+    latest = run / "checkpoints" / json.loads((run / "checkpoints" / "latest.json").read_text())["name"]
+    state = {k.removeprefix("corrector."): v for k, v in load_file(str(latest / "model.safetensors")).items()
+             if k.startswith("corrector.")}
+    if not state:
+        return None
+    corrector = Corrector(dim, state["first.weight"].shape[0])
+    corrector.load_state_dict(state)
+    return corrector
+
+
+@torch.no_grad()
+def tracking(run: Path, corpus: Corpus, files, k: int, limit: int) -> None:
+    retriever = DualEncoder.load(run / "retriever").eval()
+    buffer = Buffer.open(run / "buffer")
+    stale = torch.from_numpy(buffer.shard(0, buffer.rows).astype("float32"))
+    fresh = torch.cat([retriever.encode_passages(corpus.passages(range(s, min(s + 256, len(corpus))))).float()
+                       for s in range(0, len(corpus), 256)])
+    corrector = final_corrector(run, stale.shape[1])
+    searched = {"fresh": fresh, "stale": stale}
+    if corrector is not None:
+        searched["corrector"] = corrector(stale)
+    print(f"| questions | buffer seen through | overlap@{k} with fresh top-{k} | gold in top-{k} | gold at 1 |")
+    print("|---|---|---|---|---|")
+    for path in [p for p in files.train if "nq" in Path(p).name] + [p for p in files.dev if "nq" in Path(p).name]:
+        examples = [ex for ex in load_qa(path, corpus=corpus, limit=limit) if ex.gold_ids]
+        queries = retriever.encode_queries([ex.question for ex in examples]).float()
+        gold = [int(corpus.rows(ex.gold_ids)[0]) for ex in examples]
+        top = {name: (queries @ vectors.T).topk(k).indices.tolist() for name, vectors in searched.items()}
+        for name, rows in top.items():
+            overlap = sum(len(set(a) & set(b)) for a, b in zip(rows, top["fresh"])) / (k * len(rows))
+            hit = sum(g in r for g, r in zip(gold, rows)) / len(rows)
+            first = sum(g == r[0] for g, r in zip(gold, rows)) / len(rows)
+            print(f"| {Path(path).stem} | {name} | {overlap:.3f} | {hit:.3f} | {first:.3f} |")
+
+
+def distractor_kind(gold: dict, other: dict, gold_row: int, other_row: int) -> str:
+    first, family = gold["title"].split()[:2]
+    o_first, o_family = (other["title"].split() + ["", ""])[:2]
+    if other["title"] == gold["title"]:
+        return "same person"
+    if other_row % 2 != gold_row % 2:  # toy rows 2p, 2p + 1: section 0, section 1
+        return "other section"
+    return {(True, False): "same first name", (False, True): "same family name"}.get(
+        (o_first == first, o_family == family), "other person")
+
+
+def distractors(run: Path, corpus: Corpus, files) -> None:
+    print("\n| dataset | distractors (same person / same first name / same family name / other person / other section) "
+          "| EM by (gold retrieved, name-sharing distractors): correct / questions |")
+    print("|---|---|---|")
+    for name in ("nq", "tqa"):
+        path = run / "predictions" / f"{name}.jsonl"
+        dev = [p for p in files.dev if Path(p).name.startswith(f"{name}-")]
+        if not path.is_file() or not dev:
+            continue
+        gold_of = {ex.id: ex.gold_ids for ex in load_qa(dev[0], corpus=corpus)}
+        kinds, by_case = Counter(), defaultdict(lambda: [0, 0])
+        for line in path.read_text().splitlines():
+            p = json.loads(line)
+            rows = corpus.rows(p["passages"]).tolist()
+            gold_row = int(corpus.rows(gold_of[p["id"]][:1])[0])
+            gold = corpus.passages([gold_row])[0]
+            found = [distractor_kind(gold, q, gold_row, r) for r, q in zip(rows, corpus.passages(rows)) if r != gold_row]
+            kinds.update(found)
+            case = (gold_row in rows, sum(k in ("same first name", "same family name") for k in found))
+            by_case[case][0] += int(p["em"])
+            by_case[case][1] += 1
+        order = ("same person", "same first name", "same family name", "other person", "other section")
+        cases = ", ".join(f"{'gold' if g else 'no gold'} & {n}: {c}/{t}" for (g, n), (c, t) in sorted(by_case.items()))
+        print(f"| {name} | {' / '.join(str(kinds[k]) for k in order)} | {cases} |")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--run", type=Path, required=True)
+    parser.add_argument("--questions", type=int, default=200, help="nq train and dev questions for the tracking table")
+    parser.add_argument("--k", type=int, default=None, help="top-k compared (default: the run's strategy.top_k)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    cfg = load_config(RLMConfig, args.run / "config.yaml", [])
+    files = resolve_data(cfg.data, Accelerator(cpu=True), TOY_TRAIN_SETS, TOY_DEV_SETS)
+    corpus = Corpus.open(files.passages)
+    if (args.run / "buffer").is_dir():
+        tracking(args.run, corpus, files, args.k or cfg.strategy.top_k, args.questions)
+    distractors(args.run, corpus, files)
+
+
+if __name__ == "__main__":
+    main()
