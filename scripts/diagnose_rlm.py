@@ -11,6 +11,9 @@ which distractors its reader was given. Toy world only (it reads names and secti
    classed against the gold one as the same person's other passage, a same-section passage of someone with
    the same first name or the same family name, another same-section passage, or another section; then EM
    by (gold retrieved, how many name-sharing same-section distractors).
+3. Reading (--read): the run's reader on --questions nq / tqa dev questions given the gold passage alone, or
+   the gold passage plus k-1 random passages, or k-1 same-section passages of people sharing its first name,
+   or its family name (in shuffled order): which confusions the reader has learned to resolve.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import json
 from collections import Counter, defaultdict
 from pathlib import Path
 
+import numpy as np
 import torch
 from accelerate import Accelerator
 from safetensors.torch import load_file
@@ -108,10 +112,67 @@ def distractors(run: Path, corpus: Corpus, files) -> None:
         print(f"| {name} | {' / '.join(str(kinds[k]) for k in order)} | {cases} |")
 
 
+@torch.no_grad()
+def reading(run: Path, corpus: Corpus, files, cfg: RLMConfig, k: int, limit: int) -> None:
+    from rag_train.data.collate import fid_inputs
+    from rag_train.data.toy import ToyWorld
+    from rag_train.eval.metrics import exact_match
+    from rag_train.models.reader import FiDReader
+    from rag_train.models.tokenizer import load_tokenizer
+
+    world = ToyWorld(cfg.data.toy_passages, cfg.data.toy_seed)
+    reader = FiDReader.from_pretrained(run / "reader").eval()
+    tokenizer = load_tokenizer(run / "reader")
+    generator = torch.Generator().manual_seed(0)
+
+    def sharing(row: int, keep_first: bool) -> list[int]:
+        """Same-section rows of other people with the same first (or family) name, nearest name index first."""
+        person, section = divmod(row, 2)
+        first, family = (int(v[0]) for v in world.name_parts(np.array([person])))
+        found = []
+        for step in range(1, max(world.n_first, world.n_family)):
+            other = world.person_with_name(np.array([first if keep_first else (first + step) % world.n_first]),
+                                           np.array([(family + step) % world.n_family if keep_first else family]))[0]
+            if other >= 0 and other != person:
+                found.append(int(other) * 2 + section)
+            if len(found) == k - 1:
+                break
+        return found
+
+    settings = {"nothing else": lambda g: [],
+                "random": lambda g: torch.randint(len(corpus), (k - 1,), generator=generator).tolist(),
+                "same first name": lambda g: sharing(g, True), "same family name": lambda g: sharing(g, False)}
+    print(f"\n| dataset | " + " | ".join(f"EM, gold + {name}" for name in settings) + " |")
+    print("|---|" + "---|" * len(settings))
+    for name in ("nq", "tqa"):
+        dev = [p for p in files.dev if Path(p).name.startswith(f"{name}-")]
+        examples = [ex for ex in load_qa(dev[0], corpus=corpus, limit=limit) if ex.gold_ids] if dev else []
+        if not examples:
+            continue
+        cells = []
+        for others in settings.values():
+            passages = []
+            for ex in examples:
+                gold = int(corpus.rows(ex.gold_ids[:1])[0])
+                rows = [gold] + others(gold)
+                passages.append(corpus.passages([rows[i] for i in torch.randperm(len(rows), generator=generator)]))
+            correct = 0
+            for start in range(0, len(examples), 50):
+                batch = examples[start:start + 50]
+                inputs = fid_inputs(tokenizer, [ex.question for ex in batch], passages[start:start + 50],
+                                    cfg.reader.max_input_length)
+                out = reader.generate(**inputs, max_new_tokens=cfg.reader.max_answer_length)
+                predictions = tokenizer.batch_decode(out, skip_special_tokens=True)
+                correct += sum(exact_match(p, ex.answers) for p, ex in zip(predictions, batch))
+            cells.append(f"{100 * correct / len(examples):.1f}")
+        print(f"| {name} | " + " | ".join(cells) + " |")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run", type=Path, required=True)
     parser.add_argument("--questions", type=int, default=200, help="nq train and dev questions for the tracking table")
+    parser.add_argument("--read", action="store_true", help="also probe the reader with controlled distractors")
     parser.add_argument("--k", type=int, default=None, help="top-k compared (default: the run's strategy.top_k)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -121,6 +182,8 @@ def main(argv: list[str] | None = None) -> None:
     if (args.run / "buffer").is_dir():
         tracking(args.run, corpus, files, args.k or cfg.strategy.top_k, args.questions)
     distractors(args.run, corpus, files)
+    if args.read:
+        reading(args.run, corpus, files, cfg, args.k or cfg.strategy.top_k, args.questions)
 
 
 if __name__ == "__main__":

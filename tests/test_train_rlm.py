@@ -131,16 +131,20 @@ def test_diagnose_rlm_tracking_and_distractor_kinds(recipe_toy_dir, tmp_path, ca
 
     run = tmp_path / "run"
     rlm.train_rlm(config(recipe_toy_dir, run, "corrector", **{"data.max_eval_examples": 6}))
-    diagnose.main(["--run", str(run), "--questions", "6"])
+    diagnose.main(["--run", str(run), "--questions", "6", "--read"])
     out = capsys.readouterr().out
     fresh = [line for line in out.splitlines() if "| fresh |" in line]
     assert len(fresh) == 2 and all("| 1.000 |" in line for line in fresh)  # nq train and dev
-    rows = [line for line in out.splitlines() if line.startswith("| nq |") or line.startswith("| tqa |")]
+    kinds, read = out.split("EM, gold + nothing else")
+    rows = [line for line in kinds.splitlines() if line.startswith("| nq |") or line.startswith("| tqa |")]
     assert len(rows) == 2
     for line in rows:
         counts = [int(c) for c in line.split("|")[2].split("/")]
         questions = sum(int(case.split(": ")[1].split("/")[1]) for case in line.split("|")[3].split(", "))
         assert questions == 6 and sum(counts) in range(6 * (TOP_K - 1), 6 * TOP_K + 1)
+    reads = [line for line in read.splitlines() if line.startswith("| ")]
+    assert [line.split("|")[1].strip() for line in reads] == ["nq", "tqa"]
+    assert all(0 <= float(cell) <= 100 for line in reads for cell in line.split("|")[2:6])
 
 
 def test_pdist_gives_the_reader_no_gradient(recipe_toy_dir):
