@@ -282,3 +282,36 @@ def test_collated_batch_trains_reader():
     out = reader(batch["input_ids"], batch["attention_mask"], labels=labels)
     out.loss.backward()
     assert torch.isfinite(out.loss) and reader.shared.weight.grad.abs().sum() > 0
+
+
+def test_a_t5_v1_1_checkpoint_keeps_its_own_output_layer_and_unscaled_logits(tmp_path):
+    """google/t5-base-lm-adapt is T5 v1.1: a separate lm_head and no d_model**-0.5 scaling of the decoder output,
+    flagged by `tie_word_embeddings: false` in its config.json. transformers 5 forces the config's flag to True
+    and keeps v1.1 in `scale_decoder_outputs`: a hub-style folder must still load as v1.1 through reader.model."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    from transformers import T5Config
+
+    from rag_train.config import ReaderConfig
+
+    config = T5Config(vocab_size=64, d_model=16, d_ff=32, d_kv=4, num_heads=4, num_layers=1, feed_forward_proj="gated-gelu",
+                      decoder_start_token_id=0)
+    FiDReader(config).save_pretrained(tmp_path)
+    weights = dict(load_file(str(tmp_path / "model.safetensors")))
+    weights["lm_head.weight"] = torch.randn(64, 16)
+    save_file(weights, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    hub_style = json.loads((tmp_path / "config.json").read_text())
+    hub_style.pop("scale_decoder_outputs", None)  # not a key of the hub's v1.1 configs
+    hub_style["tie_word_embeddings"] = False
+    (tmp_path / "config.json").write_text(json.dumps(hub_style))
+
+    reader = FiDReader.from_config(ReaderConfig(model=str(tmp_path))).eval()
+    assert torch.equal(reader.lm_head.weight, weights["lm_head.weight"])
+    assert not torch.equal(reader.lm_head.weight, reader.shared.weight)
+    ids = torch.tensor([[5, 6, 7, 1]])
+    labels = torch.tensor([[8, 9, 1]])
+    with torch.no_grad():
+        out = reader(input_ids=ids, labels=labels, output_hidden_states=True)
+        unscaled = out.decoder_hidden_states[-1] @ weights["lm_head.weight"].T
+    torch.testing.assert_close(out.logits, unscaled)
