@@ -261,7 +261,8 @@ def test_checkpoint_from_before_one_module_is_named(recipe_toy_dir, tmp_path):
     from safetensors.torch import save_file
 
     from rag_train.config import ConfigError
-    from rag_train.train.common import Trainable, TrainingRun, linear_warmup
+    from rag_train.train.common import TrainingRun, linear_warmup
+    from rag_train.train.trainable import Trainable
 
     run = TrainingRun(config(recipe_toy_dir, tmp_path / "run", "corrector", **{"train.resume": "true"}), "rlm")
     model = Trainable(reader=torch.nn.Linear(2, 2), retriever=torch.nn.Linear(2, 2))

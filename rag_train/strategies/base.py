@@ -50,7 +50,7 @@ class StrategyContext:
     temperature: float
     seed: int
     # `with gather(*modules):` the modules hold their full weights on this process (DeepSpeed ZeRO-3: gathered,
-    # a collective every process enters; the recipe sets it to `train.common.full_weights` once prepared).
+    # a collective every process enters; the recipe sets it to `train.trainable.full_weights` once prepared).
     # Wraps everything that runs them outside the training forward, or reads their weights directly.
     gather: Callable[..., ContextManager] = _no_gathering
 
@@ -150,7 +150,7 @@ class Strategy:
 
     def modules(self) -> dict[str, nn.Module]:
         """The strategy's trainable modules by name (none here). The recipe makes them parts of its one prepared
-        module (train.common.Trainable), so `auxiliary_loss` must run inside that module's forward."""
+        module (train.trainable.Trainable), so `auxiliary_loss` must run inside that module's forward."""
         return {}
 
     def param_groups(self) -> list[dict]:

@@ -29,8 +29,8 @@ from rag_train.eval.retrieval import EvalSet, evaluate_retrieval
 from rag_train.models.retriever import DualEncoder
 from rag_train.losses import retrieval_scores
 from rag_train.strategies import REGISTRY, StrategyContext, Subset, build_strategy
-from rag_train.train.common import (Trainable, TrainingRun, full_weights, global_batch, linear_warmup, local_slice,
-                                    optimizer_step, save_parts)
+from rag_train.train.common import TrainingRun, global_batch, linear_warmup, local_slice, optimizer_step
+from rag_train.train.trainable import Trainable, full_weights, save_parts
 from rag_train.train.stages import ensure_buffer, gather_with_grad, my_share
 
 
