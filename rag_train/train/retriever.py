@@ -15,9 +15,7 @@ forward is steps 2-3, as in the RLM recipe: the same loop runs on one process, u
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
-import numpy as np
 import torch
 from tqdm.auto import tqdm
 
