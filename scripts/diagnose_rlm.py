@@ -128,13 +128,11 @@ def reading(run: Path, corpus: Corpus, files, cfg: RLMConfig, k: int, limit: int
     def sharing(row: int, keep_first: bool) -> list[int]:
         """Same-section rows of other people with the same first (or family) name, nearest name index first."""
         person, section = divmod(row, 2)
-        first, family = (int(v[0]) for v in world.name_parts(np.array([person])))
         found = []
         for step in range(1, max(world.n_first, world.n_family)):
-            other = world.person_with_name(np.array([first if keep_first else (first + step) % world.n_first]),
-                                           np.array([(family + step) % world.n_family if keep_first else family]))[0]
-            if other >= 0 and other != person:
-                found.append(int(other) * 2 + section)
+            other = int(world.name_sharer(np.array([person]), keep_first, step)[0])
+            if other >= 0:
+                found.append(other * 2 + section)
             if len(found) == k - 1:
                 break
         return found
@@ -142,7 +140,7 @@ def reading(run: Path, corpus: Corpus, files, cfg: RLMConfig, k: int, limit: int
     settings = {"nothing else": lambda g: [],
                 "random": lambda g: torch.randint(len(corpus), (k - 1,), generator=generator).tolist(),
                 "same first name": lambda g: sharing(g, True), "same family name": lambda g: sharing(g, False)}
-    print(f"\n| dataset | " + " | ".join(f"EM, gold + {name}" for name in settings) + " |")
+    print("\n| dataset | " + " | ".join(f"EM, gold + {name}" for name in settings) + " |")
     print("|---|" + "---|" * len(settings))
     for name in ("nq", "tqa"):
         dev = [p for p in files.dev if Path(p).name.startswith(f"{name}-")]

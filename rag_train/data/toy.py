@@ -265,19 +265,25 @@ class ToyWorld:
                           "gold_ids": gold_ids, "_row": g}
         return out
 
+    def name_sharer(self, persons: np.ndarray, keep_first: bool, step: int) -> np.ndarray:
+        """The person named with the same first (or family) name as each of `persons` and the other name part
+        `step` places further in its pool; -1 where that name belongs to nobody else."""
+        first, family = self.name_parts(persons)
+        f = first if keep_first else (first + step) % self.n_first
+        g = (family + step) % self.n_family if keep_first else family
+        candidate = self.person_with_name(f, g)
+        return np.where(candidate != persons, candidate, -1)
+
     def hard_negative_rows(self, gold_rows: np.ndarray) -> np.ndarray:
         """[B, 3]: the person's other passage, and the same section of a person sharing the first
         name and of one sharing the family name (same title words, same templates, other facts)."""
         persons, sections = gold_rows // SECTIONS, gold_rows % SECTIONS
-        first, family = self.name_parts(persons)
         negatives = [persons * SECTIONS + (1 - sections)]
-        for vary_family in (True, False):
+        for keep_first in (True, False):
             found = np.full(len(persons), -1, dtype=np.int64)
             for step in range(1, 17):
-                f = first if vary_family else (first + step) % self.n_first
-                g = (family + step) % self.n_family if vary_family else family
-                candidate = self.person_with_name(f, g)
-                found = np.where((found < 0) & (candidate >= 0) & (candidate != persons), candidate, found)
+                candidate = self.name_sharer(persons, keep_first, step)
+                found = np.where((found < 0) & (candidate >= 0), candidate, found)
             fallback = (persons + 1 + _uniform(_key(self.seed, "neg"), persons, self.persons - 1)) % self.persons
             negatives.append(np.where(found >= 0, found, fallback) * SECTIONS + sections)
         return np.stack(negatives, axis=1)
