@@ -6,12 +6,24 @@
 4. a large fp16 memmapped buffer (written in chunks to a temp file, removed afterwards) searched
    exact + corrector-full, with the peak resident memory sampled during each search.
 
+With `--device cuda` it measures the GPU path instead (a buffer held on the device in `--dtype`):
+1. the device's yardsticks: bf16 GEMM peak (8192^3) and device-to-device copy bandwidth;
+2. exact search vs the plain one-shot `topk(q @ B^T)` on the same rows (time ratio, same ids), and its
+   buffer read rate against the copy bandwidth (exact search is memory-bound);
+3. corrector-full search vs the plain version that materialises h(B) chunk by chunk and multiplies
+   (time ratio, same ids), and its FLOP/s against the GEMM peak (it is compute-bound);
+4. peak device memory beyond the buffer during each search.
+
+    python scripts/bench_search.py --device cuda --rows 28000000 --dim 768 --hidden 8192 --batch 64 --k 32 \
+        --dtype bf16 --chunk 262144
+
 Timings are the best of `--repeats` runs, so other load on the machine inflates them as little as possible.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import platform
 import resource
@@ -24,11 +36,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rag_train.buffer.search import search
+from rag_train.buffer.search import _chunk_topk, search
 from rag_train.models.corrector import Corrector
 
 
-def parse_args() -> argparse.Namespace:
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=1_000_000, help="in-memory buffer rows")
     parser.add_argument("--dim", type=int, default=128)
@@ -42,7 +57,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--memmap-batch", type=int, default=32, help="queries per memmapped search")
     parser.add_argument("--memmap-dir", default=None, help="where the temporary buffer file goes (default: $TMPDIR)")
     parser.add_argument("--seed", type=int, default=0)
-    return parser.parse_args()
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda for the on-device buffer benchmark")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="buffer dtype on the device")
+    return parser.parse_args(argv)
 
 
 CPU_SECONDS = {}  # best process CPU time per timed call, keyed by label: robust to other load on the machine
@@ -199,8 +216,167 @@ def memmap_part(args) -> None:
         path.unlink(missing_ok=True)
 
 
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def device_time(fn, repeats: int, device: torch.device) -> float:
+    """Best wall time of `repeats` calls after one warm-up, the device synchronised around each."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def device_yardsticks(device: torch.device, dtype: torch.dtype, repeats: int) -> tuple[float, float]:
+    """(GEMM TFLOP/s in `dtype` at 8192^3, or 2048^3 on CPU; copy GB/s counting bytes read + written)."""
+    size = 8192 if device.type == "cuda" else 2048
+    a, b = (torch.randn(size, size, device=device, dtype=dtype) for _ in range(2))
+    gemm_s = device_time(lambda: torch.mm(a, b), repeats, device)
+    source = torch.empty(2**30 if device.type == "cuda" else 2**26, dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    copy_s = device_time(lambda: target.copy_(source), repeats, device)
+    return 2 * size**3 / gemm_s / 1e12, 2 * source.numel() / copy_s / 1e9
+
+
+def random_unit_rows(rows: int, dim: int, dtype: torch.dtype, device: torch.device, seed: int,
+                     block: int = 1 << 20) -> torch.Tensor:
+    """L2-normalised random rows (like GTR embeddings) built on the device block by block."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    out = torch.empty(rows, dim, dtype=dtype, device=device)
+    for start in range(0, rows, block):
+        chunk = torch.randn(min(block, rows - start), dim, device=device, generator=gen)
+        out[start: start + chunk.shape[0]] = torch.nn.functional.normalize(chunk, dim=1)
+    return out
+
+
+def plain_exact(queries: torch.Tensor, rows: torch.Tensor, k: int) -> torch.Tensor:
+    """What one writes first: every score at once, then top-k."""
+    return torch.topk(torch.mm(queries.to(rows.dtype), rows.t()).float(), k, dim=1).indices
+
+
+def plain_corrector(queries, rows, k, corrector, chunk):
+    """h(B) materialised chunk by chunk, scored, and a running top-k."""
+    best_scores = best_rows = None
+    q = queries.to(rows.dtype)
+    for start in range(0, rows.shape[0], chunk):
+        corrected = corrector(rows[start: start + chunk])
+        scores = torch.mm(q, corrected.t()).float()
+        values, index = torch.topk(scores, min(k, scores.shape[1]), dim=1)
+        index = index + start
+        if best_scores is not None:
+            values, index = torch.cat([best_scores, values], 1), torch.cat([best_rows, index], 1)
+        best_scores, order = torch.topk(values, k, dim=1)
+        best_rows = index.gather(1, order)
+    return best_rows
+
+
+def same_ids(ours: torch.Tensor, reference: torch.Tensor) -> float:
+    """Fraction of each query's top-k ids found in the reference's top-k (order-free: ties may reorder)."""
+    hits = (ours.unsqueeze(2) == reference.unsqueeze(1)).any(2)
+    return float(hits.float().mean())
+
+
+def peak_beyond(device: torch.device, baseline: int, fn) -> float:
+    """GiB allocated on the device beyond `baseline` at the peak of one call (0 on CPU: not tracked)."""
+    if device.type != "cuda":
+        fn()
+        return 0.0
+    torch.cuda.reset_peak_memory_stats(device)
+    fn()
+    return (torch.cuda.max_memory_allocated(device) - baseline) / 2**30
+
+
+def mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """fp32-accumulated product as the search computes it (CPU torch has no out_dtype mm)."""
+    return torch.mm(a, b, out_dtype=torch.float32) if a.is_cuda else torch.mm(a.float(), b.float())
+
+
+@torch.no_grad()
+def corrector_breakdown(queries, rows, corrector, args, device, full_s: float) -> None:
+    """Where corrector-full's time goes: each kernel of one chunk timed alone, times the number of chunks."""
+    dtype = rows.dtype
+    block = rows[: args.chunk]
+    chunks = -(-rows.shape[0] // args.chunk)
+    weight, bias = corrector.first.weight.to(dtype), corrector.first.bias.to(dtype)
+    q = queries.to(dtype)
+    q_hidden = (queries @ corrector.second.weight).to(dtype)
+    hidden = torch.empty(block.shape[0], args.hidden, dtype=dtype, device=device)
+    scores = torch.randn(args.batch, block.shape[0], device=device)  # top-k time depends on the values
+    parts = [  # (name, kernel, part of the search's own path)
+        ("stale scores q B^T", lambda: mm_fp32(q, block.t()), True),
+        ("first layer W1 b + c1", lambda: torch.addmm(bias, block, weight.t(), out=hidden), False),
+        ("relu as a separate pass", lambda: hidden.relu_(), False),
+        ("first layer + relu fused", lambda: corrector.hidden_activations(block, out=hidden), True),
+        ("second layer (W2^T q) a", lambda: mm_fp32(q_hidden, hidden.t()), True),
+        ("chunk top-k", lambda: _chunk_topk(scores, args.k), True),
+    ]
+    total = 0.0
+    for name, fn, in_search in parts:
+        seconds = device_time(fn, args.repeats, device) * chunks
+        total += seconds if in_search else 0.0
+        print(f"  {name:<26} {seconds * 1e3:8.1f} ms over {chunks} chunks ({seconds / full_s:.0%} of the search)"
+              f"{'' if in_search else '  [unfused, for comparison]'}")
+    print(f"  {'sum of the search parts':<26} {total * 1e3:8.1f} ms; the rest ({(full_s - total) * 1e3:.1f} ms): "
+          f"bias add, merges, launches")
+
+
+def device_part(args) -> None:
+    """The buffer on the device: ours against plain torch on the same rows and queries."""
+    device, dtype = torch.device(args.device), DTYPES[args.dtype]
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
+    print(f"device: {name}, torch {torch.__version__}, buffer {args.rows} x {args.dim} {args.dtype}, "
+          f"{args.batch} queries, k={args.k}, corrector hidden {args.hidden}, chunk {args.chunk}")
+    tflops, copy_gbs = device_yardsticks(device, dtype, args.repeats)
+    print(f"yardsticks      GEMM {tflops:.1f} TFLOP/s ({args.dtype}), copy {copy_gbs:.0f} GB/s (read + written)")
+    rows = random_unit_rows(args.rows, args.dim, dtype, device, args.seed)
+    queries = torch.nn.functional.normalize(
+        torch.randn(args.batch, args.dim, generator=torch.Generator().manual_seed(args.seed + 1)), dim=1).to(device)
+    corrector = make_corrector(args.dim, args.hidden, args.seed).to(device)
+    buffer_bytes = rows.numel() * rows.element_size()
+    synchronize(device)
+    baseline = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+
+    def ours(mode):
+        return search(queries, rows, args.k, corrector=corrector, mode=mode, chunk_rows=args.chunk).rows
+
+    exact_s = device_time(lambda: ours("exact"), args.repeats, device)
+    plain_s = device_time(lambda: plain_exact(queries, rows, args.k), args.repeats, device)
+    exact_gib = peak_beyond(device, baseline, lambda: ours("exact"))
+    plain_gib = peak_beyond(device, baseline, lambda: plain_exact(queries, rows, args.k))
+    overlap = same_ids(ours("exact"), plain_exact(queries, rows, args.k))
+    read_gbs = buffer_bytes / exact_s / 1e9
+    print(f"exact           ours {exact_s * 1e3:.1f} ms  plain topk(q @ B^T) {plain_s * 1e3:.1f} ms  ratio "
+          f"{exact_s / plain_s:.2f}  (same ids {overlap:.4f}); reads the buffer at {read_gbs:.0f} GB/s = "
+          f"{2 * read_gbs / copy_gbs:.2f} x copy bandwidth; extra memory ours {exact_gib:.2f} GiB, plain "
+          f"{plain_gib:.2f} GiB (buffer {buffer_bytes / 2**30:.2f} GiB)")
+
+    with torch.no_grad():
+        full_s = device_time(lambda: ours("corrector_full"), args.repeats, device)
+        corrector_in_dtype = copy.deepcopy(corrector).to(dtype)
+        naive = lambda: plain_corrector(queries, rows, args.k, corrector_in_dtype, args.chunk)  # noqa: E731
+        naive_s = device_time(naive, args.repeats, device)
+        full_gib = peak_beyond(device, baseline, lambda: ours("corrector_full"))
+        naive_gib = peak_beyond(device, baseline, naive)
+        overlap = same_ids(ours("corrector_full"), naive())
+    tflops_full = args.rows * corrector_flops_per_row(args.dim, args.hidden, args.batch) / full_s / 1e12
+    print(f"corrector_full  ours {full_s * 1e3:.1f} ms  plain h(B) chunks {naive_s * 1e3:.1f} ms  ratio "
+          f"{full_s / naive_s:.2f}  (same ids {overlap:.4f}); {tflops_full:.1f} TFLOP/s = {tflops_full / tflops:.2f} "
+          f"x GEMM peak; extra memory ours {full_gib:.2f} GiB, plain {naive_gib:.2f} GiB")
+    corrector_breakdown(queries, rows, corrector, args, device, full_s)
+
+
 def main() -> None:
     args = parse_args()
+    if args.device != "cpu":
+        device_part(args)
+        return
     import faiss
 
     torch.set_num_threads(args.threads)

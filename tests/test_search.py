@@ -6,7 +6,7 @@ import torch
 from scipy.stats import chisquare
 
 from rag_train.buffer.distributed import shard_range
-from rag_train.buffer.search import build_faiss_index, search
+from rag_train.buffer.search import _chunk_topk, build_faiss_index, search
 from rag_train.models.corrector import Corrector
 
 
@@ -88,6 +88,17 @@ def test_ties_go_to_lower_row(mode, chunk_rows):
     result = search(queries, rows, 25, corrector=corrector, mode=mode, chunk_rows=chunk_rows, candidates=400)
     assert torch.equal(result.rows, ref_rows)
     assert torch.equal(result.scores, ref_scores)
+
+
+def test_deferred_tie_check_flags_exactly_the_chunks_with_a_tie_at_k():
+    """The device path's deferred check (one flag per chunk, no host sync) must see every tie at the k-th
+    place, or `_scan` would keep topk's arbitrary order among tied rows."""
+    tied = torch.tensor([[5.0, 3.0, 3.0, 1.0], [9.0, 8.0, 7.0, 6.0]])  # query 0: 2nd and 3rd equal
+    for k, expected in ((1, False), (2, True), (3, False)):
+        flags = []
+        values, index = _chunk_topk(tied, k, ties=flags)
+        assert len(flags) == 1 and bool(flags[0]) is expected
+        assert torch.equal(values, tied.sort(dim=1, descending=True).values[:, :k])
 
 
 def test_corrector_at_init_reproduces_stale_search(data):
@@ -256,3 +267,17 @@ def test_cuda_fp16_rows_match_cpu(data, mode):
                       sampling="gumbel", generator=torch.Generator().manual_seed(1), chunk_rows=chunk,
                       candidates=3000).rows.cpu() for chunk in (700, 3000)]
     assert torch.equal(sampled[0], sampled[1])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("mode", ["exact", "corrector_full"])
+def test_cuda_ties_go_to_lower_row(mode):
+    """The GPU scan defers its tie check; with massive ties it must still order them by row like the CPU."""
+    gen = torch.Generator().manual_seed(1)
+    rows = torch.randint(-1, 2, (4000, 4), generator=gen).float()
+    queries = torch.randint(-1, 2, (6, 4), generator=gen).float()
+    corrector = random_corrector(4, 8, seed=2, integer=True)
+    cpu = search(queries, rows, 25, corrector=corrector, mode=mode, chunk_rows=64)
+    gpu = search(queries.cuda(), rows.cuda(), 25, corrector=corrector.cuda(), mode=mode, chunk_rows=64)
+    assert torch.equal(gpu.rows.cpu(), cpu.rows)
+    assert torch.equal(gpu.scores.cpu(), cpu.scores)

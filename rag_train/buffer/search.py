@@ -42,7 +42,6 @@ MODES = ("exact", "corrector_full", "corrector_rerank")
 SAMPLINGS = ("topk", "gumbel")
 NOISE_BLOCK = 8192  # Gumbel noise is drawn per block of global rows, so it is independent of chunking and sharding
 HIDDEN_TILE_BYTES = 16 << 20  # [tile, hidden] activations sized to stay in a typical L3 between the two GEMMs
-MIN_HIDDEN_TILE = 1024  # below this the GEMMs get too thin to run near peak
 CPU_TILE_ROWS = 2048  # per-thread tile on CPU: [tile, hidden] activations stay in cache between the GEMMs
 UNIFORM_EPS = 1e-7  # uniforms clamped to [eps, 1 - eps] so the Gumbel transform stays finite
 
@@ -177,17 +176,22 @@ def _mask_excluded(keys: torch.Tensor, exclude: Optional[torch.Tensor], start: i
         keys[query[hit], local[hit]] = float("-inf")
 
 
-def _chunk_topk(keys: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _chunk_topk(keys: torch.Tensor, k: int, ties: Optional[list] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k (values, local indices) of a chunk, lower index first among ties at the k-th place.
 
     torch.topk breaks ties arbitrarily; taking k+1 exposes queries whose k-th and (k+1)-th keys are
-    equal, and only those rows are redone with a stable sort."""
+    equal, and only those rows are redone with a stable sort. Given a `ties` list, the fix is left out
+    and a device flag "this chunk had such a tie" is appended instead (no host sync; see `_scan`)."""
     width = keys.shape[1]
     if k >= width:
         return torch.sort(keys, dim=1, descending=True, stable=True)
     values, index = keys.topk(k + 1, dim=1)
-    tied = (values[:, k - 1] == values[:, k]).nonzero().squeeze(1)
+    tied = values[:, k - 1] == values[:, k]
     values, index = values[:, :k], index[:, :k]
+    if ties is not None:
+        ties.append(tied.any())
+        return values, index
+    tied = tied.nonzero().squeeze(1)
     if tied.numel():
         tied_values, tied_index = torch.sort(keys[tied], dim=1, descending=True, stable=True)
         values[tied], index[tied] = tied_values[:, :k], tied_index[:, :k]
@@ -258,7 +262,23 @@ def _release_pages(mapping: mmap.mmap, block: np.ndarray) -> None:
 
 
 def _scan(queries, rows, k, corrector, exclude, noise, row_offset, chunk_rows):
-    """Stream over all local rows: score each chunk, take its top-k, merge into the running top-k."""
+    """Stream over all local rows: score each chunk, take its top-k, merge into the running top-k.
+
+    On an accelerator the tie check at each chunk's k-th place is deferred: asking the host once per
+    chunk stalls the device every chunk (exact search at 28M rows took 1.9x a one-shot top-k,
+    docs/search_benchmark.md). One check at the end; if any chunk had such a tie the scan is redone
+    with the per-chunk fix, so the result is the same either way."""
+    args = (queries, rows, k, corrector, exclude, noise, row_offset, chunk_rows)
+    if queries.device.type == "cpu":
+        return _scan_pass(*args, ties=None)
+    ties = []
+    result = _scan_pass(*args, ties=ties)
+    if bool(torch.stack(ties).any()):
+        result = _scan_pass(*args, ties=None)
+    return result
+
+
+def _scan_pass(queries, rows, k, corrector, exclude, noise, row_offset, chunk_rows, ties):
     device = queries.device
     reader = _ChunkReader(rows, chunk_rows, device)
     compute_dtype = torch.float32 if device.type == "cpu" else _torch_dtype(rows)
@@ -269,49 +289,54 @@ def _scan(queries, rows, k, corrector, exclude, noise, row_offset, chunk_rows):
         if corrector.first.weight.dtype != compute_dtype:  # convert the small net once, not per tile
             corrector = copy.deepcopy(corrector).to(compute_dtype)
         folded = (q_hidden.to(compute_dtype), q_bias.float())
-    scorer = (_CpuScorer if device.type == "cpu" else _DeviceScorer)(q, folded, corrector, rows.shape[0])
-    score_store = torch.empty(queries.shape[0] * min(chunk_rows, rows.shape[0]), device=device)
+    block_rows = min(chunk_rows, rows.shape[0])
+    scorer = (_CpuScorer if device.type == "cpu" else _DeviceScorer)(q, folded, corrector, block_rows)
+    score_store = torch.empty(queries.shape[0] * block_rows, device=device)
     best = None
     try:
         for start, block in reader:
             scores = score_store[: queries.shape[0] * block.shape[0]].view(queries.shape[0], block.shape[0])
             scorer(block, scores)
-            best = _merge_chunk(best, scores, noise, exclude, row_offset + start, k)
+            best = _merge_chunk(best, scores, noise, exclude, row_offset + start, k, ties)
     finally:
         scorer.close()
     return _pad_to_k(*best, k)
 
 
-def _merge_chunk(best, scores, noise, exclude, global_start, k):
+def _merge_chunk(best, scores, noise, exclude, global_start, k, ties):
     """Running top-k after one more chunk of scores [B, n] whose first row is `global_start`."""
     keys = noise.keys(scores, global_start) if noise is not None else scores
     _mask_excluded(keys, exclude, global_start)
-    values, index = _chunk_topk(keys, k)
+    values, index = _chunk_topk(keys, k, ties)
     chunk_best = (values, index + global_start, scores.gather(1, index) if noise is not None else values)
     merged = chunk_best if best is None else tuple(torch.cat(p, 1) for p in zip(best, chunk_best))
     return merge_topk(*merged, k)  # also orders the first chunk's ties by row
 
 
 class _DeviceScorer:
-    """out[B, n] = <q, b> (+ <W2^T q, relu(W1 b + c1)> + <q, c2> with a corrector), fp32, tile by tile."""
+    """out[B, n] = <q, b> (+ <W2^T q, relu(W1 b + c1)> + <q, c2> with a corrector), fp32, a whole chunk per GEMM.
 
-    def __init__(self, q, folded, corrector, rows: int):
+    Unlike the CPU there is no cache to keep the activations in between the two GEMMs, and small tiles
+    would leave an accelerator launch-bound: the [chunk, hidden] activations go to one reused buffer."""
+
+    def __init__(self, q, folded, corrector, block_rows: int):
         self.q, self.folded, self.corrector = q, folded, corrector
         if corrector is not None:
-            tile = max(MIN_HIDDEN_TILE, HIDDEN_TILE_BYTES // (4 * corrector.hidden))
-            self.hidden_buf = torch.empty(min(tile, rows), corrector.hidden, dtype=q.dtype, device=q.device)
+            self.hidden_buf = torch.empty(block_rows, corrector.hidden, dtype=q.dtype, device=q.device)
 
     def __call__(self, block, out) -> None:
         q = self.q
-        out.copy_(torch.mm(q, block.t(), out_dtype=torch.float32) if q.dtype != torch.float32 else q @ block.t())
+        if q.dtype != torch.float32:
+            torch.mm(q, block.t(), out_dtype=torch.float32, out=out)
+        else:
+            torch.mm(q, block.t(), out=out)
         if self.folded is None:
             return
         q_hidden, q_bias = self.folded
         out.add_(q_bias.unsqueeze(1))
-        for lo in range(0, block.shape[0], self.hidden_buf.shape[0]):
-            tile = block[lo: lo + self.hidden_buf.shape[0]]
-            activations = self.corrector.hidden_activations(tile, out=self.hidden_buf[: tile.shape[0]])
-            out[:, lo: lo + tile.shape[0]].add_(torch.mm(q_hidden, activations.t(), out_dtype=torch.float32))
+        activations = self.corrector.hidden_activations(block, out=self.hidden_buf[: block.shape[0]])
+        out.add_(torch.mm(q_hidden, activations.t(), out_dtype=torch.float32) if q.dtype != torch.float32
+                 else q_hidden @ activations.t())
 
     def close(self) -> None:
         pass
@@ -326,10 +351,10 @@ class _CpuScorer:
     Stale search uses the same tiles, so a corrector at init (h = identity) gives bitwise the same scores.
     """
 
-    def __init__(self, q, folded, corrector, rows: int):
+    def __init__(self, q, folded, corrector, block_rows: int):
         self.q, self.folded, self.corrector = q, folded, corrector
         self.threads = torch.get_num_threads()
-        tile = min(CPU_TILE_ROWS, rows)
+        tile = min(CPU_TILE_ROWS, block_rows)
         hidden = corrector.hidden if corrector is not None else 0
         self.tile = tile
         self.buffers = [torch.empty(tile, hidden) for _ in range(self.threads)]

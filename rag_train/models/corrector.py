@@ -42,8 +42,11 @@ class Corrector(nn.Module):
         Search-time only (no autograd); training uses `forward` on the retrieved subset."""
         weight = self.first.weight.to(stale.dtype)
         bias = self.first.bias.to(stale.dtype)
-        activations = torch.addmm(bias, stale, weight.t(), out=out)
-        return activations.relu_()
+        if stale.is_cuda:
+            # bias + ReLU in cuBLASLt's GEMM epilogue: a separate relu_ pass over [rows, hidden] took 29% of
+            # a 28M-row corrector-full search on an H100 (docs/search_benchmark.md)
+            return torch._addmm_activation(bias, stale, weight.t(), out=out)
+        return torch.addmm(bias, stale, weight.t(), out=out).relu_()
 
     @torch.no_grad()
     def fold_queries(self, queries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
