@@ -322,6 +322,9 @@ class RLMConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
     reader_temperature: float = 1.0  # temperature on reader log-likelihoods in P_a
+    # lr of the retriever's parameters (null = train.lr); Atlas keeps a separate retriever lr. Slower
+    # retriever drift is easier for the corrector to track from stale vectors.
+    retriever_lr: Optional[float] = None
     retriever_start_step: int = 0  # retriever loss switched on no earlier than this step
     # ...and only once the reader's answer likelihoods discriminate between passages: the running mean of
     # the P_a mass on passages that contain an answer string, minus the share of such passages, must
@@ -334,6 +337,8 @@ class RLMConfig:
 
     def __post_init__(self) -> None:
         _positive("", "reader_temperature", self.reader_temperature)
+        if self.retriever_lr is not None:
+            _positive("", "retriever_lr", self.retriever_lr)
         _positive("", "retriever_start_step", self.retriever_start_step, allow_zero=True)
         _positive("", "min_embedding_spread", self.min_embedding_spread, allow_zero=True)
         if not 0 <= self.pdist_gate < 1:

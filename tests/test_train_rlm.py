@@ -147,6 +147,21 @@ def test_diagnose_rlm_tracking_and_distractor_kinds(recipe_toy_dir, tmp_path, ca
     assert all(0 <= float(cell) <= 100 for line in reads for cell in line.split("|")[2:6])
 
 
+def test_retriever_lr_sets_the_retriever_step_size(recipe_toy_dir, tmp_path):
+    """AdamW's first step moves each weight by at most its lr (|m / sqrt(v)| = 1): with retriever_lr far below
+    train.lr, the retriever moves by about retriever_lr and the reader by about train.lr."""
+    run_dir = tmp_path / "run"
+    rlm.train_rlm(config(recipe_toy_dir, run_dir, "corrector", steps=1, retriever_lr=1e-5, **{"train.lr": 5e-4}))
+    start = DualEncoder.load(run_dir / "warm_start_retriever" / "retriever").state_dict()
+    end = DualEncoder.load(run_dir / "retriever").state_dict()
+    moved = max(float((end[name] - start[name]).abs().max()) for name in start)
+    assert 0.5e-5 < moved <= 1.01e-5
+    reader_start = load_file(str(run_dir / "warm_start_reader" / "model.safetensors"))
+    reader_end = load_file(str(run_dir / "reader" / "model.safetensors"))
+    reader_moved = max(float((reader_end[n] - reader_start[n]).abs().max()) for n in reader_start)
+    assert 2.5e-4 < reader_moved <= 5.05e-4
+
+
 def test_pdist_gives_the_reader_no_gradient(recipe_toy_dir):
     """Even with the reader's log-likelihoods carrying a graph, the retriever loss reaches only the retriever."""
     from rag_train.config import ReaderConfig

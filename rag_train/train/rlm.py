@@ -134,7 +134,8 @@ def train_rlm(cfg: RLMConfig) -> dict:
     # Everything trained is one module with one optimizer (DeepSpeed: one engine); groups keep their own lrs.
     groups = [{"params": list(reader.parameters()), "lr": cfg.train.lr, "weight_decay": cfg.train.weight_decay}]
     if trains_retriever:
-        groups.append({"params": [p for p in retriever.parameters() if p.requires_grad], "lr": cfg.train.lr,
+        groups.append({"params": [p for p in retriever.parameters() if p.requires_grad],
+                       "lr": cfg.retriever_lr if cfg.retriever_lr is not None else cfg.train.lr,
                        "weight_decay": cfg.train.weight_decay})
     else:
         retriever.requires_grad_(False)
