@@ -6,7 +6,7 @@ import torch
 from scipy.stats import chisquare
 
 from rag_train.buffer.distributed import shard_range
-from rag_train.buffer.search import _chunk_topk, build_faiss_index, search
+from rag_train.buffer.search import _chunk_topk, _scan, build_faiss_index, search
 from rag_train.models.corrector import Corrector
 
 
@@ -99,6 +99,21 @@ def test_deferred_tie_check_flags_exactly_the_chunks_with_a_tie_at_k():
         values, index = _chunk_topk(tied, k, ties=flags)
         assert len(flags) == 1 and bool(flags[0]) is expected
         assert torch.equal(values, tied.sort(dim=1, descending=True).values[:, :k])
+
+
+@pytest.mark.parametrize("chunk_rows", [7, 20, 64, 10_000])
+def test_deferred_tie_check_gives_the_eager_result(chunk_rows):
+    """The accelerator path (tie check deferred, scan redone on a tie) on CPU: with massive ties, and with
+    every chunk no wider than k (no flags at all), it returns what the per-chunk fix returns."""
+    gen = torch.Generator().manual_seed(1)
+    rows = torch.randint(-1, 2, (400, 4), generator=gen).float()
+    queries = torch.randint(-1, 2, (6, 4), generator=gen).float()
+    for k in (5, 25):
+        eager = _scan(queries, rows, k, None, None, None, 0, chunk_rows, defer_ties=False)
+        deferred = _scan(queries, rows, k, None, None, None, 0, chunk_rows, defer_ties=True)
+        for a, b in zip(eager, deferred):
+            assert torch.equal(a, b)
+        assert torch.equal(deferred[1], reference(queries @ rows.T, k)[0])
 
 
 def test_corrector_at_init_reproduces_stale_search(data):

@@ -261,19 +261,21 @@ def _release_pages(mapping: mmap.mmap, block: np.ndarray) -> None:
         mapping.madvise(mmap.MADV_DONTNEED, aligned, length)
 
 
-def _scan(queries, rows, k, corrector, exclude, noise, row_offset, chunk_rows):
+def _scan(queries, rows, k, corrector, exclude, noise, row_offset, chunk_rows, defer_ties=None):
     """Stream over all local rows: score each chunk, take its top-k, merge into the running top-k.
 
-    On an accelerator the tie check at each chunk's k-th place is deferred: asking the host once per
-    chunk stalls the device every chunk (exact search at 28M rows took 1.9x a one-shot top-k,
-    docs/search_benchmark.md). One check at the end; if any chunk had such a tie the scan is redone
-    with the per-chunk fix, so the result is the same either way."""
+    With `defer_ties` (default: on an accelerator) the tie check at each chunk's k-th place is deferred:
+    asking the host once per chunk stalls the device every chunk (exact search at 28M rows took 1.9x a
+    one-shot top-k, docs/search_benchmark.md). One check at the end; if any chunk had such a tie the scan
+    is redone with the per-chunk fix, so the result is the same either way."""
     args = (queries, rows, k, corrector, exclude, noise, row_offset, chunk_rows)
-    if queries.device.type == "cpu":
+    if defer_ties is None:
+        defer_ties = queries.device.type != "cpu"
+    if not defer_ties:
         return _scan_pass(*args, ties=None)
-    ties = []
+    ties = []  # one flag per chunk wider than k (narrower ones are sorted whole: no tie to fix)
     result = _scan_pass(*args, ties=ties)
-    if bool(torch.stack(ties).any()):
+    if ties and bool(torch.stack(ties).any()):
         result = _scan_pass(*args, ties=None)
     return result
 
