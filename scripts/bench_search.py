@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rag_train.buffer.search import _chunk_topk, search
+from rag_train.buffer.search import _chunk_topk, fp32_mm, search
 from rag_train.models.corrector import Corrector
 
 
@@ -65,17 +65,25 @@ def parse_args(argv=None) -> argparse.Namespace:
 CPU_SECONDS = {}  # best process CPU time per timed call, keyed by label: robust to other load on the machine
 
 
-def best_time(fn, repeats: int, label: str = "") -> float:
-    """Best wall time of `repeats` calls; the best CPU time (all threads) goes to CPU_SECONDS[label]."""
+def best_time(fn, repeats: int, label: str = "", device: torch.device = torch.device("cpu")) -> float:
+    """Best wall time of `repeats` calls (the device synchronised around each); the best CPU time (all
+    threads) goes to CPU_SECONDS[label]."""
     fn()  # warm-up: allocations, thread pools, page faults
     wall, cpu = [], []
     for _ in range(repeats):
+        synchronize(device)
         start, start_cpu = time.perf_counter(), time.process_time()
         fn()
+        synchronize(device)
         wall.append(time.perf_counter() - start)
         cpu.append(time.process_time() - start_cpu)
     CPU_SECONDS[label] = min(cpu)
     return min(wall)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def gemm_peak(repeats: int) -> tuple[float, int]:
@@ -216,32 +224,14 @@ def memmap_part(args) -> None:
         path.unlink(missing_ok=True)
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def device_time(fn, repeats: int, device: torch.device) -> float:
-    """Best wall time of `repeats` calls after one warm-up, the device synchronised around each."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        synchronize(device)
-        start = time.perf_counter()
-        fn()
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-    return min(times)
-
-
 def device_yardsticks(device: torch.device, dtype: torch.dtype, repeats: int) -> tuple[float, float]:
     """(GEMM TFLOP/s in `dtype` at 8192^3, or 2048^3 on CPU; copy GB/s counting bytes read + written)."""
     size = 8192 if device.type == "cuda" else 2048
     a, b = (torch.randn(size, size, device=device, dtype=dtype) for _ in range(2))
-    gemm_s = device_time(lambda: torch.mm(a, b), repeats, device)
+    gemm_s = best_time(lambda: torch.mm(a, b), repeats, device=device)
     source = torch.empty(2**30 if device.type == "cuda" else 2**26, dtype=torch.uint8, device=device)
     target = torch.empty_like(source)
-    copy_s = device_time(lambda: target.copy_(source), repeats, device)
+    copy_s = best_time(lambda: target.copy_(source), repeats, device=device)
     return 2 * size**3 / gemm_s / 1e12, 2 * source.numel() / copy_s / 1e9
 
 
@@ -293,11 +283,6 @@ def peak_beyond(device: torch.device, baseline: int, fn) -> float:
     return (torch.cuda.max_memory_allocated(device) - baseline) / 2**30
 
 
-def mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """fp32-accumulated product as the search computes it (CPU torch has no out_dtype mm)."""
-    return torch.mm(a, b, out_dtype=torch.float32) if a.is_cuda else torch.mm(a.float(), b.float())
-
-
 @torch.no_grad()
 def corrector_breakdown(queries, rows, corrector, args, device, full_s: float) -> None:
     """Where corrector-full's time goes: each kernel of one chunk timed alone, times the number of chunks."""
@@ -310,16 +295,16 @@ def corrector_breakdown(queries, rows, corrector, args, device, full_s: float) -
     hidden = torch.empty(block.shape[0], args.hidden, dtype=dtype, device=device)
     scores = torch.randn(args.batch, block.shape[0], device=device)  # top-k time depends on the values
     parts = [  # (name, kernel, part of the search's own path)
-        ("stale scores q B^T", lambda: mm_fp32(q, block.t()), True),
+        ("stale scores q B^T", lambda: fp32_mm(q, block.t()), True),
         ("first layer W1 b + c1", lambda: torch.addmm(bias, block, weight.t(), out=hidden), False),
         ("relu as a separate pass", lambda: hidden.relu_(), False),
         ("first layer + relu fused", lambda: corrector.hidden_activations(block, out=hidden), True),
-        ("second layer (W2^T q) a", lambda: mm_fp32(q_hidden, hidden.t()), True),
+        ("second layer (W2^T q) a", lambda: fp32_mm(q_hidden, hidden.t()), True),
         ("chunk top-k", lambda: _chunk_topk(scores, args.k), True),
     ]
     total = 0.0
     for name, fn, in_search in parts:
-        seconds = device_time(fn, args.repeats, device) * chunks
+        seconds = best_time(fn, args.repeats, device=device) * chunks
         total += seconds if in_search else 0.0
         print(f"  {name:<26} {seconds * 1e3:8.1f} ms over {chunks} chunks ({seconds / full_s:.0%} of the search)"
               f"{'' if in_search else '  [unfused, for comparison]'}")
@@ -346,8 +331,8 @@ def device_part(args) -> None:
     def ours(mode):
         return search(queries, rows, args.k, corrector=corrector, mode=mode, chunk_rows=args.chunk).rows
 
-    exact_s = device_time(lambda: ours("exact"), args.repeats, device)
-    plain_s = device_time(lambda: plain_exact(queries, rows, args.k), args.repeats, device)
+    exact_s = best_time(lambda: ours("exact"), args.repeats, device=device)
+    plain_s = best_time(lambda: plain_exact(queries, rows, args.k), args.repeats, device=device)
     exact_gib = peak_beyond(device, baseline, lambda: ours("exact"))
     plain_gib = peak_beyond(device, baseline, lambda: plain_exact(queries, rows, args.k))
     overlap = same_ids(ours("exact"), plain_exact(queries, rows, args.k))
@@ -358,10 +343,10 @@ def device_part(args) -> None:
           f"{plain_gib:.2f} GiB (buffer {buffer_bytes / 2**30:.2f} GiB)")
 
     with torch.no_grad():
-        full_s = device_time(lambda: ours("corrector_full"), args.repeats, device)
+        full_s = best_time(lambda: ours("corrector_full"), args.repeats, device=device)
         corrector_in_dtype = copy.deepcopy(corrector).to(dtype)
         naive = lambda: plain_corrector(queries, rows, args.k, corrector_in_dtype, args.chunk)  # noqa: E731
-        naive_s = device_time(naive, args.repeats, device)
+        naive_s = best_time(naive, args.repeats, device=device)
         full_gib = peak_beyond(device, baseline, lambda: ours("corrector_full"))
         naive_gib = peak_beyond(device, baseline, naive)
         overlap = same_ids(ours("corrector_full"), naive())

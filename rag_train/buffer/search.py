@@ -315,6 +315,16 @@ def _merge_chunk(best, scores, noise, exclude, global_start, k, ties):
     return merge_topk(*merged, k)  # also orders the first chunk's ties by row
 
 
+def fp32_mm(a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """a @ b accumulated and returned in fp32 whatever the inputs' dtype: on CUDA straight from the
+    low-precision inputs (`out_dtype`), elsewhere (no such kernel) by upcasting them."""
+    if a.dtype == torch.float32:
+        return torch.mm(a, b, out=out)
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=torch.float32, out=out)
+    return torch.mm(a.float(), b.float(), out=out)
+
+
 class _DeviceScorer:
     """out[B, n] = <q, b> (+ <W2^T q, relu(W1 b + c1)> + <q, c2> with a corrector), fp32, a whole chunk per GEMM.
 
@@ -327,18 +337,13 @@ class _DeviceScorer:
             self.hidden_buf = torch.empty(block_rows, corrector.hidden, dtype=q.dtype, device=q.device)
 
     def __call__(self, block, out) -> None:
-        q = self.q
-        if q.dtype != torch.float32:
-            torch.mm(q, block.t(), out_dtype=torch.float32, out=out)
-        else:
-            torch.mm(q, block.t(), out=out)
+        fp32_mm(self.q, block.t(), out=out)
         if self.folded is None:
             return
         q_hidden, q_bias = self.folded
         out.add_(q_bias.unsqueeze(1))
         activations = self.corrector.hidden_activations(block, out=self.hidden_buf[: block.shape[0]])
-        out.add_(torch.mm(q_hidden, activations.t(), out_dtype=torch.float32) if q.dtype != torch.float32
-                 else q_hidden @ activations.t())
+        out.add_(fp32_mm(q_hidden, activations.t()))
 
     def close(self) -> None:
         pass
