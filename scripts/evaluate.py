@@ -3,7 +3,8 @@ that retriever, read with its FiD reader, score exact match and answer recall@k.
 
     python scripts/evaluate.py --run runs/toy-rlm --data data/toy/nq-dev.jsonl data/toy/tqa-dev.jsonl
 
-Writes `<run>/eval/<dataset>.jsonl` (one prediction per question) and `<run>/eval/metrics.json`.
+Writes `<run>/eval/<dataset>.jsonl` (one prediction per question), `<run>/eval/<dataset>.trec` (the ranking, a
+TREC run file; `<dataset>.qrels` beside it when questions list gold_ids) and `<run>/eval/metrics.json`.
 """
 
 import argparse
@@ -57,7 +58,8 @@ def main() -> None:
         batch_size=args.batch_size or cfg.eval.batch_size,
         closed_book=cfg.strategy.name == "closed_book",
     )
-    metrics, predictions = evaluate_qa(retriever, reader, tokenizer, corpus, sets, settings, accelerator)
+    metrics, predictions = evaluate_qa(retriever, reader, tokenizer, corpus, sets, settings, accelerator,
+                                       out_dir=run / "eval")
     if accelerator.is_main_process:
         write_predictions(run / "eval", predictions)
         atomic_write_json(run / "eval" / "metrics.json", metrics)

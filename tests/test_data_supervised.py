@@ -53,8 +53,10 @@ def test_msmarco_dir_and_queries_file(corpora):
 def test_trec_space_separated_qrels_and_query_without_judgement(tmp_path):
     (tmp_path / "queries.small.tsv").write_text("7\tfirst\n8\tunjudged\n9\tthird\n")
     (tmp_path / "qrels.small.tsv").write_text("7 0 a 1\n9 0 b 2\n9 0 c 0\n99 0 z 1\n")
-    assert load_retrieval(tmp_path) == [RetrievalExample("first", ["a"], [], [], "7"),
-                                        RetrievalExample("third", ["b"], [], [], "9")]
+    examples = load_retrieval(tmp_path)
+    assert examples == [RetrievalExample("first", ["a"], [], [], "7"),
+                        RetrievalExample("third", ["b"], [], [], "9", grades=[2])]
+    assert [e.qrels() for e in examples] == [{"a": 1}, {"b": 2}]  # graded judgements reach nDCG
 
 
 def test_beir_dir(corpora, tmp_path):

@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from rag_train.eval.metrics import (
@@ -12,9 +14,8 @@ from rag_train.eval.metrics import (
     dpr_tokens,
     exact_match,
     has_answer,
-    mrr_at_k,
     normalize_answer,
-    recall_at_k,
+    ranking_metrics,
 )
 
 
@@ -68,20 +69,24 @@ def test_has_answer_dpr(text, answers, expected):
     assert has_answer(text, answers) is expected
 
 
-def test_recall_and_mrr_hand_computed():
-    ranked = [["a", "b", "c"], ["x", "y", "z"], ["m", "n", "o"]]
-    gold = [{"b"}, ["q", "z"], {"m", "o"}]
-    assert recall_at_k(ranked, gold, [1, 2, 3, 10]) == pytest.approx(
-        {1: (0 + 0 + 0.5) / 3, 2: (1 + 0 + 0.5) / 3, 3: (1 + 0.5 + 1) / 3, 10: (1 + 0.5 + 1) / 3}
-    )
-    assert mrr_at_k(ranked, gold, 10) == pytest.approx((1 / 2 + 1 / 3 + 1) / 3)
-    assert mrr_at_k(ranked, gold, 2) == pytest.approx((1 / 2 + 0 + 1) / 3)
-    with pytest.raises(ValueError, match="query 0 has no gold ids"):
-        recall_at_k([["a"]], [[]], [1])
+def test_ranking_metrics_equal_hand_computation():
+    """ir_measures' figures against the textbook definitions worked by hand (binary and graded qrels)."""
+    run = {"q1": {"a": 3.0, "b": 2.0, "c": 1.0}, "q2": {"x": 3.0, "y": 2.0, "z": 1.0},
+           "q3": {"m": 3.0, "n": 2.0, "o": 1.0}, "unjudged": {"a": 1.0}}
+    qrels = {"q1": {"b": 1}, "q2": {"q": 1, "z": 1}, "q3": {"m": 2, "o": 1}, "none": {"a": 0}}
+    got = ranking_metrics(run, qrels, [1, 2, 3])
+    assert got["recall"] == pytest.approx({"1": (0 + 0 + 0.5) / 3, "2": (1 + 0 + 0.5) / 3, "3": (1 + 0.5 + 1) / 3})
+    assert got["mrr@10"] == pytest.approx((1 / 2 + 1 / 3 + 1) / 3)
+    assert got["map@3"] == pytest.approx((1 / 2 + (1 / 3) / 2 + (1 + 2 / 3) / 2) / 3)
+    dcg = [1 / math.log2(3), 1 / math.log2(4), 2 / math.log2(2) + 1 / math.log2(4)]  # gain = grade (trec_eval)
+    ideal = [1.0, 1 + 1 / math.log2(3), 2 / math.log2(2) + 1 / math.log2(3)]
+    assert got["ndcg@10"] == pytest.approx(sum(d / i for d, i in zip(dcg, ideal)) / 3)
     with pytest.raises(ValueError, match="k=0"):
-        recall_at_k(ranked, gold, [0])
-    with pytest.raises(ValueError, match="3 rankings but 2 gold"):
-        mrr_at_k(ranked, gold[:2])
+        ranking_metrics(run, qrels, [0])
+    with pytest.raises(ValueError, match="'q4' has no ranking"):
+        ranking_metrics(run, {**qrels, "q4": {"a": 1}}, [1])
+    with pytest.raises(ValueError, match="no query has a relevant passage"):
+        ranking_metrics(run, {"none": {"a": 0}}, [1])
 
 
 def test_answer_recall_is_dpr_top_k_accuracy():

@@ -102,11 +102,14 @@ def qa_example_from_record(record: dict, path, line, default_id: str) -> QAExamp
 
 def _load_local(path: Path, corpus: Optional[Corpus], limit: Optional[int]) -> list[QAExample]:
     examples: list[QAExample] = []
-    referenced = []
+    referenced, id_lines = [], {}
     for line_no, record in read_jsonl(path):
         if limit is not None and len(examples) >= limit:
             break
         example = qa_example_from_record(record, path, line_no, default_id=f"{path.stem}-{line_no}")
+        if example.id in id_lines:
+            raise data_error(path, line_no, "id", f"duplicate question id {example.id!r} (first on line {id_lines[example.id]})")
+        id_lines[example.id] = line_no
         examples.append(example)
         referenced.extend((g, path, line_no, "gold_ids") for g in example.gold_ids)
     if not examples:

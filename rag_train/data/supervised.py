@@ -42,6 +42,11 @@ class RetrievalExample:
     hard_negative_ids: list[str] = field(default_factory=list)
     answers: list[str] = field(default_factory=list)
     id: str = ""
+    grades: list[int] = field(default_factory=list)  # relevance of each positive from graded qrels; empty: all 1
+
+    def qrels(self) -> dict[str, int]:
+        """Judged passage id -> relevance grade (> 0), as TREC qrels and ir_measures take them."""
+        return dict(zip(self.positive_ids, self.grades or [1] * len(self.positive_ids)))
 
 
 def _iter_json_list(path: Path) -> Iterator[tuple[int, dict]]:
@@ -90,7 +95,7 @@ def _context_ids(record: dict, key: str, path: Path, line: int, refs: list) -> l
 
 def _load_dpr(path: Path, corpus: Optional[Corpus], limit: Optional[int]) -> list[RetrievalExample]:
     records = _iter_json_list(path) if path.suffix.lower() == ".json" else read_jsonl(path)
-    examples, refs, seen, skipped = [], [], 0, 0
+    examples, refs, seen, skipped, id_lines = [], [], 0, 0, {}
     for line, record in records:
         if limit is not None and len(examples) >= limit:
             break
@@ -112,6 +117,9 @@ def _load_dpr(path: Path, corpus: Optional[Corpus], limit: Optional[int]) -> lis
         refs.extend(example_refs)
         example_id = next((str(record[k]) for k in ("id", "question_id", "qid") if record.get(k) is not None),
                           f"{path.stem}-{seen}")
+        if example_id in id_lines:
+            raise data_error(path, line, "id", f"duplicate question id {example_id!r} (first on line {id_lines[example_id]})")
+        id_lines[example_id] = line
         examples.append(RetrievalExample(question, positives, hard_negatives, answers, example_id))
     if skipped:
         logger.warning("%s: skipped %d of %d examples without positive_ctxs", path, skipped, seen)
@@ -159,13 +167,15 @@ def _read_beir_queries(path: Path) -> dict[str, str]:
             raise data_error(path, line, "_id", "missing or empty")
         if not isinstance(question, str) or not question.strip():
             raise data_error(path, line, "text", "missing or empty")
+        if str(qid) in queries:
+            raise data_error(path, line, "_id", f"duplicate query id {str(qid)!r}")
         queries[str(qid)] = question
     return queries
 
 
-def _read_qrels(path: Path) -> dict[str, list[tuple[str, int]]]:
-    """qid -> [(positive pid, line)] from TREC 4-column, BEIR 3-column (header) or 2-column qrels."""
-    positives: dict[str, list[tuple[str, int]]] = defaultdict(list)
+def _read_qrels(path: Path) -> dict[str, list[tuple[str, int, int]]]:
+    """qid -> [(positive pid, line, relevance)] from TREC 4-column, BEIR 3-column (header) or 2-column qrels."""
+    positives: dict[str, list[tuple[str, int, int]]] = defaultdict(list)
     columns = None
     for line, text in _text_lines(path):
         fields = text.split()
@@ -184,7 +194,7 @@ def _read_qrels(path: Path) -> dict[str, list[tuple[str, int]]]:
         if not relevance.lstrip("-").isdigit():
             raise data_error(path, line, "relevance", f"not an integer: {relevance!r}")
         if int(relevance) > 0:
-            positives[qid].append((pid, line))
+            positives[qid].append((pid, line, int(relevance)))
     return positives
 
 
@@ -198,8 +208,10 @@ def _from_qrels(queries: dict[str, str], qrels_path: Path, corpus: Optional[Corp
             break
         judged = qrels.get(qid)
         if judged:
-            examples.append(RetrievalExample(question, [pid for pid, _ in judged], [], [], qid))
-            refs.extend((pid, qrels_path, line, "pid") for pid, line in judged)
+            grades = [rel for _, _, rel in judged]
+            examples.append(RetrievalExample(question, [pid for pid, _, _ in judged], [], [], qid,
+                                             grades if any(g != 1 for g in grades) else []))
+            refs.extend((pid, qrels_path, line, "pid") for pid, line, _ in judged)
     if not examples:
         raise data_error(qrels_path, None, None, "no query has a positive judgement (rel > 0) for the queries given")
     if corpus is not None:

@@ -3,8 +3,9 @@
 - `normalize_answer` / `exact_match`: the SQuAD v1.1 evaluation script (used by FiD, Atlas, seed 000).
 - `has_answer`: DPR's answer-string match (its SimpleTokenizer, uncased, NFD-normalised): a passage
   "has" an answer when the answer's token sequence occurs in the passage's token sequence.
-- `recall_at_k` / `mrr_at_k` over ranked ids and gold (qrels) ids; `answer_recall_at_k` is DPR's
-  top-k retrieval accuracy (the NQ "R@k" of seed 000's tables).
+- `ranking_metrics`: recall@k, MRR@10, nDCG@10, MAP of a run against qrels, by ir_measures (the standard
+  tools' numbers, not a re-implementation); `answer_recall_at_k` is DPR's top-k retrieval accuracy (the NQ
+  "R@k" of seed 000's tables), which no IR library computes: it judges passages by answer strings.
 """
 
 from __future__ import annotations
@@ -12,9 +13,13 @@ from __future__ import annotations
 import re
 import string
 import unicodedata
-from typing import Hashable, Iterable, Sequence
+from typing import Iterable, Sequence
 
+import ir_measures
 import regex
+from ir_measures import AP, R, RR, nDCG
+
+from rag_train.eval.trec import Qrels, Run
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCTUATION = set(string.punctuation)
@@ -66,32 +71,23 @@ def _check_lengths(ranked: Sequence, gold: Sequence) -> None:
         raise ValueError("no queries to evaluate")
 
 
-def recall_at_k(
-    ranked_ids: Sequence[Sequence[Hashable]], gold_ids: Sequence[Iterable[Hashable]], ks: Sequence[int]
-) -> dict[int, float]:
-    """Mean over queries of |gold in top-k| / |gold| (BEIR / MS MARCO recall; with one gold id per query
-    it is the hit rate). Queries without gold ids are an error: drop them before evaluating."""
+def ranking_metrics(run: Run, qrels: Qrels, ks: Sequence[int]) -> dict:
+    """recall@k (|relevant in top k| / |relevant|), MRR@10, nDCG@10 (graded gains, as BEIR) and MAP over the
+    retrieved depth, computed by ir_measures (trec_eval's definitions via pytrec_eval) on the judged queries.
+    Every judged query must have a ranking; relevance > 0 counts as relevant."""
     _check_ks(ks)
-    _check_lengths(ranked_ids, gold_ids)
-    totals = {k: 0.0 for k in ks}
-    for i, (ranking, gold) in enumerate(zip(ranked_ids, gold_ids)):
-        gold = set(gold)
-        if not gold:
-            raise ValueError(f"query {i} has no gold ids")
-        for k in ks:
-            totals[k] += len(gold.intersection(ranking[:k])) / len(gold)
-    return {k: total / len(ranked_ids) for k, total in totals.items()}
-
-
-def mrr_at_k(ranked_ids: Sequence[Sequence[Hashable]], gold_ids: Sequence[Iterable[Hashable]], k: int = 10) -> float:
-    """Mean reciprocal rank of the first gold id within the top k (0 when none), MS MARCO MRR@10."""
-    _check_ks([k])
-    _check_lengths(ranked_ids, gold_ids)
-    total = 0.0
-    for ranking, gold in zip(ranked_ids, gold_ids):
-        gold = set(gold)
-        total += next((1.0 / rank for rank, pid in enumerate(ranking[:k], start=1) if pid in gold), 0.0)
-    return total / len(ranked_ids)
+    judged = {qid: grades for qid, grades in qrels.items() if any(g > 0 for g in grades.values())}
+    if not judged:
+        raise ValueError("no query has a relevant passage to evaluate")
+    unranked = [qid for qid in judged if not run.get(qid)]
+    if unranked:
+        raise ValueError(f"judged query {unranked[0]!r} has no ranking ({len(unranked)} in all)")
+    ranked = {qid: run[qid] for qid in judged}
+    depth = max(len(ranking) for ranking in ranked.values())
+    measures = [R @ k for k in ks] + [RR @ 10, nDCG @ 10, AP @ depth]
+    values = ir_measures.calc_aggregate(measures, judged, ranked)
+    return {"recall": {str(k): values[R @ k] for k in ks}, "mrr@10": values[RR @ 10],
+            "ndcg@10": values[nDCG @ 10], f"map@{depth}": values[AP @ depth]}
 
 
 def answer_recall_at_k(

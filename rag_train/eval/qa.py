@@ -1,9 +1,12 @@
 """Open-domain QA evaluation: retrieve with the current retriever over a corpus it embedded, read with
-FiD, score exact match (SQuAD/DPR normalisation) and answer recall@k; predictions as JSONL rows."""
+FiD, score exact match (SQuAD/DPR normalisation) and answer recall@k (plus the IR metrics of
+`retrieval_metrics` when questions list gold passage ids); predictions as JSONL rows, rankings as TREC runs."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
 
 import torch
 from accelerate import Accelerator
@@ -14,8 +17,8 @@ from rag_train.buffer.embed import embed_local_shard
 from rag_train.data.collate import fid_inputs
 from rag_train.data.corpus import Corpus
 from rag_train.data.qa import QAExample
-from rag_train.eval.metrics import answer_recall_at_k, exact_match
-from rag_train.eval.retrieval import rank_passages
+from rag_train.eval.metrics import exact_match
+from rag_train.eval.retrieval import EvalSet, rank_passages, retrieval_metrics
 
 EMPTY_PASSAGE = {"title": "", "text": ""}  # closed book: the reader sees the question alone
 
@@ -31,10 +34,12 @@ class QAEvalSettings:
 
 @torch.no_grad()
 def evaluate_qa(retriever: nn.Module, reader: nn.Module, tokenizer, corpus: Corpus, sets: dict[str, list[QAExample]],
-                settings: QAEvalSettings, accelerator: Accelerator) -> tuple[dict, dict[str, list[dict]]]:
-    """Metrics per set ({"em", "answer_recall@k"}) and predictions per set. Every process computes the
-    retrieval share it owns; generation runs on every process for all questions (cheap at toy scale,
-    and it keeps the metrics identical on all processes)."""
+                settings: QAEvalSettings, accelerator: Accelerator,
+                out_dir: Optional[Path] = None) -> tuple[dict, dict[str, list[dict]]]:
+    """Metrics per set ({"em", "answer_recall@k"}, and with gold passage ids "recall", "mrr@10", "ndcg@10",
+    "map@k") and predictions per set. Every process computes the retrieval share it owns; generation runs on
+    every process for all questions (cheap at toy scale, and it keeps the metrics identical on all processes).
+    With `out_dir`, the main process writes each set's ranking as `<set>.trec` (and `<set>.qrels`) there."""
     k = settings.num_passages
     vectors = offset = None
     if not settings.closed_book:
@@ -49,7 +54,7 @@ def evaluate_qa(retriever: nn.Module, reader: nn.Module, tokenizer, corpus: Corp
             passages = [[EMPTY_PASSAGE] for _ in examples]
         else:
             ranked = rank_passages(retriever, vectors, offset, questions, min(k, len(corpus)), settings.batch_size)
-            passages = [corpus.passages(row) for row in ranked.tolist()]
+            passages = [corpus.passages(row) for row in ranked.rows.tolist()]
         answers_out = []
         for start in tqdm(range(0, len(examples), settings.batch_size), desc=f"eval {name}", leave=False,
                           disable=not accelerator.is_main_process):
@@ -62,8 +67,16 @@ def evaluate_qa(retriever: nn.Module, reader: nn.Module, tokenizer, corpus: Corp
         em = [exact_match(pred, ex.answers) for pred, ex in zip(answers_out, examples)]
         result = {"em": sum(em) / len(em), "questions": len(examples)}
         if ranked is not None:
-            texts = [[p["text"] for p in ps] for ps in passages]
-            result[f"answer_recall@{k}"] = answer_recall_at_k(texts, [ex.answers for ex in examples], [k])[k]
+            labels = EvalSet(questions, [ex.id for ex in examples], [dict.fromkeys(ex.gold_ids, 1) for ex in examples],
+                             [ex.answers for ex in examples])
+            retrieval = retrieval_metrics(corpus, ranked, labels, [ranked.rows.shape[1]],
+                                          out_dir if accelerator.is_main_process else None, name)
+            depth = ranked.rows.shape[1]
+            result[f"answer_recall@{k}"] = retrieval["answer_recall"][str(depth)]
+            if "recall" in retrieval:  # flat keys; @10 metrics only where ten passages were ranked
+                result[f"recall@{depth}"] = retrieval["recall"][str(depth)]
+                result.update((key, value) for key, value in retrieval.items()
+                              if key.startswith("map@") or (key.endswith("@10") and depth >= 10))
         metrics[name] = result
         predictions[name] = [
             {"id": ex.id, "question": ex.question, "answers": ex.answers, "prediction": pred, "em": score,

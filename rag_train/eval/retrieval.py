@@ -1,67 +1,99 @@
-"""Retrieval evaluation, always over the corpus embedded by the current model (never a stale buffer)."""
+"""Retrieval evaluation, always over the corpus embedded by the current model (never a stale buffer).
+
+Every evaluation can write its rankings as a TREC run file (and its judgements as qrels) so that the
+numbers can be checked, and extended, with ir_measures / pytrec_eval / trec_eval."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
 
 import torch
 from accelerate import Accelerator
 from torch import nn
 
 from rag_train.buffer.embed import embed_local_shard
-from rag_train.buffer.search import search
+from rag_train.buffer.search import SearchResult, search
 from rag_train.data.corpus import Corpus
-from rag_train.eval.metrics import answer_recall_at_k, mrr_at_k, recall_at_k
+from rag_train.data.errors import DataError
+from rag_train.eval.metrics import answer_recall_at_k, ranking_metrics
+from rag_train.eval.trec import Run, make_run, write_qrels, write_run
+
+MRR_DEPTH = 10  # MRR@10 and nDCG@10 need at least ten ranked passages
 
 
 @dataclass
 class EvalSet:
-    """Questions with gold passage ids and/or answer strings (either may be empty per question)."""
+    """Questions with their ids, judgements (passage id -> relevance grade) and/or answer strings; either
+    label may be empty per question."""
 
     questions: list[str]
-    gold_ids: list[list[str]] = field(default_factory=list)
+    ids: list[str]
+    qrels: list[dict[str, int]] = field(default_factory=list)
     answers: list[list[str]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if len(self.ids) != len(self.questions):
+            raise ValueError(f"{len(self.questions)} questions but {len(self.ids)} ids")
+        if len(set(self.ids)) != len(self.ids):
+            duplicate = next(qid for i, qid in enumerate(self.ids) if qid in self.ids[:i])
+            raise DataError(f"query id {duplicate!r} occurs twice; evaluation sets need unique query ids")
 
 
 @torch.inference_mode()
 def rank_passages(model: nn.Module, vectors: torch.Tensor, row_offset: int, questions: list[str], k: int,
-                  batch_size: int) -> torch.Tensor:
-    """[len(questions), k] corpus rows, exact top-k of <f(x), g(y)>; sharded over processes when initialised
-    (every process passes all questions and its own rows; the answer is the same on every process)."""
+                  batch_size: int) -> SearchResult:
+    """Rows and scores [len(questions), k], exact top-k of <f(x), g(y)>; sharded over processes when
+    initialised (every process passes all questions and its own rows; the answer is the same on every one)."""
     was_training = model.training
     model.eval()
-    ranked = []
+    rows, scores = [torch.zeros(0, k, dtype=torch.long)], [torch.zeros(0, k)]
     for start in range(0, len(questions), batch_size):
         queries = model.encode_queries(questions[start : start + batch_size]).float().to(vectors.device)
-        ranked.append(search(queries, vectors, k, mode="exact", row_offset=row_offset).rows.cpu())
+        found = search(queries, vectors, k, mode="exact", row_offset=row_offset)
+        rows.append(found.rows.cpu())
+        scores.append(found.scores.float().cpu())
     model.train(was_training)
-    return torch.cat(ranked) if ranked else torch.zeros(0, k, dtype=torch.long)
+    return SearchResult(scores=torch.cat(scores), rows=torch.cat(rows))
 
 
-def retrieval_metrics(corpus: Corpus, ranked: torch.Tensor, data: EvalSet, ks: list[int]) -> dict:
-    """recall@k by gold id, DPR answer recall@k by answer string, MRR@10 — for whichever labels exist."""
-    ks = sorted(k for k in ks if k <= ranked.shape[1]) or [ranked.shape[1]]
+def ranking_run(corpus: Corpus, qids: list[str], ranked: SearchResult) -> Run:
+    """The TREC run (qid -> passage id -> score) of a ranking over `corpus`."""
+    ids = [[corpus.id(r) for r in row] for row in ranked.rows.tolist()]
+    return make_run(qids, ids, ranked.scores.tolist())
+
+
+def retrieval_metrics(corpus: Corpus, ranked: SearchResult, data: EvalSet, ks: list[int],
+                      out_dir: Optional[Path] = None, name: str = "dev") -> dict:
+    """recall@k, MRR@10, nDCG@10, MAP from the judgements (ir_measures) and DPR answer recall@k from the
+    answer strings, for whichever labels exist. With `out_dir`: `<name>.trec` (and `<name>.qrels`) there."""
+    depth = ranked.rows.shape[1]
+    ks = sorted(k for k in ks if k <= depth) or [depth]
     out: dict = {"questions": len(data.questions)}
-    ids = [[corpus.id(int(r)) for r in row] for row in ranked.tolist()]
-    labelled = [i for i, gold in enumerate(data.gold_ids) if gold]
-    if labelled:
-        ranked_ids = [ids[i] for i in labelled]
-        gold = [data.gold_ids[i] for i in labelled]
-        out["recall"] = {str(k): v for k, v in recall_at_k(ranked_ids, gold, ks).items()}
-        out["mrr@10"] = mrr_at_k(ranked_ids, gold, 10)
+    run = ranking_run(corpus, data.ids, ranked)
+    qrels = {qid: grades for qid, grades in zip(data.ids, data.qrels) if grades}
+    if qrels:
+        out.update(ranking_metrics(run, qrels, ks))
     answered = [i for i, answers in enumerate(data.answers) if answers]
     if answered:
-        texts = [[corpus.text(int(r)) for r in ranked[i].tolist()] for i in answered]
+        texts = [[corpus.text(int(r)) for r in ranked.rows[i].tolist()] for i in answered]
         out["answer_recall"] = {str(k): v for k, v in
                                 answer_recall_at_k(texts, [data.answers[i] for i in answered], ks).items()}
+    if out_dir is not None:
+        write_run(Path(out_dir) / f"{name}.trec", run)
+        if qrels:
+            write_qrels(Path(out_dir) / f"{name}.qrels", qrels)
     return out
 
 
 def evaluate_retrieval(model: nn.Module, corpus: Corpus, sets: dict[str, EvalSet], ks: list[int],
-                       accelerator: Accelerator, batch_size: int) -> dict[str, dict]:
-    """Embed the whole corpus with `model` now (each process its share), rank every set, compute metrics."""
+                       accelerator: Accelerator, batch_size: int, out_dir: Optional[Path] = None) -> dict[str, dict]:
+    """Embed the whole corpus with `model` now (each process its share), rank every set, compute metrics;
+    the main process writes each set's run (and qrels) file into `out_dir` when given."""
     vectors, offset = embed_local_shard(model, corpus, accelerator, batch_size)
-    k = min(max(ks), len(corpus))
+    k = min(max([*ks, MRR_DEPTH]), len(corpus))
+    write_to = out_dir if accelerator.is_main_process else None
     return {name: retrieval_metrics(corpus, rank_passages(model, vectors, offset, data.questions, k, batch_size),
-                                    data, ks)
+                                    data, ks, write_to, name)
             for name, data in sets.items()}

@@ -40,7 +40,8 @@ def train_retriever(cfg: RetrieverTrainConfig) -> dict:
     run.check_corpus(corpus)  # k <= corpus size, same corpus on every process: before any long work
     train_set = [ex for path in files.train for ex in load_retrieval(path, corpus=corpus)][: cfg.data.max_train_examples]
     dev_sets = {dataset_name(p): load_retrieval(p, corpus=corpus, limit=cfg.data.max_eval_examples) for p in files.dev}
-    dev_sets = {name: EvalSet([e.question for e in ex], [e.positive_ids for e in ex], [e.answers for e in ex])
+    dev_sets = {name: EvalSet([e.question for e in ex], [e.id for e in ex], [e.qrels() for e in ex],
+                              [e.answers for e in ex])
                 for name, ex in dev_sets.items()}
 
     model = DualEncoder.from_config(cfg.retriever, tokenizer=cfg.retriever.tokenizer or files.tokenizer)
@@ -63,8 +64,10 @@ def train_retriever(cfg: RetrieverTrainConfig) -> dict:
     history = []
 
     def evaluate() -> dict:
+        """Metrics per dev set; each set's ranking also lands in `<run>/eval/step-<step>/<set>.trec`."""
         with full_weights(acc, trainable, model):  # each process embeds its share of the corpus: not in lockstep
-            return evaluate_retrieval(model, corpus, dev_sets, cfg.eval.recall_at, acc, cfg.eval.batch_size)
+            return evaluate_retrieval(model, corpus, dev_sets, cfg.eval.recall_at, acc, cfg.eval.batch_size,
+                                      out_dir=run.dir / "eval" / f"step-{step}")
 
     def record_eval() -> float:
         """Evaluate into `history` (curves start at step 0, the initial model); returns the seconds it took."""

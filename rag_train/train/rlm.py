@@ -159,9 +159,11 @@ def train_rlm(cfg: RLMConfig) -> dict:
     history = []
 
     def evaluate() -> tuple[dict, dict]:
-        """Every process embeds its share of the corpus and generates for all questions: not in lockstep."""
+        """Every process embeds its share of the corpus and generates for all questions: not in lockstep.
+        Each set's ranking also lands in `<run>/eval/step-<step>/<set>.trec`."""
         with full_weights(acc, model, reader, retriever):
-            return evaluate_qa(retriever, reader, tokenizer, corpus, dev_sets, settings, acc)
+            return evaluate_qa(retriever, reader, tokenizer, corpus, dev_sets, settings, acc,
+                               out_dir=run.dir / "eval" / f"step-{step}")
 
     def record_eval() -> float:
         """Evaluate into `history` (curves start at step 0, the warm-started models); returns its seconds."""

@@ -120,7 +120,7 @@ def retrieved_distractors(retriever: DualEncoder, corpus: Corpus, examples: list
     vectors, offset = embed_local_shard(retriever, corpus, run.accelerator, batch_size)
     most = max(len(ex.gold_ids) for ex in examples)
     ranked = rank_passages(retriever, vectors, offset, [ex.question for ex in examples],
-                           min(k + most, len(corpus)), batch_size)
+                           min(k + most, len(corpus)), batch_size).rows
     distractors = []
     for ex, rows in zip(examples, ranked.tolist()):
         gold = set(corpus.rows(ex.gold_ids))
