@@ -62,7 +62,7 @@ def test_trec_space_separated_qrels_and_query_without_judgement(tmp_path):
 def test_beir_dir(corpora, tmp_path):
     examples = load_retrieval(FIXTURES / "beir", corpus=corpora["beir/corpus.jsonl"])
     assert examples == [RetrievalExample("what was the manhattan project", ["doc0"], [], [], "q1"),
-                        RetrievalExample("capital of france", ["doc1", "doc3"], [], [], "q2")]
+                        RetrievalExample("capital of france", ["doc1", "doc3"], [], [], "q2", grades=[2, 1])]
     with pytest.raises(DataError, match=r"BEIR split 'dev' has no qrels/dev.tsv \(splits here: \['test'\]\)"):
         load_retrieval(FIXTURES / "beir", split="dev")
 
