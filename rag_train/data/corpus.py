@@ -1,16 +1,19 @@
 """Random access to a passage collection of tens of millions of rows with flat memory.
 
-The source file (JSONL `{id|_id, title, text}` or TSV: DPR `id<TAB>text<TAB>title` with a header,
-MS MARCO `id<TAB>text` without one) is scanned once; the scan validates every line and writes an
-index directory of numpy arrays that are memory-mapped afterwards:
+The source (JSONL `{id|_id, title, text}`; TSV: DPR `id<TAB>text<TAB>title` with a header, MS MARCO
+`id<TAB>text` without one; or a parquet file / `datasets.save_to_disk` folder, see `arrow_corpus`) is
+scanned once; the scan validates every row and writes an index directory of numpy arrays that are
+memory-mapped afterwards:
 
-    offsets.npy     int64[N+1]  byte offset of each passage's line (last entry: file size)
+    offsets.npy     int64[N+1]  byte offset of each passage's line (last entry: file size); for Arrow
+                                sources the running total of title + text bytes (a length proxy)
     ids.npy         S{w}[N]     passage id by row (fixed-width bytes)
     sorted_ids.npy  S{w}[N]     the same ids sorted, for binary search (id -> row)
     order.npy       int64[N]    row of each sorted id
     meta.json       format, row count, source size / mtime, sha256 fingerprint (written last)
 
-Text is never held in memory: `text(row)` reads one line at its offset and parses it.
+Text is never held in memory: `text(row)` reads one line at its offset and parses it (Arrow sources:
+one value of the memory-mapped columns).
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ from typing import Iterable, Optional
 import numpy as np
 from tqdm.auto import tqdm
 
-from rag_train.data.errors import DataError, data_error
+from rag_train.data.arrow_corpus import ArrowRows, is_arrow_source, scan_arrow, source_stat
+from rag_train.data.errors import DataError, data_error, row_ref
 from rag_train.io import atomic_open, atomic_write_json
 
 INDEX_VERSION = 1
@@ -43,12 +47,13 @@ _ARRAYS = ("offsets", "ids", "sorted_ids", "order")
 class _Layout:
     """How one line of the file maps to (id, title, text)."""
 
-    kind: str  # "jsonl" | "tsv"
+    kind: str  # "jsonl" | "tsv" | "arrow"
     columns: int = 0  # tsv: expected number of columns
     id_col: int = 0
     text_col: int = 1
     title_col: Optional[int] = None
     quoted: bool = False  # tsv with a header follows DPR's csv quoting ("" escapes)
+    arrow: Optional[dict] = None  # arrow: column names and converted files (see arrow_corpus.scan_arrow)
 
 
 def _detect_layout(path: Path, first_line: str, line: int) -> tuple[_Layout, bool]:
@@ -135,8 +140,8 @@ def _fixed_width(blob: bytearray, lengths: array) -> np.ndarray:
     return table.view(f"S{width}").reshape(len(sizes))
 
 
-def _build_index(path: Path, index_dir: Path, stat: os.stat_result) -> None:
-    """Scan `path` once: validate every line, hash the content, write the memmappable index."""
+def _scan_lines(path: Path, stat) -> tuple[np.ndarray, bytearray, array, str, _Layout]:
+    """Scan a JSONL / TSV file once: validate every line, hash the content; (offsets, ids, hash, layout)."""
     if path.suffix.lower() in (".gz", ".bz2", ".xz", ".zst"):
         raise data_error(path, None, None, "compressed files cannot be read by offset; decompress first")
     digest = hashlib.sha256()
@@ -166,21 +171,42 @@ def _build_index(path: Path, index_dir: Path, stat: os.stat_result) -> None:
     if not offsets:
         raise data_error(path, None, None, "no passages (the file is empty)")
     offsets.append(position)
-    after = path.stat()
+    return np.frombuffer(offsets, dtype=np.int64), id_blob, id_lengths, digest.hexdigest(), layout
+
+
+def _scan_table(path: Path, index_dir: Path, stat) -> tuple[np.ndarray, bytearray, array, str, _Layout]:
+    """The same from a parquet file / datasets folder; offsets are running title + text byte counts."""
+    quiet = stat.st_size < _PROGRESS_MIN_BYTES or os.environ.get("RANK", "0") != "0"
+    with tqdm(unit="rows", desc=f"indexing {path.name}", disable=quiet) as bar:
+        scan = scan_arrow(path, index_dir, bar.update)
+    offsets = np.zeros(len(scan.lengths) + 1, dtype=np.int64)
+    np.cumsum(scan.lengths, out=offsets[1:])
+    return offsets, scan.id_blob, array("I", scan.id_lengths.tobytes()), scan.fingerprint, _Layout(
+        "arrow", arrow=scan.columns)
+
+
+def _build_index(path: Path, index_dir: Path, stat) -> None:
+    """Scan the source once (validating every row) and write the memmappable index."""
+    if is_arrow_source(path):
+        offsets_np, id_blob, id_lengths, fingerprint, layout = _scan_table(path, index_dir, stat)
+    else:
+        offsets_np, id_blob, id_lengths, fingerprint, layout = _scan_lines(path, stat)
+    after = source_stat(path)
     if (after.st_size, after.st_mtime_ns) != (stat.st_size, stat.st_mtime_ns):
-        raise data_error(path, None, None, "the file changed while it was being indexed")
+        raise data_error(path, None, None, "the source changed while it was being indexed")
 
     ids = _fixed_width(id_blob, id_lengths)
     del id_blob
     order = np.argsort(ids, kind="stable")
     sorted_ids = ids[order]
-    offsets_np = np.frombuffer(offsets, dtype=np.int64)
     duplicates = np.flatnonzero(sorted_ids[1:] == sorted_ids[:-1])
     if duplicates.size:
         first, second = sorted(int(r) for r in order[duplicates[0]: duplicates[0] + 2])
+        message = f"duplicate passage id {ids[second].decode()!r} (first seen on %s); {duplicates.size} duplicate(s) in all"
+        if layout.kind == "arrow":
+            raise data_error(row_ref(path, second), None, "id", message % f"row {first}")
         raise data_error(path, _line_number(path, int(offsets_np[second])), "id",
-                         f"duplicate passage id {ids[second].decode()!r} (first seen on line "
-                         f"{_line_number(path, int(offsets_np[first]))}); {duplicates.size} duplicate(s) in all")
+                         message % f"line {_line_number(path, int(offsets_np[first]))}")
 
     index_dir.mkdir(parents=True, exist_ok=True)
     for name, values in zip(_ARRAYS, (offsets_np, ids, sorted_ids, order.astype(np.int64))):
@@ -188,7 +214,7 @@ def _build_index(path: Path, index_dir: Path, stat: os.stat_result) -> None:
             np.save(out, values)
     atomic_write_json(index_dir / "meta.json", {
         "version": INDEX_VERSION, "source": str(path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
-        "rows": len(ids), "id_width": ids.dtype.itemsize, "fingerprint": digest.hexdigest(),
+        "rows": len(ids), "id_width": ids.dtype.itemsize, "fingerprint": fingerprint,
         "layout": asdict(layout),
     })
 
@@ -218,28 +244,32 @@ class Corpus:
         if len(self._offsets) != rows + 1 or len(self._ids) != rows or len(self._order) != rows:
             raise data_error(meta_path, None, "rows", f"index arrays do not hold {rows} rows; delete {index_dir}")
         self._fd, self._fd_pid = -1, -1
+        self._table = ArrowRows(path, index_dir, self._layout.arrow) if self._layout.kind == "arrow" else None
+        if self._table is not None and len(self._table) != rows:
+            raise data_error(meta_path, None, "rows", f"the source no longer holds {rows} rows; delete {index_dir}")
 
     @classmethod
     def open(cls, path: str | Path, cache_dir: Optional[str | Path] = None) -> "Corpus":
-        """Open `path`, building (or rebuilding, if the file's size / mtime changed) its index first."""
+        """Open `path`, building (or rebuilding, if the source's size / mtime changed) its index first."""
         path = Path(path)
-        if not path.is_file():
+        if not path.exists():
             raise data_error(path, None, None, "passages file not found")
-        stat = path.stat()
+        stat = source_stat(path)
         index_dir = _default_index_dir(path, cache_dir)
         if not cls._index_is_current(index_dir, stat):
             _build_index(path, index_dir, stat)
         return cls(path, index_dir)
 
     @staticmethod
-    def _index_is_current(index_dir: Path, stat: os.stat_result) -> bool:
+    def _index_is_current(index_dir: Path, stat) -> bool:
         try:
             meta = json.loads((index_dir / "meta.json").read_text(encoding="utf-8"))
         except (OSError, ValueError):
             return False
         current = (meta.get("version"), meta.get("size"), meta.get("mtime_ns"))
+        converted = ((meta.get("layout") or {}).get("arrow") or {}).get("arrow_files", [])
         return current == (INDEX_VERSION, stat.st_size, stat.st_mtime_ns) and all(
-            (index_dir / f"{name}.npy").is_file() for name in _ARRAYS)
+            (index_dir / name).is_file() for name in [f"{a}.npy" for a in _ARRAYS] + converted)
 
     # Pickling (DataLoader workers, spawn) must not copy the memmaps: reopen from the index instead.
     def __getstate__(self) -> dict:
@@ -256,7 +286,8 @@ class Corpus:
 
     @property
     def fingerprint(self) -> str:
-        """sha256 of the source file's bytes (ties buffers and checkpoints to this exact corpus)."""
+        """sha256 of the source file's bytes (a datasets folder: of its Arrow files, in order); ties buffers
+        and checkpoints to this exact corpus."""
         return self._meta["fingerprint"]
 
     def id(self, row: int) -> str:
@@ -326,6 +357,8 @@ class Corpus:
 
     def _record(self, row: int) -> tuple[str, str, str]:
         row = self._check_row(row)
+        if self._table is not None:
+            return (self.id(row), *self._table.title_text(row))
         if self._fd_pid != os.getpid():  # a forked worker must not share the parent's file position
             self._fd, self._fd_pid = os.open(self.path, os.O_RDONLY), os.getpid()
         start, end = int(self._offsets[row]), int(self._offsets[row + 1])

@@ -15,3 +15,9 @@ def data_error(path: str | Path, line: Optional[int], field: Optional[str], msg:
     where = str(path) if line is None else f"{path}:{line}"
     what = f" field '{field}':" if field is not None else ""
     return DataError(f"{where}:{what} {msg}")
+
+
+def row_ref(path: str | Path, row: int) -> str:
+    """Where a bad record of a table (parquet / datasets) is: `path: row N`, N 0-based as the corpus row;
+    pass it as `data_error`'s path with no line."""
+    return f"{path}: row {row}"
