@@ -16,7 +16,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import numpy as np
 
@@ -49,11 +49,12 @@ def source_stat(path: Path) -> SourceStat:
     return SourceStat(sum(s.st_size for s in stats), max((s.st_mtime_ns for s in stats), default=0))
 
 
-def _load_folder(path: Path):
+def load_folder(path: Path):
+    """The memory-mapped `datasets.Dataset` saved in `path` (one split: a DatasetDict is refused, naming its splits)."""
     import datasets
 
     if not (path / "state.json").is_file() and not (path / "dataset_dict.json").is_file():
-        raise data_error(path, None, None, "a folder of passages must be a datasets.save_to_disk folder "
+        raise data_error(path, None, None, "a folder must be a datasets.save_to_disk folder "
                                            "(state.json and data-*.arrow files)")
     loaded = datasets.load_from_disk(str(path))  # memory-mapped Arrow
     if isinstance(loaded, datasets.DatasetDict):
@@ -67,7 +68,7 @@ def open_dataset(path: Path, arrow_files: list[str], index_dir: Path):
     import datasets
 
     if path.is_dir():
-        return _load_folder(path)
+        return load_folder(path)
     parts = [datasets.Dataset.from_file(str(index_dir / name)) for name in arrow_files]
     return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
 
@@ -77,11 +78,19 @@ def _convert_parquet(path: Path, index_dir: Path) -> tuple[object, list[str]]:
     import datasets
     import pyarrow.lib
 
+    import pyarrow.parquet as pq
+
+    try:
+        rows = pq.ParquetFile(path).metadata.num_rows
+    except (pyarrow.lib.ArrowException, OSError) as exc:
+        raise data_error(path, None, None, f"not a readable parquet file ({type(exc).__name__}: {exc})") from None
+    if rows == 0:
+        raise data_error(path, None, None, "no passages (the dataset is empty)")
     target = index_dir / "arrow"
     shutil.rmtree(target, ignore_errors=True)  # a rebuilt index leaves no stale conversion behind
     try:
         dataset = datasets.Dataset.from_parquet(str(path), cache_dir=str(target))
-    except (pyarrow.lib.ArrowException, OSError, ValueError) as exc:
+    except (pyarrow.lib.ArrowException, OSError, ValueError, datasets.exceptions.DatasetGenerationError) as exc:
         raise data_error(path, None, None, f"not a readable parquet file ({type(exc).__name__}: {exc})") from None
     files = [os.path.relpath(f["filename"], index_dir) for f in dataset.cache_files]
     return dataset, files
@@ -117,7 +126,7 @@ def scan_arrow(path: Path, index_dir: Path, progress: Callable[[int], None] = la
     import pyarrow.compute as pc
 
     if path.is_dir():
-        dataset, arrow_files = _load_folder(path), []
+        dataset, arrow_files = load_folder(path), []
     else:
         dataset, arrow_files = _convert_parquet(path, index_dir)
     names = list(dataset.column_names)
@@ -171,6 +180,25 @@ def scan_arrow(path: Path, index_dir: Path, progress: Callable[[int], None] = la
     return ArrowScan(np.concatenate(lengths), id_blob, np.concatenate(id_lengths), digest.hexdigest(),
                      {"id_name": id_name, "text_name": text_name, "title_name": title_name,
                       "arrow_files": arrow_files})
+
+
+def table_records(path: Path) -> Iterator[tuple[int, dict]]:
+    """(row, record) of a small table (QA / query sets) from a parquet file or a datasets folder."""
+    if path.is_dir():
+        yield from enumerate(load_folder(path))
+        return
+    import pyarrow.lib
+    import pyarrow.parquet as pq
+
+    try:
+        batches = pq.ParquetFile(path).iter_batches()
+        row = 0
+        for batch in batches:
+            for record in batch.to_pylist():
+                yield row, record
+                row += 1
+    except (pyarrow.lib.ArrowException, OSError) as exc:
+        raise data_error(path, None, None, f"not a readable parquet file ({type(exc).__name__}: {exc})") from None
 
 
 class ArrowRows:

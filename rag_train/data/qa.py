@@ -1,6 +1,7 @@
 """Open-domain QA sets (NQ-open, TriviaQA, HotPotQA) as `QAExample`s, from local JSONL or the hub.
 
-Local JSONL, one object a line: `{"question", "answers": [...], "id"?, "gold_ids"?: [passage ids]}`.
+Local JSONL, one object a line: `{"question", "answers": [...], "id"?, "gold_ids"?: [passage ids]}`;
+or the same fields as columns of a parquet file or a `datasets.save_to_disk` folder.
 The field variants of the released / hub versions are accepted too: NQ-open `"answer": [...]`,
 TriviaQA `"answer": {"value", "aliases"}` and `"question_id"`, HotPotQA `"answer": "..."`.
 """
@@ -19,7 +20,8 @@ from typing import Iterator, Optional
 from tqdm.auto import tqdm
 
 from rag_train.data.corpus import Corpus
-from rag_train.data.errors import DataError, data_error
+from rag_train.data.arrow_corpus import is_arrow_source, table_records
+from rag_train.data.errors import DataError, data_error, row_ref
 
 # hub name -> (dataset repo, config) for `datasets.load_dataset`
 HUB_DATASETS = {
@@ -93,25 +95,36 @@ def qa_example_from_record(record: dict, path, line, default_id: str) -> QAExamp
     if not isinstance(question, str) or not question.strip():
         raise data_error(path, line, "question", "missing or empty")
     example_id = next((record[k] for k in ("id", "question_id", "_id") if record.get(k) is not None), default_id)
-    gold = record.get("gold_ids", [])
+    gold = record.get("gold_ids")
+    gold = [] if gold is None else gold  # a table's null is JSONL's missing key
     if not isinstance(gold, list) or not all(isinstance(g, (str, int)) and not isinstance(g, bool) for g in gold):
         raise data_error(path, line, "gold_ids", "not a list of passage ids")
     return QAExample(question=question, answers=_answers(record, path, line), id=str(example_id),
                      gold_ids=[str(g) for g in gold])
 
 
+def _local_records(path: Path) -> Iterator[tuple[str | Path, Optional[int], str, dict]]:
+    """(error path, error line, "line N" / "row N", record) of a JSONL file, a parquet file or a datasets folder."""
+    if is_arrow_source(path):
+        for row, record in table_records(path):
+            yield row_ref(path, row), None, f"row {row}", record
+    else:
+        for line_no, record in read_jsonl(path):
+            yield path, line_no, f"line {line_no}", record
+
+
 def _load_local(path: Path, corpus: Optional[Corpus], limit: Optional[int]) -> list[QAExample]:
     examples: list[QAExample] = []
-    referenced, id_lines = [], {}
-    for line_no, record in read_jsonl(path):
+    referenced, seen = [], {}
+    for where, line, label, record in _local_records(path):
         if limit is not None and len(examples) >= limit:
             break
-        example = qa_example_from_record(record, path, line_no, default_id=f"{path.stem}-{line_no}")
-        if example.id in id_lines:
-            raise data_error(path, line_no, "id", f"duplicate question id {example.id!r} (first on line {id_lines[example.id]})")
-        id_lines[example.id] = line_no
+        example = qa_example_from_record(record, where, line, default_id=f"{path.stem}-{label.split()[-1]}")
+        if example.id in seen:
+            raise data_error(where, line, "id", f"duplicate question id {example.id!r} (first on {seen[example.id]})")
+        seen[example.id] = label
         examples.append(example)
-        referenced.extend((g, path, line_no, "gold_ids") for g in example.gold_ids)
+        referenced.extend((g, where, line, "gold_ids") for g in example.gold_ids)
     if not examples:
         raise data_error(path, None, None, "no QA examples (the file is empty)")
     if corpus is not None:
@@ -168,12 +181,13 @@ def _load_hub(name: str, split: str, limit: Optional[int]) -> list[QAExample]:
 
 def load_qa(source: str | Path, split: Optional[str] = None, corpus: Optional[Corpus] = None,
             limit: Optional[int] = None) -> list[QAExample]:
-    """QA examples from a local JSONL file, or a hub name (`nq_open`, `trivia_qa`, `hotpot_qa`; split
+    """QA examples from a local JSONL file, parquet file or `datasets.save_to_disk` folder (same fields,
+    one record a row), or a hub name (`nq_open`, `trivia_qa`, `hotpot_qa`; split
     defaults to `train`). With `corpus`, every gold passage id must be in it."""
     if limit is not None and limit <= 0:
         raise DataError(f"{source}: limit must be > 0, got {limit}")
     path = Path(source)
-    if path.is_file():
+    if path.is_file() or path.is_dir():
         return _load_local(path, corpus, limit)
     if str(source) in HUB_DATASETS:
         return _load_hub(str(source), split or "train", limit)

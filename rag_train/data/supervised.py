@@ -6,7 +6,8 @@
 - MS MARCO: `queries.<split>.tsv` (`qid<TAB>text`) with `qrels.<split>.tsv` beside it, either TREC
   `qid 0 pid rel` or two columns `qid pid`; rel > 0 marks a positive.
 - BEIR: a directory with `corpus.jsonl`, `queries.jsonl` and `qrels/<split>.tsv`
-  (`query-id corpus-id score`, with a header).
+  (`query-id corpus-id score`, with a header); the hub's parquet `corpus` / `queries` work too
+  (`queries.parquet`, and `data.passages=<dir>/corpus.parquet`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 from rag_train.data.corpus import Corpus
-from rag_train.data.errors import DataError, data_error
+from rag_train.data.arrow_corpus import table_records
+from rag_train.data.errors import DataError, data_error, row_ref
 from rag_train.data.qa import check_ids_in_corpus, read_jsonl
 
 logger = logging.getLogger(__name__)
@@ -30,7 +32,7 @@ _QRELS_HEADER_FIRST = ("qid", "query-id", "query_id", "queryid", "query")
 _WHITESPACE = re.compile(r"\s*")
 _EXPECTED = ("a DPR JSON list (.json) or JSONL (.jsonl) file; an MS MARCO queries.<split>.tsv with "
              "qrels.<split>.tsv beside it, or a directory holding such pairs; or a BEIR directory with "
-             "corpus.jsonl, queries.jsonl and qrels/<split>.tsv")
+             "corpus.jsonl, queries.jsonl (or .parquet) and qrels/<split>.tsv")
 
 
 @dataclass
@@ -160,15 +162,20 @@ def _read_queries_tsv(path: Path) -> dict[str, str]:
 
 
 def _read_beir_queries(path: Path) -> dict[str, str]:
+    """`{_id, text}` records of queries.jsonl, or the same columns of queries.parquet (the hub's BEIR layout)."""
+    if path.suffix == ".parquet":
+        records = ((row_ref(path, row), None, record) for row, record in table_records(path))
+    else:
+        records = ((path, line, record) for line, record in read_jsonl(path))
     queries: dict[str, str] = {}
-    for line, record in read_jsonl(path):
+    for where, line, record in records:
         qid, question = record.get("_id", record.get("id")), record.get("text")
         if not isinstance(qid, (str, int)) or not str(qid).strip():
-            raise data_error(path, line, "_id", "missing or empty")
+            raise data_error(where, line, "_id", "missing or empty")
         if not isinstance(question, str) or not question.strip():
-            raise data_error(path, line, "text", "missing or empty")
+            raise data_error(where, line, "text", "missing or empty")
         if str(qid) in queries:
-            raise data_error(path, line, "_id", f"duplicate query id {str(qid)!r}")
+            raise data_error(where, line, "_id", f"duplicate query id {str(qid)!r}")
         queries[str(qid)] = question
     return queries
 
@@ -238,7 +245,11 @@ def _load_beir(directory: Path, split: Optional[str], corpus: Optional[Corpus],
     if not qrels.is_file():
         available = sorted(p.stem for p in (directory / "qrels").glob("*.tsv"))
         raise DataError(f"{directory}: BEIR split {split!r} has no qrels/{split}.tsv (splits here: {available})")
-    return _from_qrels(_read_beir_queries(directory / "queries.jsonl"), qrels, corpus, limit)
+    return _from_qrels(_read_beir_queries(_beir_queries(directory)), qrels, corpus, limit)
+
+
+def _beir_queries(directory: Path) -> Optional[Path]:
+    return next((p for p in (directory / "queries.jsonl", directory / "queries.parquet") if p.is_file()), None)
 
 
 def load_retrieval(source: str | Path, corpus: Optional[Corpus] = None, split: Optional[str] = None,
@@ -249,7 +260,7 @@ def load_retrieval(source: str | Path, corpus: Optional[Corpus] = None, split: O
         raise DataError(f"{source}: limit must be > 0, got {limit}")
     path = Path(source)
     if path.is_dir():
-        if (path / "queries.jsonl").is_file() and (path / "qrels").is_dir():
+        if _beir_queries(path) is not None and (path / "qrels").is_dir():
             return _load_beir(path, split, corpus, limit)
         if any(path.glob("queries.*.tsv")):
             queries, qrels = _msmarco_split(path, split)
