@@ -188,6 +188,7 @@ def test_beir_with_hub_parquet_corpus_and_queries(tmp_path):
     corpus_path = _save(beir, "corpus", _columns(_records(FIXTURES / "beir" / "corpus.jsonl"), "_id"), "parquet")
     corpus = Corpus.open(corpus_path)
     assert load_retrieval(beir, corpus=corpus) == load_retrieval(FIXTURES / "beir")
+    assert load_retrieval(beir / "qrels" / "test.tsv") == load_retrieval(FIXTURES / "beir")  # a split by its file
     pq.write_table(pa.table({"_id": ["q1", "q1"], "text": ["a", "b"]}), beir / "queries.parquet")
     with pytest.raises(DataError, match=r"queries.parquet: row 1: field '_id': duplicate query id 'q1'"):
         load_retrieval(beir)

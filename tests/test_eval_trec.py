@@ -140,3 +140,26 @@ def test_ids_that_cannot_go_in_a_trec_file_are_refused(tmp_path):
     with pytest.raises(DataError, match="query id 'q' occurs twice"):
         make_run(["q", "q"], [["a"], ["b"]], [[1.0], [1.0]])
     assert not (tmp_path / "x.trec").exists()
+
+
+def test_eval_sets_from_qa_and_supervised_files(recipe_toy_dir, tmp_path):
+    """A plain QA file (NQ-open style) evaluates by answers and its gold_ids; a DPR file by its positives;
+    the same QA rows as parquet give the same set."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from rag_train.data.corpus import Corpus
+    from rag_train.eval.retrieval import load_eval_set
+
+    corpus = Corpus.open(recipe_toy_dir / "passages.jsonl")
+    qa_rows = [json.loads(line) for line in (recipe_toy_dir / "nq-dev.jsonl").read_text().splitlines()[:5]]
+    qa = load_eval_set(recipe_toy_dir / "nq-dev.jsonl", corpus, limit=5)
+    assert qa.ids == [r["id"] for r in qa_rows] and qa.answers == [r["answers"] for r in qa_rows]
+    assert qa.qrels == [{g: 1 for g in r["gold_ids"]} for r in qa_rows]
+    pq.write_table(pa.table({k: [r[k] for r in qa_rows] for k in qa_rows[0]}), tmp_path / "nq-dev.parquet")
+    assert load_eval_set(tmp_path / "nq-dev.parquet", corpus) == qa
+
+    dpr_rows = [json.loads(line) for line in (recipe_toy_dir / "retrieval-dev.jsonl").read_text().splitlines()[:3]]
+    dpr = load_eval_set(recipe_toy_dir / "retrieval-dev.jsonl", corpus, limit=3)
+    assert dpr.qrels == [{c["passage_id"]: 1 for c in r["positive_ctxs"]} for r in dpr_rows]
+    assert dpr.questions == [r["question"] for r in dpr_rows]

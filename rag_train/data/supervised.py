@@ -7,7 +7,8 @@
   `qid 0 pid rel` or two columns `qid pid`; rel > 0 marks a positive.
 - BEIR: a directory with `corpus.jsonl`, `queries.jsonl` and `qrels/<split>.tsv`
   (`query-id corpus-id score`, with a header); the hub's parquet `corpus` / `queries` work too
-  (`queries.parquet`, and `data.passages=<dir>/corpus.parquet`).
+  (`queries.parquet`, and `data.passages=<dir>/corpus.parquet`). Naming `<dir>/qrels/<split>.tsv` picks that
+  split (e.g. `data.train=scifact/qrels/train.tsv`); the directory alone means `test`.
 """
 
 from __future__ import annotations
@@ -266,6 +267,8 @@ def load_retrieval(source: str | Path, corpus: Optional[Corpus] = None, split: O
             queries, qrels = _msmarco_split(path, split)
         else:
             raise DataError(f"{path}: a directory with neither BEIR nor MS MARCO files; expected {_EXPECTED}")
+    elif path.is_file() and path.parent.name == "qrels" and _beir_queries(path.parent.parent) is not None:
+        return _load_beir(path.parent.parent, path.stem, corpus, limit)  # a BEIR split named by its qrels file
     elif path.is_file() and path.suffix.lower() in (".json", ".jsonl"):
         return _load_dpr(path, corpus, limit)
     elif path.is_file() and path.suffix.lower() == ".tsv" and path.name.startswith("queries"):

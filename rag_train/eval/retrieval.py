@@ -41,6 +41,24 @@ class EvalSet:
             raise DataError(f"query id {duplicate!r} occurs twice; evaluation sets need unique query ids")
 
 
+def load_eval_set(source: str | Path, corpus: Corpus, limit: Optional[int] = None) -> EvalSet:
+    """A retrieval evaluation set from any supported file: a supervised set (DPR with positive_ctxs, MS MARCO
+    or BEIR judgements: recall / MRR / nDCG / MAP, and answer recall where answers are given) or a plain QA
+    set (`{question, answers}` JSONL / parquet / datasets folder, e.g. NQ-open test: answer recall)."""
+    from rag_train.data.qa import load_qa, read_jsonl
+    from rag_train.data.supervised import load_retrieval
+
+    path = Path(source)
+    first = next(read_jsonl(path), (0, {}))[1] if path.suffix.lower() == ".jsonl" and path.is_file() else None
+    if (first is not None and "positive_ctxs" not in first) or path.suffix.lower() == ".parquet" or (path / "state.json").is_file():
+        examples = load_qa(path, corpus=corpus, limit=limit)
+        return EvalSet([e.question for e in examples], [e.id for e in examples],
+                       [dict.fromkeys(e.gold_ids, 1) for e in examples], [e.answers for e in examples])
+    examples = load_retrieval(path, corpus=corpus, limit=limit)
+    return EvalSet([e.question for e in examples], [e.id for e in examples], [e.qrels() for e in examples],
+                   [e.answers for e in examples])
+
+
 @torch.inference_mode()
 def rank_passages(model: nn.Module, vectors: torch.Tensor, row_offset: int, questions: list[str], k: int,
                   batch_size: int) -> SearchResult:

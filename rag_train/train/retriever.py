@@ -23,7 +23,7 @@ from rag_train.config import RetrieverTrainConfig
 from rag_train.data.corpus import Corpus
 from rag_train.data.sources import dataset_name, resolve_data
 from rag_train.data.supervised import load_retrieval
-from rag_train.eval.retrieval import EvalSet, evaluate_retrieval
+from rag_train.eval.retrieval import evaluate_retrieval, load_eval_set
 from rag_train.models.retriever import DualEncoder
 from rag_train.losses import retrieval_scores
 from rag_train.strategies import REGISTRY, StrategyContext, Subset, build_strategy
@@ -39,10 +39,7 @@ def train_retriever(cfg: RetrieverTrainConfig) -> dict:
     corpus = Corpus.open(files.passages)
     run.check_corpus(corpus)  # k <= corpus size, same corpus on every process: before any long work
     train_set = [ex for path in files.train for ex in load_retrieval(path, corpus=corpus)][: cfg.data.max_train_examples]
-    dev_sets = {dataset_name(p): load_retrieval(p, corpus=corpus, limit=cfg.data.max_eval_examples) for p in files.dev}
-    dev_sets = {name: EvalSet([e.question for e in ex], [e.id for e in ex], [e.qrels() for e in ex],
-                              [e.answers for e in ex])
-                for name, ex in dev_sets.items()}
+    dev_sets = {dataset_name(p): load_eval_set(p, corpus, limit=cfg.data.max_eval_examples) for p in files.dev}
 
     model = DualEncoder.from_config(cfg.retriever, tokenizer=cfg.retriever.tokenizer or files.tokenizer)
     buffer_dir = ensure_buffer(run, cfg.buffer, model, corpus) if REGISTRY[cfg.strategy.name].needs_buffer else None
