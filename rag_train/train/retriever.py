@@ -134,6 +134,7 @@ def train_retriever(cfg: RetrieverTrainConfig) -> dict:
     metrics = {
         "recall": main_set.get("recall", {}),
         "mrr@10": main_set.get("mrr@10"),
+        "ndcg@10": main_set.get("ndcg@10"),
         "answer_recall": main_set.get("answer_recall", {}),
         "datasets": final,
         "reembedded_passages": strategy.embedded,
