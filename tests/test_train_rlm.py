@@ -66,8 +66,10 @@ def test_strategies_train_and_write_metrics(recipe_toy_dir, tmp_path, monkeypatc
     assert set(recall) == {"nq", "tqa", "hotpotqa"}
     if name == "closed_book":
         assert all(v is None for v in recall.values()) and calls == []  # no passages, no retriever loss
+        assert not (tmp_path / "run" / "eval").exists()
     else:
         assert all(0 <= v <= 1 for v in recall.values())
+        _check_run_file(tmp_path / "run", recipe_toy_dir, metrics)
     assert metrics["steps"] == STEPS and metrics["wall_seconds"] > 0 and metrics["strategy"] == name
     assert metrics["reembedded_passages"] == (300 * STEPS // 2 if name == "exhaustive" else 0)
     assert result["em"] == metrics["em"]
@@ -77,6 +79,28 @@ def test_strategies_train_and_write_metrics(recipe_toy_dir, tmp_path, monkeypatc
     if name == "frozen":  # never trained: the saved retriever is the warm-start one
         frozen = DualEncoder.load(tmp_path / "run" / "retriever").fingerprint()
         assert frozen == DualEncoder.load(tmp_path / "run" / "warm_start_retriever" / "retriever").fingerprint()
+
+
+def _check_run_file(run_dir: Path, toy_dir: Path, metrics: dict) -> None:
+    """The final evaluation's TREC run for nq: DPR answer recall and recall@k against the gold ids, by hand
+    from the file's rank column, equal the reported figures."""
+    from rag_train.data.corpus import Corpus
+    from rag_train.eval.metrics import has_answer
+
+    corpus = Corpus.open(toy_dir / "passages.jsonl")
+    ranked: dict[str, list[str]] = {}
+    for line in (run_dir / "eval" / f"step-{STEPS}" / "nq.trec").read_text().splitlines():
+        qid, _, docid, rank, _, _ = line.split()
+        ranked.setdefault(qid, []).append(docid)
+        assert int(rank) == len(ranked[qid])
+    questions = {r["id"]: r for r in map(json.loads, (toy_dir / "nq-dev.jsonl").read_text().splitlines())}
+    assert len(ranked) == 8 and all(len(docs) == TOP_K for docs in ranked.values())
+    hits = [any(has_answer(corpus.text(corpus.row(d)), questions[q]["answers"]) for d in docs)
+            for q, docs in ranked.items()]
+    assert metrics[f"answer_recall@{TOP_K}"]["nq"] == pytest.approx(sum(hits) / len(hits), abs=1e-12)
+    final = metrics["history"][-1]["nq"]
+    gold = [len(set(questions[q]["gold_ids"]) & set(docs)) / len(questions[q]["gold_ids"]) for q, docs in ranked.items()]
+    assert final[f"recall@{TOP_K}"] == pytest.approx(sum(gold) / len(gold), abs=1e-12)
 
 
 def test_corrector_trains_on_its_deeper_candidates(recipe_toy_dir, tmp_path, monkeypatch):
