@@ -9,11 +9,17 @@ import sys
 from pathlib import Path
 
 import ir_measures
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import pytrec_eval
+import torch
 
+from rag_train.buffer.search import SearchResult
 from rag_train.config import RetrieverTrainConfig, load_config
+from rag_train.data.corpus import Corpus
 from rag_train.data.errors import DataError
+from rag_train.eval.retrieval import EvalSet, load_eval_set, retrieval_metrics
 from rag_train.eval.metrics import ranking_metrics
 from rag_train.eval.trec import make_run, write_qrels, write_run
 from rag_train.train.retriever import train_retriever
@@ -145,12 +151,6 @@ def test_ids_that_cannot_go_in_a_trec_file_are_refused(tmp_path):
 def test_eval_sets_from_qa_and_supervised_files(recipe_toy_dir, tmp_path):
     """A plain QA file (NQ-open style) evaluates by answers and its gold_ids; a DPR file by its positives;
     the same QA rows as parquet give the same set."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    from rag_train.data.corpus import Corpus
-    from rag_train.eval.retrieval import load_eval_set
-
     corpus = Corpus.open(recipe_toy_dir / "passages.jsonl")
     qa_rows = [json.loads(line) for line in (recipe_toy_dir / "nq-dev.jsonl").read_text().splitlines()[:5]]
     qa = load_eval_set(recipe_toy_dir / "nq-dev.jsonl", corpus, limit=5)
@@ -163,3 +163,13 @@ def test_eval_sets_from_qa_and_supervised_files(recipe_toy_dir, tmp_path):
     dpr = load_eval_set(recipe_toy_dir / "retrieval-dev.jsonl", corpus, limit=3)
     assert dpr.qrels == [{c["passage_id"]: 1 for c in r["positive_ctxs"]} for r in dpr_rows]
     assert dpr.questions == [r["question"] for r in dpr_rows]
+
+
+def test_ids_with_spaces_keep_their_metrics_and_skip_the_file(tmp_path, caplog):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"id": "a b", "text": "one"}\n{"id": "c", "text": "two"}\n')
+    corpus = Corpus.open(path)
+    ranked = SearchResult(scores=torch.tensor([[0.9, 0.1]]), rows=torch.tensor([[0, 1]]))
+    out = retrieval_metrics(corpus, ranked, EvalSet(["q"], ["q1"], [{"a b": 1}], [["one"]]), [1], tmp_path, "dev")
+    assert out["recall"] == {"1": 1.0} and out["answer_recall"] == {"1": 1.0}
+    assert not (tmp_path / "dev.trec").exists() and "passage id 'a b'" in caplog.text

@@ -5,6 +5,7 @@ numbers can be checked, and extended, with ir_measures / pytrec_eval / trec_eval
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -17,9 +18,12 @@ from rag_train.buffer.embed import embed_local_shard
 from rag_train.buffer.search import SearchResult, search
 from rag_train.data.corpus import Corpus
 from rag_train.data.errors import DataError
+from rag_train.data.qa import load_qa, read_jsonl
+from rag_train.data.supervised import load_retrieval
 from rag_train.eval.metrics import answer_recall_at_k, ranking_metrics
 from rag_train.eval.trec import Run, make_run, write_qrels, write_run
 
+logger = logging.getLogger(__name__)
 MRR_DEPTH = 10  # MRR@10 and nDCG@10 need at least ten ranked passages
 
 
@@ -36,21 +40,21 @@ class EvalSet:
     def __post_init__(self) -> None:
         if len(self.ids) != len(self.questions):
             raise ValueError(f"{len(self.questions)} questions but {len(self.ids)} ids")
-        if len(set(self.ids)) != len(self.ids):
-            duplicate = next(qid for i, qid in enumerate(self.ids) if qid in self.ids[:i])
-            raise DataError(f"query id {duplicate!r} occurs twice; evaluation sets need unique query ids")
+        seen: set[str] = set()
+        for qid in self.ids:
+            if qid in seen:
+                raise DataError(f"query id {qid!r} occurs twice; evaluation sets need unique query ids")
+            seen.add(qid)
 
 
 def load_eval_set(source: str | Path, corpus: Corpus, limit: Optional[int] = None) -> EvalSet:
     """A retrieval evaluation set from any supported file: a supervised set (DPR with positive_ctxs, MS MARCO
     or BEIR judgements: recall / MRR / nDCG / MAP, and answer recall where answers are given) or a plain QA
     set (`{question, answers}` JSONL / parquet / datasets folder, e.g. NQ-open test: answer recall)."""
-    from rag_train.data.qa import load_qa, read_jsonl
-    from rag_train.data.supervised import load_retrieval
-
     path = Path(source)
     first = next(read_jsonl(path), (0, {}))[1] if path.suffix.lower() == ".jsonl" and path.is_file() else None
-    if (first is not None and "positive_ctxs" not in first) or path.suffix.lower() == ".parquet" or (path / "state.json").is_file():
+    plain_qa = first is not None and "positive_ctxs" not in first
+    if plain_qa or path.suffix.lower() == ".parquet" or (path / "state.json").is_file():
         examples = load_qa(path, corpus=corpus, limit=limit)
         return EvalSet([e.question for e in examples], [e.id for e in examples],
                        [dict.fromkeys(e.gold_ids, 1) for e in examples], [e.answers for e in examples])
@@ -99,9 +103,12 @@ def retrieval_metrics(corpus: Corpus, ranked: SearchResult, data: EvalSet, ks: l
         out["answer_recall"] = {str(k): v for k, v in
                                 answer_recall_at_k(texts, [data.answers[i] for i in answered], ks).items()}
     if out_dir is not None:
-        write_run(Path(out_dir) / f"{name}.trec", run)
-        if qrels:
-            write_qrels(Path(out_dir) / f"{name}.qrels", qrels)
+        try:
+            write_run(Path(out_dir) / f"{name}.trec", run)
+            if qrels:
+                write_qrels(Path(out_dir) / f"{name}.qrels", qrels)
+        except DataError as exc:  # TREC files cannot hold ids with spaces: keep the metrics, say why no file
+            logger.warning("%s: no TREC run file written: %s", name, exc)
     return out
 
 
