@@ -122,6 +122,7 @@ def test_malformed_tables_name_file_row_field(tmp_path, fmt, columns, where, fie
     what = f" field '{field}':" if field else ""
     with pytest.raises(DataError, match=f"^{path}{where}:{what} {message}"):
         Corpus.open(path)
+    assert not path.with_name(path.name + ".index").exists()  # nothing a later run could trust
 
 
 def test_not_a_dataset_folder_a_datasetdict_and_a_broken_parquet(tmp_path):

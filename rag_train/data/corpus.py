@@ -22,6 +22,7 @@ import csv
 import hashlib
 import json
 import os
+import shutil
 from array import array
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -187,6 +188,16 @@ def _scan_table(path: Path, index_dir: Path, stat) -> tuple[np.ndarray, bytearra
 
 def _build_index(path: Path, index_dir: Path, stat) -> None:
     """Scan the source once (validating every row) and write the memmappable index."""
+    try:
+        _write_index(path, index_dir, stat)
+    except DataError:  # a bad source leaves no index (nor a parquet conversion) a later run could trust
+        shutil.rmtree(index_dir / "arrow", ignore_errors=True)
+        if index_dir.is_dir() and not any(index_dir.iterdir()):
+            index_dir.rmdir()
+        raise
+
+
+def _write_index(path: Path, index_dir: Path, stat) -> None:
     if is_arrow_source(path):
         offsets_np, id_blob, id_lengths, fingerprint, layout = _scan_table(path, index_dir, stat)
     else:
