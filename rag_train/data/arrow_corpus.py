@@ -77,7 +77,6 @@ def _convert_parquet(path: Path, index_dir: Path) -> tuple[object, list[str]]:
     """parquet -> Arrow files under `<index>/arrow` (one pass by `datasets`); (dataset, files relative to index)."""
     import datasets
     import pyarrow.lib
-
     import pyarrow.parquet as pq
 
     try:
