@@ -241,6 +241,46 @@ class TrainConfig:
 
 
 @dataclass
+class BatchingConfig:
+    """How Algorithm 1 turns one optimizer step's global batch into a gradient under a memory cap (seed 002).
+
+    `name` picks one option of `rag_train/train/batching/` (each one file; it says which keys it reads and
+    which strategies it takes, checked before any work):
+      plain      — the whole batch in one forward (K = 1, no bank): the in-batch / subset softmax of seed 000;
+      grad_accum — K micro-batches, each one's loss over its own passages only, averaged (not the big batch's
+                   gradient: fewer negatives per query);
+      grad_cache — representations of all K chunks without gradient, the full-batch loss on them, its gradient
+                   per representation cached, each chunk re-encoded with gradient: exactly the full-batch gradient;
+      cont_accum — K micro-batches plus FIFO banks of past query / positive / hard-negative vectors that join
+                   each micro-batch's softmax as rows and columns (banked queries are loss rows).
+    `train.batch_size` stays the global batch of one optimizer step (N_total); each micro-batch holds
+    batch_size / micro_batches of it (N_local x processes).
+    """
+
+    name: str = "plain"
+    micro_batches: int = 1  # K: micro-batches per optimizer step (grad_accum, grad_cache, cont_accum)
+    bank_size: int = 0  # M: cont_accum's bank capacity, in training triples (0 = no bank: grad_accum's loss)
+    # cont_accum: banked queries are loss rows with their banked positives (the paper); false = a passage-only bank
+    # (pre-batch negatives, the paper's ablation without M_q: the passage tower's gradient then dwarfs the query's)
+    bank_queries: bool = True
+    # cont_accum: bank, per banked query, its hardest non-positive passage of the subset (seed 002's M_h); a query
+    # whose subset has none (in_batch without extra negatives) leaves its slot empty (masked)
+    bank_hard_negatives: bool = True
+    # cont_accum: a column holding the row's own positive passage (same corpus row) that is not its label column
+    # is left out of that row's softmax (the paper does not mask; duplicates then count as negatives)
+    mask_false_negatives: bool = False
+    # CUDA: torch.cuda.set_per_process_memory_fraction (an explicit cap: exceeding it is an OOM); 0 = no cap.
+    # Peak memory per step is logged either way (CUDA: max allocated; CPU: the process's peak RSS).
+    memory_fraction: float = 0.0
+
+    def __post_init__(self) -> None:
+        _positive("batching", "micro_batches", self.micro_batches)
+        _positive("batching", "bank_size", self.bank_size, allow_zero=True)
+        if not 0 <= self.memory_fraction <= 1:
+            raise ConfigError(f"batching.memory_fraction={self.memory_fraction} must be in [0, 1] (0 = no cap)")
+
+
+@dataclass
 class EvalConfig:
     batch_size: int = 64
     recall_at: list[int] = field(default_factory=lambda: [1, 5, 10, 20, 100])
@@ -265,6 +305,7 @@ class RetrieverTrainConfig:
     retriever: RetrieverConfig = field(default_factory=RetrieverConfig)
     buffer: BufferConfig = field(default_factory=BufferConfig)
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    batching: BatchingConfig = field(default_factory=BatchingConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
 

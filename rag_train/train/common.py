@@ -371,8 +371,14 @@ def auxiliary_params(optimizer) -> list:
 
 
 def optimizer_step(accelerator: Accelerator, loss: torch.Tensor, params: list, optimizer, scheduler,
-                   guard: NonFiniteGuard, max_grad_norm: float, aux: Optional[torch.Tensor] = None) -> bool:
+                   guard: NonFiniteGuard, max_grad_norm: float, aux: Optional[torch.Tensor] = None,
+                   backward: bool = True, on_gradients: Optional[Callable[[], None]] = None) -> bool:
     """Backward of `loss` (+ `aux`), clip, step — with the numerical-fault rules of `NonFiniteGuard`.
+
+    `backward=False`: the caller has already back-propagated (several backward passes per step: the
+    micro-batches of `train.batching`), and `loss` / `aux` are only checked. `on_gradients()` runs between
+    the backward and the clipping (per-tower gradient norms); not under DeepSpeed, whose engine steps inside
+    its backward.
 
     `aux` is an auxiliary loss computed from detached encoder outputs (the corrector's): its gradient
     reaches only the optimizer groups marked `auxiliary`. Those are left out of the clipping norm, so a
@@ -381,12 +387,17 @@ def optimizer_step(accelerator: Accelerator, loss: torch.Tensor, params: list, o
     backward (DDP needs it) and the decision is reduced over processes, so all of them take the same one.
     Under DeepSpeed see `_deepspeed_step`."""
     if deepspeed_stage(accelerator) is not None:
+        if not backward:
+            raise ConfigError("several backward passes per optimizer step (batching.micro_batches > 1) cannot run "
+                              "under DeepSpeed, whose engine steps inside each backward; use batching.name=plain")
         return _deepspeed_step(accelerator, loss, guard, aux)
     aux_params = auxiliary_params(optimizer)
     aux_ids = {id(p) for p in aux_params}
     main_params = [p for p in params if id(p) not in aux_ids]
-    total = loss if aux is None else loss + aux
-    accelerator.backward(total)
+    if backward:
+        accelerator.backward(loss if aux is None else loss + aux)
+    if on_gradients is not None:
+        on_gradients()
     main_norm = _finite_norm(main_params, max_grad_norm, accelerator)
     aux_norm = _finite_norm(aux_params, 0.0, accelerator) if aux_params else torch.zeros(())  # checked, not clipped
     aux_value = aux.detach().float().cpu() if aux is not None else torch.zeros(())

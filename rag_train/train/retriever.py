@@ -8,33 +8,45 @@ Per step, for a batch of (question x_i, positive y_i):
      it, e.g. the negative cache's surrogate); auxiliary loss (the corrector's) on the same subset;
   4. one optimizer step; then the strategy updates its own state (refresh, FIFO, ...).
 
+How the global batch reaches the gradient is `batching.name` (rag_train/train/batching/, seed 002): in one
+forward (plain), or as K micro-batches under a memory cap — GradAccum, GradCache (the exact full-batch
+gradient), ContAccum (memory banks of past queries and passages).
+
 The retriever and the strategy's corrector are parts of ONE prepared module (`Trainable`, one optimizer) whose
 forward is steps 2-3, as in the RLM recipe: the same loop runs on one process, under DDP and DeepSpeed ZeRO.
 """
 
 from __future__ import annotations
 
+import os
 import time
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from rag_train.config import RetrieverTrainConfig
+from rag_train.config import ConfigError, RetrieverTrainConfig
 from rag_train.data.corpus import Corpus
 from rag_train.data.sources import dataset_name, resolve_data
 from rag_train.data.supervised import load_retrieval
 from rag_train.eval.retrieval import evaluate_retrieval, load_eval_set
 from rag_train.models.retriever import DualEncoder
-from rag_train.losses import retrieval_scores
-from rag_train.strategies import REGISTRY, StrategyContext, Subset, build_strategy
+from rag_train.strategies import REGISTRY, StrategyContext, build_strategy
+from rag_train.train.batching import MicroBatch, StepParts, check_batching, tower_grad_norms
 from rag_train.train.common import TrainingRun, global_batch, linear_warmup, local_slice, optimizer_step
-from rag_train.train.trainable import Trainable, full_weights, save_parts
-from rag_train.train.stages import ensure_buffer, gather_with_grad, my_share
+from rag_train.train.memory import PeakMemory
+from rag_train.train.trainable import Trainable, deepspeed_stage, full_weights, save_parts
+from rag_train.train.stages import ensure_buffer
 
 
 def train_retriever(cfg: RetrieverTrainConfig) -> dict:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    option = check_batching(cfg.batching, REGISTRY[cfg.strategy.name], cfg.train.batch_size, world)  # before any work
     run = TrainingRun(cfg, "retriever")
     acc = run.accelerator
+    if option.own_backward and deepspeed_stage(acc) is not None:
+        raise ConfigError(f"batching.name={cfg.batching.name!r} runs several backward passes per optimizer step, which "
+                          "DeepSpeed's engine (it steps inside each backward) cannot; use batching.name=plain")
     files = resolve_data(cfg.data, acc, ["retrieval-train"], ["retrieval-dev"])
     corpus = Corpus.open(files.passages)
     run.check_corpus(corpus)  # k <= corpus size, same corpus on every process: before any long work
@@ -53,10 +65,16 @@ def train_retriever(cfg: RetrieverTrainConfig) -> dict:
     trainable, optimizer, scheduler = run.prepare(Trainable(retriever=model, **strategy.modules()), optimizer, scheduler)
     model = ctx.model = acc.unwrap_model(trainable).retriever  # the same module, on the device
     ctx.gather = lambda *modules: full_weights(acc, trainable, *modules)
+    batching = option(cfg.batching, StepParts(acc, trainable, model, strategy, corpus, cfg.train.temperature))
     guard = run.guard
     step = run.resume()
     if step:
         strategy.load(run.latest_checkpoint())
+        batching.load(run.latest_checkpoint())
+
+    def save_state(directory) -> None:
+        strategy.save(directory)
+        batching.save(directory)
 
     history = []
 
@@ -73,62 +91,52 @@ def train_retriever(cfg: RetrieverTrainConfig) -> dict:
         run.log(flat_metrics(history[-1]), step)
         return time.time() - eval_started
 
-    def losses(parts: Trainable, questions: list[str], passages: list[dict], subset: Subset) -> dict:
-        """Steps 2-3: everything with a gradient, run as the prepared module's forward."""
-        # 2. fresh f(x) and g(y), y in S: each process encodes 1/N of S, gathered with gradient
-        queries, passage_part = parts.retriever(questions, passages)
-        vectors = gather_with_grad(passage_part, len(subset.rows), acc)
-        # 3. losses over the subset
-        scores = retrieval_scores(queries, vectors)
-        task_loss, logged = strategy.task_loss(scores, subset)
-        aux = strategy.auxiliary_loss(queries.detach(), subset.rows, vectors.detach(), scores.detach())
-        return {"loss": task_loss, "aux": aux, "logged": logged}
-
     if cfg.train.eval_every and step == 0:
         record_eval()
     first_step, started, eval_seconds = step, time.time(), 0.0
     bar = tqdm(total=cfg.train.steps, initial=step, desc="retriever", disable=not acc.is_main_process)
+    memory, micro = PeakMemory(acc.device, cfg.batching.memory_fraction), cfg.batching.micro_batches
+    peak_memory = 0.0
     while step < cfg.train.steps:
-        batch = [train_set[i] for i in local_slice(global_batch(len(train_set), cfg.train.batch_size, cfg.train.seed, step), acc)]
-        questions = [ex.question for ex in batch]
-        positives = torch.as_tensor(corpus.rows([ex.positive_ids[0] for ex in batch]))
+        memory.reset()
+        indices = global_batch(len(train_set), cfg.train.batch_size, cfg.train.seed, step)
+        micro_batches = []  # K contiguous parts of the global batch, each split over the processes
+        for part in np.split(indices, micro):
+            batch = [train_set[i] for i in local_slice(part, acc)]
+            positives = torch.as_tensor(corpus.rows([ex.positive_ids[0] for ex in batch]))
+            micro_batches.append(MicroBatch([ex.question for ex in batch], positives))
 
-        # 1. the passage subset, from query vectors without gradient (same questions, eval mode)
-        with torch.no_grad():
-            ctx.model.eval()
-            query_probe = ctx.model.encode_queries(questions).float()
-            ctx.model.train()
-        subset = strategy.subset(query_probe, positives)
-
-        # 2.-3. fresh vectors and the losses, in one forward of the prepared module
-        mine = my_share(subset.rows, acc)
-        out = trainable(losses, questions, corpus.passages(mine.tolist()), subset)
-        task_loss, aux, logged = out["loss"], out["aux"], out["logged"]
+        # 1.-3. subsets, fresh vectors and losses (back-propagated by the option when it takes several passes)
+        out = batching.step(micro_batches)
+        grad_norms = {}
 
         # 4. update (a non-finite step is skipped; a diverged corrector skips only its own update), then let the
         # strategy refresh its state with the new parameters
-        optimizer_step(acc, task_loss, list(model.parameters()), optimizer, scheduler, guard, cfg.train.max_grad_norm,
-                       aux=aux)
+        optimizer_step(acc, out.loss, list(model.parameters()), optimizer, scheduler, guard, cfg.train.max_grad_norm,
+                       aux=out.aux, backward=not out.backward_done,
+                       on_gradients=lambda: grad_norms.update(tower_grad_norms(model)))
         step += 1
         strategy.after_step(step)
         bar.update(1)
+        step_peak = memory.peak_mib()
+        peak_memory = max(peak_memory, step_peak)
 
         if step % cfg.train.log_every == 0 or step == cfg.train.steps:
-            values = {"loss": task_loss.item(), "subset": len(subset.rows), "embedded": strategy.embedded,
-                      **guard.counts(), **logged}
-            if aux is not None:
-                values["corrector_loss"] = aux.item()
+            values = {"loss": out.loss.item(), "subset": out.columns, "embedded": strategy.embedded,
+                      "peak_memory_mib": step_peak, **grad_norms, **guard.counts(), **out.logged}
+            if out.aux is not None:
+                values["corrector_loss"] = out.aux.item()
             run.log(values, step)
             bar.set_postfix(loss=f"{values['loss']:.3f}")
         if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < cfg.train.steps:
             eval_seconds += record_eval()
         if cfg.train.save_every and step % cfg.train.save_every == 0 and step < cfg.train.steps:
-            run.save(step, extra=strategy.save)
+            run.save(step, extra=save_state)
     bar.close()
     train_seconds = time.time() - started - eval_seconds  # training steps only: evaluations left out
 
     final = evaluate()
-    run.save(step, extra=strategy.save)
+    run.save(step, extra=save_state)
     save_parts(acc, trainable, {"retriever": lambda m: m.save(run.dir / "retriever")})
     main_set = next(iter(final.values()))
     metrics = {
@@ -141,6 +149,8 @@ def train_retriever(cfg: RetrieverTrainConfig) -> dict:
         "steps": step,
         "steps_per_second": (step - first_step) / train_seconds if step > first_step else None,
         "strategy": cfg.strategy.name,
+        "batching": cfg.batching.name,
+        "peak_memory_mib": peak_memory,  # over this process's steps (CPU: peak RSS; CUDA: max allocated)
         "history": history,
     }
     run.log(flat_metrics({"step": step, **final}), step)

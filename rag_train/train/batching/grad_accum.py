@@ -1,0 +1,42 @@
+"""`batching.name=grad_accum`: K micro-batches, each one's loss over its OWN passages only (its own subset: its
+positives, the strategy's negatives for its questions), back-propagated with weight 1/K; one optimizer step.
+
+Seed 002's weak baseline: the gradient is the mean of K small-batch gradients, not the big batch's (each query
+sees 1/K of the negatives). Takes every strategy: each micro-batch is an Algorithm-1 batch of its own."""
+
+from __future__ import annotations
+
+from rag_train.config import BatchingConfig, ConfigError
+from rag_train.strategies.base import Strategy
+from rag_train.train.batching.base import (BatchingOption, MicroBatch, StepResult, mean_logged, my_passages, propose,
+                                           subset_losses, synced_on_last)
+
+
+class GradAccum(BatchingOption):
+    name = "grad_accum"
+    keys = ("micro_batches",)
+
+    @classmethod
+    def check(cls, cfg: BatchingConfig, strategy: type[Strategy], world: int) -> None:
+        if cfg.micro_batches < 2:
+            raise ConfigError("batching.name=grad_accum needs batching.micro_batches >= 2 (K = 1 is plain)")
+
+    def step(self, micro_batches: list[MicroBatch]) -> StepResult:
+        parts, count = self.parts, len(micro_batches)
+        losses, auxes, logged, columns = [], [], [], 0
+        for k, batch in enumerate(micro_batches):
+            subset = propose(parts, batch)
+            with synced_on_last(parts, k, count):
+                out = parts.trainable(subset_losses, parts, batch.questions, my_passages(parts, subset), subset)
+                total = out["loss"] if out["aux"] is None else out["loss"] + out["aux"]
+                parts.accelerator.backward(total / count)
+            losses.append(out["loss"].detach())
+            if out["aux"] is not None:
+                auxes.append(out["aux"].detach())
+            logged.append(out["logged"])
+            columns += len(subset.rows)
+        return StepResult(sum(losses) / count, sum(auxes) / count if auxes else None, backward_done=True,
+                          columns=columns / count, logged=mean_logged(logged))
+
+
+OPTION = GradAccum
