@@ -50,3 +50,18 @@ def cell(values: list[float], scale: float = 100.0, digits: int = 1) -> str:
         return "-"
     mean, std = mean_std([scale * v for v in values])
     return f"{mean:.{digits}f}" if std is None else f"{mean:.{digits}f} ± {std:.{digits}f}"
+
+
+def batching_table(results: dict[str, list[dict]]) -> str:
+    """Markdown table of `train.batching` runs ({label: metrics of each seed}): recall@k and MRR@10 as mean ± std
+    over seeds, steps/s (training steps only) and peak memory (the recipe's `peak_memory_mib`)."""
+    first = next(iter(results.values()))[0]
+    ks = sorted(first["recall"], key=int)
+    lines = ["| setup | " + " | ".join(f"R@{k}" for k in ks) + " | MRR@10 | steps/s | peak MiB |",
+             "|---|" + "---|" * (len(ks) + 3)]
+    for label, runs in results.items():
+        recalls = " | ".join(cell([r["recall"][k] for r in runs]) for k in ks)
+        speed = statistics.mean(r["steps_per_second"] for r in runs)
+        memory = max(r["peak_memory_mib"] for r in runs)
+        lines.append(f"| {label} | {recalls} | {cell([r['mrr@10'] for r in runs])} | {speed:.2f} | {memory:.0f} |")
+    return "\n".join(lines)

@@ -36,12 +36,13 @@ class Banks:
     Preallocated (memory flat whatever the step), never part of a graph. Slots fill 0, 1, ...; once full the
     oldest slot is overwritten, so the occupied slots are always the first `size`."""
 
-    def __init__(self, capacity: int, dim: int, device: torch.device, hard_negatives: bool):
+    def __init__(self, capacity: int, dim: int, device: torch.device, hard_negatives: bool,
+                 dtype: torch.dtype = torch.float32):
         self.capacity = capacity
-        self.q = torch.zeros(capacity, dim, device=device)
-        self.p = torch.zeros(capacity, dim, device=device)
+        self.q = torch.zeros(capacity, dim, device=device, dtype=dtype)
+        self.p = torch.zeros(capacity, dim, device=device, dtype=dtype)
         self.p_rows = torch.full((capacity,), -1, dtype=torch.long, device=device)
-        self.h = torch.zeros(capacity, dim, device=device) if hard_negatives else None
+        self.h = torch.zeros(capacity, dim, device=device, dtype=dtype) if hard_negatives else None
         self.h_rows = torch.full((capacity,), -1, dtype=torch.long, device=device) if hard_negatives else None
         self.size = 0
         self.next = 0  # the slot written next: the oldest once full
@@ -98,7 +99,8 @@ class ContAccum(BatchingOption):
 
     def __init__(self, cfg: BatchingConfig, parts: StepParts):
         super().__init__(cfg, parts)
-        self.banks = Banks(cfg.bank_size, parts.model.dim, parts.accelerator.device, cfg.bank_hard_negatives)
+        dtype = next(parts.model.parameters()).dtype  # fp32 under mixed precision (the weights' dtype)
+        self.banks = Banks(cfg.bank_size, parts.model.dim, parts.accelerator.device, cfg.bank_hard_negatives, dtype)
 
     @classmethod
     def check(cls, cfg: BatchingConfig, strategy: type[Strategy], world: int) -> None:

@@ -5,20 +5,12 @@ backward, runs this option). Takes every strategy."""
 
 from __future__ import annotations
 
-from rag_train.config import BatchingConfig, ConfigError
-from rag_train.strategies.base import Strategy
 from rag_train.train.batching.base import BatchingOption, MicroBatch, StepResult, my_passages, propose, subset_losses
 
 
 class Plain(BatchingOption):
     name = "plain"
     own_backward = False
-
-    @classmethod
-    def check(cls, cfg: BatchingConfig, strategy: type[Strategy], world: int) -> None:
-        if cfg.micro_batches != 1:
-            raise ConfigError(f"batching.name=plain takes batching.micro_batches=1 (got {cfg.micro_batches}); "
-                              "for micro-batches choose grad_accum, grad_cache or cont_accum")
 
     def step(self, micro_batches: list[MicroBatch]) -> StepResult:
         (batch,) = micro_batches

@@ -1,0 +1,16 @@
+"""Launched by tests/test_batching.py with `accelerate launch --multi_gpu --num_processes 2`: runs the retriever
+recipe once per batching option in one process group. argv: CONFIG, then a JSON {name: [key=value, ...]}."""
+
+import json
+import sys
+
+from accelerate import PartialState
+
+from rag_train.config import RetrieverTrainConfig, load_config
+from rag_train.train.retriever import train_retriever
+
+if __name__ == "__main__":
+    config, runs = sys.argv[1], json.loads(sys.argv[2])
+    for overrides in runs.values():
+        train_retriever(load_config(RetrieverTrainConfig, config, [str(item) for item in overrides]))
+    PartialState().destroy_process_group()

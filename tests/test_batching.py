@@ -1,0 +1,288 @@
+"""Algorithm 1's batching options (seed 002) against independent references, in float64 with dropout off:
+GradCache = the full-batch gradient = sentence-transformers' CachedMultipleNegativesRankingLoss; ContAccum
+with no bank = plain / GradAccum; the oracle-bank identity (and its failure for a passage-only bank); the
+bank invariants; config checks; resume with banks; 2 processes = 1 process for every option."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from accelerate import Accelerator
+from torch import nn
+
+from rag_train.config import BatchingConfig, BufferConfig, ConfigError, RetrieverConfig, StrategyConfig, TinyModelConfig
+from rag_train.data.corpus import Corpus
+from rag_train.data.supervised import load_retrieval
+from rag_train.models.retriever import DualEncoder, format_passage
+from rag_train.strategies import REGISTRY, StrategyContext
+from rag_train.train.batching import OPTIONS, MicroBatch, StepParts, check_batching
+from rag_train.train.batching.cont_accum import Banks
+from rag_train.train.retriever import train_retriever
+from rag_train.train.trainable import Trainable
+from conftest import launch_command
+from test_train_retriever import CONFIG, ROOT, config, overrides, weights
+
+TEMPERATURE = 0.05  # sentence-transformers' scale 20
+
+
+@pytest.fixture(scope="module")
+def world(recipe_toy_dir):
+    """The toy corpus and 8 training examples with distinct positives (no duplicate columns)."""
+    corpus = Corpus.open(recipe_toy_dir / "passages.jsonl")
+    picked, seen = [], set()
+    for example in load_retrieval(recipe_toy_dir / "retrieval-train.jsonl", corpus=corpus):
+        if example.positive_ids[0] not in seen:
+            seen.add(example.positive_ids[0])
+            picked.append(example)
+        if len(picked) == 8:
+            break
+    return recipe_toy_dir, corpus, picked
+
+
+def tiny_model(toy_dir: Path, shared: bool = False) -> DualEncoder:
+    """A float64 tiny dual encoder without dropout (exactness needs the same function in every pass)."""
+    cfg = RetrieverConfig(shared_towers=shared, max_query_length=128, max_passage_length=128,
+                          tiny=TinyModelConfig(d_model=16, d_ff=32, d_kv=4, num_heads=2, num_layers=1))
+    model = DualEncoder.from_config(cfg, tokenizer=str(toy_dir / "tokenizer"), seed=3).double()
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "dropout", None), float):  # T5Attention's functional dropout
+            module.dropout = 0.0
+    return model
+
+
+def step_parts(model: DualEncoder, corpus: Corpus, uniform: int = 0) -> StepParts:
+    accelerator = Accelerator(cpu=True)
+    strategy_cfg = StrategyConfig(name="in_batch", top_k=1, uniform_negatives=uniform)
+    ctx = StrategyContext(accelerator, model, corpus, BufferConfig(), None, TEMPERATURE, seed=0)
+    return StepParts(accelerator, Trainable(retriever=model), model, REGISTRY["in_batch"](strategy_cfg, ctx), corpus,
+                     TEMPERATURE)
+
+
+def micro_batches(corpus: Corpus, examples: list, count: int) -> list[MicroBatch]:
+    rows = torch.as_tensor(corpus.rows([ex.positive_ids[0] for ex in examples]))
+    size = len(examples) // count
+    return [MicroBatch([ex.question for ex in examples[i : i + size]], rows[i : i + size])
+            for i in range(0, len(examples), size)]
+
+
+def gradients(model: nn.Module) -> dict[str, torch.Tensor]:
+    out = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def run_option(name: str, model: DualEncoder, corpus: Corpus, batches: list[MicroBatch], uniform: int = 0,
+               **keys) -> tuple[float, dict[str, torch.Tensor]]:
+    """One step of option `name` on fresh strategy state: (loss, gradients)."""
+    model.zero_grad(set_to_none=True)
+    option = OPTIONS[name](BatchingConfig(name=name, micro_batches=len(batches), **keys),
+                           step_parts(model, corpus, uniform))
+    out = option.step(batches)
+    if not out.backward_done:
+        out.loss.backward()
+    return out.loss.item(), gradients(model)
+
+
+def assert_same(a: dict, b: dict, rtol: float = 1e-9, atol: float = 1e-12, scale: float = 1.0) -> None:
+    assert a.keys() == b.keys() and a
+    for key in a:
+        torch.testing.assert_close(a[key], b[key] * scale, rtol=rtol, atol=atol, msg=key)
+
+
+# -- GradCache -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("uniform", [0, 2])
+def test_grad_cache_is_the_full_batch_gradient(world, uniform):
+    """K = 4 chunks of 2 vs one forward of 8 (plain), with and without uniform negatives in the subset."""
+    toy_dir, corpus, examples = world
+    model = tiny_model(toy_dir)
+    full_loss, full = run_option("plain", model, corpus, micro_batches(corpus, examples, 1), uniform)
+    cached_loss, cached = run_option("grad_cache", model, corpus, micro_batches(corpus, examples, 4), uniform)
+    assert cached_loss == pytest.approx(full_loss, rel=1e-12)
+    assert_same(cached, full)
+    _, accumulated = run_option("grad_accum", model, corpus, micro_batches(corpus, examples, 4), uniform)
+    assert max(float((accumulated[k] - full[k]).abs().max()) for k in full) > 1e-6  # GradAccum is not it
+
+
+def test_grad_cache_matches_sentence_transformers_cached_mnrl(world):
+    """A reference written by others: sentence-transformers' GradCache loss (scale 20 = 1 / temperature 0.05,
+    cosine similarity = dot product of our normalised vectors) on a shared-tower model."""
+    from sentence_transformers.sentence_transformer.losses import CachedMultipleNegativesRankingLoss
+
+    toy_dir, corpus, examples = world
+    model = tiny_model(toy_dir, shared=True)
+    tower = model.query_encoder
+    tower.max_seq_length = 128
+    ours_loss, ours = run_option("grad_cache", model, corpus, micro_batches(corpus, examples, 4))
+
+    questions = [ex.question for ex in examples]
+    passages = [format_passage(p) for p in corpus.passages(corpus.rows([ex.positive_ids[0] for ex in examples]).tolist())]
+    reference = CachedMultipleNegativesRankingLoss(tower, scale=1 / TEMPERATURE, mini_batch_size=3)
+    loss = reference([tower.preprocess(questions), tower.preprocess(passages)], None)
+    loss.backward()
+    theirs = {f"query_encoder.{k}": v for k, v in gradients(tower).items()}
+    assert loss.item() == pytest.approx(ours_loss, rel=1e-10)
+    assert_same(ours, theirs, rtol=1e-8, atol=1e-11)
+
+
+# -- ContAccum ---------------------------------------------------------------------------------------------
+
+
+def test_cont_accum_without_bank_is_plain_and_grad_accum(world):
+    """M = 0, K = 1: plain in-batch, bitwise; M = 0, K = 4: GradAccum, bitwise (uniform negatives on, so the
+    hard-negative bank is built and left empty)."""
+    toy_dir, corpus, examples = world
+    model = tiny_model(toy_dir)
+    one = micro_batches(corpus, examples, 1)
+    assert_same(run_option("cont_accum", model, corpus, one, uniform=2)[1],
+                run_option("plain", model, corpus, one, uniform=2)[1], rtol=0, atol=0)
+    four = micro_batches(corpus, examples, 4)
+    assert_same(run_option("cont_accum", model, corpus, four, uniform=2)[1],
+                run_option("grad_accum", model, corpus, four, uniform=2)[1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("bank_queries", [True, False])
+def test_oracle_bank_identity(world, bank_queries):
+    """When micro-batch k's banks hold the other chunks encoded with the current weights, each ContAccum loss is
+    the full-batch loss and the summed gradients are the full-batch gradient / K. A passage-only bank (banked
+    queries not loss rows) breaks it."""
+    toy_dir, corpus, examples = world
+    model = tiny_model(toy_dir)
+    count, whole = 4, micro_batches(corpus, examples, 1)
+    full_loss, full = run_option("plain", model, corpus, whole)
+    parts = step_parts(model, corpus)
+    with torch.no_grad():
+        queries = model.encode_queries(whole[0].questions)
+        positives = model.encode_passages(corpus.passages(whole[0].positives.tolist()))
+    cfg = BatchingConfig(name="cont_accum", micro_batches=count, bank_size=len(examples), bank_queries=bank_queries,
+                         bank_hard_negatives=False)
+    size, losses = len(examples) // count, []
+    for k, batch in enumerate(micro_batches(corpus, examples, count)):
+        option = OPTIONS["cont_accum"](cfg, parts)
+        others = [i for i in range(len(examples)) if not k * size <= i < (k + 1) * size]
+        option.banks.enqueue(queries[others], positives[others], whole[0].positives[others])
+        losses.append(option.micro_step(batch, 1.0 / count)["loss"].item())
+    summed = gradients(model)
+    if bank_queries:
+        assert losses == pytest.approx([full_loss] * count, rel=1e-12)
+        assert_same(summed, full, scale=1 / count)
+        return
+    assert max(abs(loss - full_loss) for loss in losses) > 1e-3
+    gaps = [float((summed[k] - full[k] / count).abs().max() / full[k].abs().max()) for k in full]
+    assert max(gaps) > 1e-2
+
+
+def test_bank_invariants(world):
+    """Over 3 steps of K = 2 micro-batches of 4 with M = 10 (frozen weights: no optimizer step): size
+    min(t N, M) after t micro-batches, FIFO order, q / p / h slots of one triple each (each slot equals a fresh
+    encoding of what its row names), no gradient, the same storage throughout."""
+    toy_dir, corpus, examples = world
+    model = tiny_model(toy_dir)
+    parts = step_parts(model, corpus, uniform=3)
+    option = OPTIONS["cont_accum"](BatchingConfig(name="cont_accum", micro_batches=2, bank_size=10), parts)
+    storage = [t.data_ptr() for t in (option.banks.q, option.banks.p, option.banks.h)]
+    sizes, seen = [], []
+    batches = micro_batches(corpus, examples, 2)
+    for _ in range(3):
+        for batch in batches:
+            option.step([batch])  # one micro-batch per call, so the size is read after each
+            sizes.append(option.banks.size)
+            seen.extend(zip(batch.questions, batch.positives.tolist()))
+        model.zero_grad(set_to_none=True)
+    assert sizes == [min(4 * t, 10) for t in range(1, 7)]
+    assert [t.data_ptr() for t in (option.banks.q, option.banks.p, option.banks.h)] == storage
+    banks = option.banks.ordered()
+    expected = seen[-10:]  # the newest 10, oldest first
+    assert banks["p_rows"].tolist() == [row for _, row in expected]
+    with torch.no_grad():
+        q = model.encode_queries([question for question, _ in expected])
+        p = model.encode_passages(corpus.passages([row for _, row in expected]))
+        h = model.encode_passages(corpus.passages(banks["h_rows"].tolist()))
+    for name, fresh in (("q", q), ("p", p), ("h", h)):
+        assert not banks[name].requires_grad and banks[name].grad_fn is None
+        torch.testing.assert_close(banks[name], fresh, rtol=1e-9, atol=1e-12, msg=name)
+    positives = set(batches[0].positives.tolist()) | set(batches[1].positives.tolist())
+    assert not set(banks["h_rows"].tolist()) & positives and (banks["h_rows"] >= 0).all()
+
+
+def test_bank_capacity_and_wrap():
+    """Hand-checked FIFO: capacity 3, enqueue 2 then 2 then 5 (more than it holds: the newest 3 stay)."""
+    banks = Banks(3, 1, torch.device("cpu"), hard_negatives=False)
+    for values in ([1, 2], [3, 4], [5, 6, 7, 8, 9]):
+        v = torch.tensor(values, dtype=torch.float32).unsqueeze(1)
+        banks.enqueue(v, -v, torch.tensor(values))
+        if values == [3, 4]:
+            assert banks.ordered()["p_rows"].tolist() == [2, 3, 4] and banks.q[:, 0].tolist() == [4, 2, 3]
+    assert banks.ordered()["p_rows"].tolist() == [7, 8, 9] and banks.ordered()["p"][:, 0].tolist() == [-7, -8, -9]
+
+
+# -- config ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name, strategy, keys, message", [
+    ("cont_accum", "negative_cache", {"micro_batches": 2}, "loss of its own"),
+    ("grad_accum", "in_batch", {"micro_batches": 2, "bank_size": 8}, "batching.bank_size=8 is not read"),
+    ("plain", "in_batch", {"micro_batches": 2}, "micro_batches=2 is not read by batching.name='plain'"),
+    ("grad_cache", "in_batch", {"micro_batches": 3}, "divisible by batching.micro_batches=3"),
+    ("cont_accum", "in_batch", {"micro_batches": 2, "bank_size": 5}, "bank_size=5 must be divisible"),
+    ("gradcache", "in_batch", {}, "is not one of"),
+])
+def test_config_refuses_what_an_option_cannot_run(name, strategy, keys, message):
+    world = 2 if "bank_size" in keys and keys["bank_size"] == 5 else 1
+    with pytest.raises(ConfigError, match=message):
+        check_batching(BatchingConfig(name=name, **keys), REGISTRY[strategy], 16, world)
+    for good in ("grad_accum", "grad_cache"):  # these take every strategy
+        check_batching(BatchingConfig(name=good, micro_batches=2), REGISTRY["negative_cache"], 16, 1)
+
+
+# -- in the recipe -------------------------------------------------------------------------------------------
+
+OPTION_KEYS = {
+    "grad_accum": {"batching.name": "grad_accum", "batching.micro_batches": 2},
+    "grad_cache": {"batching.name": "grad_cache", "batching.micro_batches": 2},
+    "cont_accum": {"batching.name": "cont_accum", "batching.micro_batches": 2, "batching.bank_size": 6},
+}
+RECIPE = {"train.batch_size": 8, "strategy.uniform_negatives": 2}
+
+
+@pytest.mark.slow
+def test_cont_accum_resume_reaches_the_uninterrupted_run(recipe_toy_dir, tmp_path):
+    """The banks are checkpointed: 4 steps in one go (saving at 2) vs 2, then train.resume=true to 4."""
+    keys = {**RECIPE, **OPTION_KEYS["cont_accum"], "train.steps": 4}
+    whole = train_retriever(config(recipe_toy_dir, tmp_path / "whole", "in_batch", **{"train.save_every": 2, **keys}))
+    train_retriever(config(recipe_toy_dir, tmp_path / "split", "in_batch", **{**keys, "train.steps": 2}))
+    resumed = train_retriever(config(recipe_toy_dir, tmp_path / "split", "in_batch", **{**keys, "train.resume": "true"}))
+    assert resumed["recall"] == whole["recall"] and whole["peak_memory_mib"] > 0
+    a, b = weights(tmp_path / "whole"), weights(tmp_path / "split")
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+@pytest.mark.slow
+def test_two_processes_match_one_for_every_option(recipe_toy_dir, tmp_path):
+    """One `accelerate launch` of 2 processes runs the three options in turn (tests/dist/batching_options.py);
+    each against the same config on one process. GradCache and ContAccum gather the global batch's passages
+    and bank the global micro-batches, so the runs agree to float tolerance."""
+    keys = {**RECIPE, "train.steps": 3}
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    runs = {name: overrides(recipe_toy_dir, tmp_path / f"two-{name}", "in_batch", **keys, **extra)
+            for name, extra in OPTION_KEYS.items()}
+    cmd = launch_command(ROOT / "tests" / "dist" / "batching_options.py", str(CONFIG), json.dumps(runs))
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    errors = [line for line in (proc.stdout + proc.stderr).splitlines() if "Error" in line]
+    assert proc.returncode == 0, "\n".join(errors[:10]) + proc.stderr[-2000:]
+    for name, extra in OPTION_KEYS.items():
+        one = train_retriever(config(recipe_toy_dir, tmp_path / f"one-{name}", "in_batch", **keys, **extra))
+        two = json.loads((tmp_path / f"two-{name}" / "metrics.json").read_text())
+        assert two["steps"] == one["steps"] == 3 and two["batching"] == name
+        a, b = weights(tmp_path / f"one-{name}"), weights(tmp_path / f"two-{name}")
+        for key in a:
+            torch.testing.assert_close(b[key], a[key], rtol=1e-4, atol=1e-5, msg=f"{name}: {key}")
