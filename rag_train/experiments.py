@@ -54,14 +54,17 @@ def cell(values: list[float], scale: float = 100.0, digits: int = 1) -> str:
 
 def batching_table(results: dict[str, list[dict]]) -> str:
     """Markdown table of `train.batching` runs ({label: metrics of each seed}): recall@k and MRR@10 as mean ± std
-    over seeds, steps/s (training steps only) and peak memory (the recipe's `peak_memory_mib`)."""
+    over seeds, steps/s (training steps only), peak memory (the recipe's `peak_memory_mib`) and the mean ratio of
+    the passage tower's gradient norm to the query tower's."""
     first = next(iter(results.values()))[0]
     ks = sorted(first["recall"], key=int)
-    lines = ["| setup | " + " | ".join(f"R@{k}" for k in ks) + " | MRR@10 | steps/s | peak MiB |",
-             "|---|" + "---|" * (len(ks) + 3)]
+    lines = ["| setup | " + " | ".join(f"R@{k}" for k in ks) + " | MRR@10 | steps/s | peak MiB | ‖∇g‖/‖∇f‖ |",
+             "|---|" + "---|" * (len(ks) + 4)]
     for label, runs in results.items():
         recalls = " | ".join(cell([r["recall"][k] for r in runs]) for k in ks)
         speed = statistics.mean(r["steps_per_second"] for r in runs)
         memory = max(r["peak_memory_mib"] for r in runs)
-        lines.append(f"| {label} | {recalls} | {cell([r['mrr@10'] for r in runs])} | {speed:.2f} | {memory:.0f} |")
+        ratio = cell([r.get("grad_ratio_passage_query") for r in runs], scale=1.0, digits=2)
+        lines.append(f"| {label} | {recalls} | {cell([r['mrr@10'] for r in runs])} | {speed:.2f} | {memory:.0f} | "
+                     f"{ratio} |")
     return "\n".join(lines)

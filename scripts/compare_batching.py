@@ -1,5 +1,5 @@
 """Seed 002's Table 1 on the toy world: small-batch in-batch vs GradAccum vs GradCache vs ContAccum at the same
-global batch N_total = N_local x K and the same number of steps, plus in-batch at N_total (what a card that fits
+global batch N_total = N_local x K and the same number of steps, ContAccum's passage-only ablation, and in-batch at N_total (what a card that fits
 it would run), over several seeds; recall@k, steps/s and peak memory in a markdown table.
 
     python scripts/compare_batching.py --local 4 --micro 4 --bank 64 --seeds 0 1 2 \
@@ -37,11 +37,14 @@ def main() -> None:
         f"GradCache {n}x{k}": [f"train.batch_size={total}", "batching.name=grad_cache", f"batching.micro_batches={k}"],
         f"ContAccum {n}x{k}, M={args.bank}": [f"train.batch_size={total}", "batching.name=cont_accum",
                                               f"batching.micro_batches={k}", f"batching.bank_size={args.bank}"],
+        f"ContAccum {n}x{k}, passage-only bank M={args.bank} (w/o M_q)": [
+            f"train.batch_size={total}", "batching.name=cont_accum", f"batching.micro_batches={k}",
+            f"batching.bank_size={args.bank}", "batching.bank_queries=false"],
         f"in-batch {total} (a card that fits it)": [f"train.batch_size={total}"],
     }
     started, results = time.time(), {}
     for label, extra in setups.items():
-        slug = label.split(" (")[0].replace(" ", "_").replace(",", "").replace("=", "")
+        slug = label.replace(" (", "_").replace(")", "").replace(" ", "_").replace(",", "").replace("=", "")
         results[label] = [run_once(ROOT / "scripts" / "train_retriever.py", args.config,
                                    Path(args.runs) / f"{slug}-seed{seed}",
                                    [*args.overrides, *extra, f"train.seed={seed}"], threads=1)

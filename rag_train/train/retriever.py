@@ -96,7 +96,7 @@ def train_retriever(cfg: RetrieverTrainConfig) -> dict:
     first_step, started, eval_seconds = step, time.time(), 0.0
     bar = tqdm(total=cfg.train.steps, initial=step, desc="retriever", disable=not acc.is_main_process)
     memory, micro = PeakMemory(acc.device, cfg.batching.memory_fraction), cfg.batching.micro_batches
-    peak_memory = 0.0
+    peak_memory, grad_ratios = 0.0, []
     while step < cfg.train.steps:
         memory.reset()
         indices = global_batch(len(train_set), cfg.train.batch_size, cfg.train.seed, step)
@@ -119,6 +119,8 @@ def train_retriever(cfg: RetrieverTrainConfig) -> dict:
         strategy.after_step(step)
         bar.update(1)
         step_peak = memory.peak_mib()
+        if "grad_ratio_passage_query" in grad_norms:
+            grad_ratios.append(grad_norms["grad_ratio_passage_query"])
         peak_memory = max(peak_memory, step_peak)
 
         if step % cfg.train.log_every == 0 or step == cfg.train.steps:
@@ -151,6 +153,8 @@ def train_retriever(cfg: RetrieverTrainConfig) -> dict:
         "strategy": cfg.strategy.name,
         "batching": cfg.batching.name,
         "peak_memory_mib": peak_memory,  # over this process's steps (CPU: peak RSS; CUDA: max allocated)
+        # mean over this run's steps of ||grad passage tower|| / ||grad query tower|| (None: shared towers)
+        "grad_ratio_passage_query": sum(grad_ratios) / len(grad_ratios) if grad_ratios else None,
         "history": history,
     }
     run.log(flat_metrics({"step": step, **final}), step)

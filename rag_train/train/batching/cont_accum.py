@@ -25,8 +25,8 @@ import torch
 from rag_train.config import BatchingConfig, ConfigError
 from rag_train.losses import retrieval_scores, truncated_softmax_ce
 from rag_train.strategies.base import Strategy, Subset, gather_queries
-from rag_train.train.batching.base import (BatchingOption, MicroBatch, StepParts, StepResult, mean_logged, my_passages,
-                                           propose, synced_on_last)
+from rag_train.train.batching.base import (BatchingOption, MicroBatch, StepParts, StepResult, my_passages, propose,
+                                           synced_on_last)
 from rag_train.train.stages import gather_with_grad
 
 
@@ -123,7 +123,7 @@ class ContAccum(BatchingOption):
                 auxes.append(out["aux"].detach())
             columns += out["columns"]
         return StepResult(sum(losses) / count, sum(auxes) / count if auxes else None, backward_done=True,
-                          columns=columns / count, logged=mean_logged([{"bank": float(self.banks.size)}]))
+                          columns=columns / count, logged={"bank": float(self.banks.size)})
 
     def micro_step(self, batch: MicroBatch, weight: float) -> dict:
         """Steps 1-3 for one micro-batch against the banks as they are: forward and backward (loss x weight)."""
