@@ -112,6 +112,27 @@ def test_grad_cache_is_the_full_batch_gradient(world, uniform):
     assert max(float((accumulated[k] - full[k]).abs().max()) for k in full) > 1e-6  # GradAccum is not it
 
 
+def test_grad_cache_replays_dropout(world):
+    """Dropout on: each chunk's re-encoding must draw the masks of its no-gradient pass (RandContext). With one
+    chunk those are the masks plain draws from the same RNG state, so the gradients agree; a re-encoding with
+    fresh masks would not."""
+    toy_dir, corpus, examples = world
+    model = tiny_model(toy_dir)
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.3
+    whole = micro_batches(corpus, examples, 1)
+    torch.manual_seed(11)
+    plain_loss, plain = run_option("plain", model, corpus, whole)
+    torch.manual_seed(11)
+    cached_loss, cached = run_option("grad_cache", model, corpus, whole)
+    assert cached_loss == pytest.approx(plain_loss, rel=1e-12)
+    assert_same(cached, plain)
+    torch.manual_seed(12)
+    _, other_masks = run_option("plain", model, corpus, whole)
+    assert max(float((other_masks[k] - plain[k]).abs().max()) for k in plain) > 1e-6  # the masks matter
+
+
 def test_grad_cache_matches_sentence_transformers_cached_mnrl(world):
     """A reference written by others: sentence-transformers' GradCache loss (scale 20 = 1 / temperature 0.05,
     cosine similarity = dot product of our normalised vectors) on a shared-tower model."""
