@@ -5,6 +5,8 @@ bank invariants; config checks; resume with banks; 2 processes = 1 process for e
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
 import os
 import subprocess
@@ -45,7 +47,13 @@ def world(recipe_toy_dir):
 
 
 def tiny_model(toy_dir: Path, shared: bool = False) -> DualEncoder:
-    """A float64 tiny dual encoder without dropout (exactness needs the same function in every pass)."""
+    """A float64 tiny dual encoder without dropout (exactness needs the same function in every pass); a copy of one
+    built once per session."""
+    return copy.deepcopy(_tiny_model(toy_dir, shared))
+
+
+@functools.lru_cache(maxsize=None)
+def _tiny_model(toy_dir: Path, shared: bool) -> DualEncoder:
     cfg = RetrieverConfig(shared_towers=shared, max_query_length=128, max_passage_length=128,
                           tiny=TinyModelConfig(d_model=16, d_ff=32, d_kv=4, num_heads=2, num_layers=1))
     model = DualEncoder.from_config(cfg, tokenizer=str(toy_dir / "tokenizer"), seed=3).double()
