@@ -44,7 +44,7 @@ def main() -> None:
     }
     started, results = time.time(), {}
     for label, extra in setups.items():
-        slug = label.replace(" (", "_").replace(")", "").replace(" ", "_").replace(",", "").replace("=", "")
+        slug = "".join(c for c in label.replace(" ", "_") if c.isalnum() or c in "_-")
         results[label] = [run_once(ROOT / "scripts" / "train_retriever.py", args.config,
                                    Path(args.runs) / f"{slug}-seed{seed}",
                                    [*args.overrides, *extra, f"train.seed={seed}"], threads=1)
