@@ -146,8 +146,9 @@ class Buffer:
     @classmethod
     def write(cls, directory: Union[str, Path], embeddings: Union[torch.Tensor, np.ndarray], dtype: str = "float16",
               model_fingerprint: Optional[str] = None, corpus_fingerprint: Optional[str] = None,
-              shard_rows: Optional[int] = None) -> "Buffer":
-        """Write an in-memory [N, D] matrix as a buffer (small cases; large corpora use build_buffer)."""
+              shard_rows: Optional[int] = None, extra: Optional[dict] = None) -> "Buffer":
+        """Write an in-memory [N, D] matrix as a buffer (small cases; large corpora use build_buffer). `extra`:
+        further manifest fields (e.g. the sha256 of side files that belong with the rows)."""
         directory = Path(directory)
         array = to_storage(embeddings, dtype)
         if array.ndim != 2 or array.shape[0] == 0:
@@ -161,7 +162,7 @@ class Buffer:
             sha = write_shard(directory / name, array[start:end])
             shards.append({"file": name, "start": start, "end": end, "sha256": sha})
         atomic_write_json(directory / MANIFEST, manifest_dict(rows, array.shape[1], dtype, shards, model_fingerprint,
-                                                             corpus_fingerprint, complete=True))
+                                                             corpus_fingerprint, complete=True, **(extra or {})))
         return cls.open(directory)
 
     def verify(self, rank: int = 0, world: int = 1) -> None:

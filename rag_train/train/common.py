@@ -131,7 +131,8 @@ class TrainingRun:
         check_deepspeed_config(self.accelerator)
         self.agree(config=hashlib.sha256(to_yaml(cfg).encode()).hexdigest())
         set_seed(cfg.train.seed, device_specific=False)
-        self.guard = NonFiniteGuard(cfg.train.max_bad_steps, cfg.strategy.corrector.max_loss)
+        strategy = getattr(cfg, "strategy", None)  # recipes without a strategy (generative) have no corrector
+        self.guard = NonFiniteGuard(cfg.train.max_bad_steps, strategy.corrector.max_loss if strategy else 0.0)
         self.model: Optional[torch.nn.Module] = None  # the prepared module (`prepare`)
         self.started = time.time()
         if self.accelerator.is_main_process:

@@ -1,0 +1,247 @@
+"""Generative retrieval (seed 003): a T5 learns to write the identifier of a question's target, maximising
+P(t | q) = prod_i P(t_i | q, t_<i), and retrieves by beam search under a trie of valid identifiers.
+
+With Np Decoding the output vocabulary is the frozen CE table (`rag_train.generative.ce_table`):
+  BASE   CE from the initial encoder, built once before training;
+  ASYNC  CE rebuilt from the current encoder every `np.rebuild_every_epochs` epochs (labels and trie follow);
+  CONTRA first `np.contrastive_steps` of token-level contrastive learning (the first decoder output against all
+         CE rows, the target's own rows positive), then CE rebuilt from that encoder, then generative training.
+Vanilla decoding (`np.enabled=false`) is the same loop over the T5 vocabulary.
+
+The loop follows the shared conventions (`train.common`): data order a function of (seed, step), one prepared
+module, atomic checksummed checkpoints (plus a pointer to the CE table in use), metrics.json at the end.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+from accelerate.utils import gather_object
+from tqdm.auto import tqdm
+from transformers.optimization import Adafactor
+
+from rag_train.data.corpus import Corpus
+from rag_train.data.sources import dataset_name, resolve_data
+from rag_train.data.supervised import load_retrieval
+from rag_train.generative.ce_table import (CETable, build_ce_table, ce_folder, encoder_fingerprint, load_ce_table,
+                                           save_ce_table)
+from rag_train.generative.config import GenerativeConfig
+from rag_train.generative.model import GenerativeT5, load_generator, token_contrastive_loss
+from rag_train.generative.search import rank_targets, ranking_metrics
+from rag_train.generative.targets import Targets, build_targets
+from rag_train.generative.trie import Trie
+from rag_train.io import atomic_write_json, read_json
+from rag_train.models.tokenizer import load_tokenizer
+from rag_train.train.common import (TrainingRun, global_batch, linear_warmup, local_slice, optimizer_step,
+                                    save_pretrained_atomic)
+from rag_train.train.trainable import Trainable
+
+CE_POINTER = "ce.json"  # in a checkpoint / the saved generator: which stored CE table goes with the weights
+
+
+class OutputSpace:
+    """What the generator writes for each target, and the trie over it: vocabulary ids + end token (vanilla) or
+    CE rows (Np Decoding)."""
+
+    def __init__(self, paths: list[list[int]], end_ids: list[int], table: Optional[CETable] = None):
+        self.paths, self.end_ids, self.table = paths, end_ids, table
+        self.trie = Trie(paths)
+
+    @classmethod
+    def vanilla(cls, targets: Targets, eos: int) -> "OutputSpace":
+        return cls([tokens + [eos] for tokens in targets.tokens], [eos])
+
+    @classmethod
+    def np_decoding(cls, table: CETable, eos: int) -> "OutputSpace":
+        return cls(table.paths, table.end_rows(eos), table)
+
+    def labels(self, target_ids: list[int]) -> torch.Tensor:
+        """[B, longest path] output ids, -100 after each path's end."""
+        width = max(len(self.paths[t]) for t in target_ids)
+        labels = torch.full((len(target_ids), width), -100, dtype=torch.long)
+        for i, t in enumerate(target_ids):
+            labels[i, : len(self.paths[t])] = torch.as_tensor(self.paths[t])
+        return labels
+
+    def positives(self, target_ids: list[int], rows: int) -> torch.Tensor:
+        """[B, R] CONTRA's positives: the CE rows of each target's own tokens (its end row excluded)."""
+        mask = torch.zeros(len(target_ids), rows, dtype=torch.bool)
+        for i, t in enumerate(target_ids):
+            mask[i, self.paths[t][:-1]] = True
+        return mask
+
+
+def ensure_ce(run: TrainingRun, generator: GenerativeT5, targets: Targets, corpus: Corpus, tokenizer,
+              cfg: GenerativeConfig) -> CETable:
+    """The CE table of the generator's encoder as it is now: found in `np.ce_dir` when this exact encoder and
+    these targets built one before, else built by the main process and stored; every process opens it."""
+    acc = run.accelerator
+    settings = {"context_length": cfg.targets.context_length, "clusters_per_token": cfg.np.clusters_per_token,
+                "kmeans_iters": cfg.np.kmeans_iters, "seed": cfg.train.seed}
+    model_fp = encoder_fingerprint(generator.encoder, **settings)
+    directory = ce_folder(Path(cfg.np.ce_dir) if cfg.np.ce_dir else run.dir / "ce", model_fp, targets.fingerprint)
+    run.agree(ce_encoder=model_fp)
+    if acc.is_main_process and not (directory / "manifest.json").is_file():
+        table = build_ce_table(generator.encoder, targets, corpus, tokenizer, cfg.targets.context_length,
+                               cfg.np.clusters_per_token, cfg.np.kmeans_iters, cfg.train.seed,
+                               cfg.np.build_batch_size, progress=True)
+        save_ce_table(table, directory, model_fp, targets.fingerprint)
+    acc.wait_for_everyone()
+    return load_ce_table(directory, model_fp, targets.fingerprint)
+
+
+def _examples(path: str, corpus: Corpus, targets: Targets, limit: Optional[int]) -> tuple[list[str], list[list[int]]]:
+    examples = load_retrieval(path, corpus=corpus, limit=limit)
+    return [ex.question for ex in examples], [targets.gold(corpus, ex) for ex in examples]
+
+
+def train_generative(cfg: GenerativeConfig) -> dict:
+    run = TrainingRun(cfg, "generative")
+    acc = run.accelerator
+    files = resolve_data(cfg.data, acc, ["retrieval-train"], ["retrieval-dev"])
+    with acc.main_process_first():
+        corpus = Corpus.open(files.passages)
+    run.agree(corpus_fingerprint=corpus.fingerprint)
+    tokenizer = load_tokenizer(cfg.generator.tokenizer
+                               or (files.tokenizer if cfg.generator.model == "tiny" else cfg.generator.model))
+    generator = load_generator(cfg.generator.model, tokenizer, cfg.generator.tiny)  # before data: fails fast offline
+    targets = build_targets(corpus, tokenizer, cfg.targets.identifier, progress=acc.is_main_process)
+    train_questions, train_gold = [], []
+    for path in files.train:
+        questions, gold = _examples(path, corpus, targets, None)
+        train_questions += questions
+        train_gold += gold
+    train_questions = train_questions[: cfg.data.max_train_examples]
+    train_targets = [gold[0] for gold in train_gold[: len(train_questions)]]
+    dev_sets = {dataset_name(p): _examples(p, corpus, targets, cfg.data.max_eval_examples) for p in files.dev}
+
+    optimizer = (Adafactor(generator.parameters(), lr=cfg.train.lr, scale_parameter=False, relative_step=False,
+                           warmup_init=False, weight_decay=cfg.train.weight_decay) if cfg.optimizer == "adafactor"
+                 else torch.optim.AdamW(generator.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay))
+    scheduler = linear_warmup(optimizer, cfg.train.warmup_steps)
+    model, optimizer, scheduler = run.prepare(Trainable(generator=generator), optimizer, scheduler)
+    generator = acc.unwrap_model(model).generator  # the same module, on the device
+    eos = tokenizer.eos_token_id
+
+    step = run.resume()
+    contrastive = cfg.np.contrastive_steps if cfg.np.enabled else 0
+    total = contrastive + cfg.train.steps
+    epoch_steps = max(1, len(train_questions) // cfg.train.batch_size)
+    rebuild_every = max(1, round(cfg.np.rebuild_every_epochs * epoch_steps)) if cfg.np.variant == "async" else 0
+    ce_builds = []
+
+    def use_table(table: CETable) -> OutputSpace:
+        generator.set_ce(table.vectors, table.row_token, cfg.np.decoder_inputs)
+        ce_builds.append({"step": step, "directory": str(table.directory), "rows": len(table.vectors)})
+        return OutputSpace.np_decoding(table, eos)
+
+    if not cfg.np.enabled:
+        space = OutputSpace.vanilla(targets, eos)
+    elif step:  # resuming: the table the checkpoint was trained with
+        pointer = read_json(run.latest_checkpoint() / CE_POINTER)
+        space = use_table(load_ce_table(Path(pointer["directory"]), targets_fingerprint=targets.fingerprint))
+    else:
+        space = use_table(ensure_ce(run, generator, targets, corpus, tokenizer, cfg))
+
+    def save_pointer(folder: Path) -> None:
+        if acc.is_main_process and space.table is not None:
+            atomic_write_json(folder / CE_POINTER, {"directory": str(space.table.directory)})
+
+    def evaluate() -> dict:
+        """Each process beam-searches its share of every dev set; the rankings are gathered."""
+        out = {}
+        for name, (questions, gold) in dev_sets.items():
+            share = local_slice_range(len(questions), acc.process_index, acc.num_processes)
+            ranked = rank_targets(generator, tokenizer, questions[share.start:share.stop], space.trie, space.end_ids,
+                                  cfg.eval.num_beams, cfg.generator.max_question_length, cfg.eval.batch_size,
+                                  progress=acc.is_main_process)
+            ranked = [r for part in gather_object([ranked]) for r in part] if acc.num_processes > 1 else ranked
+            out[name] = ranking_metrics(ranked, gold, cfg.eval.recall_at)
+        return out
+
+    history = []
+    if cfg.train.eval_every and step == 0:
+        history.append({"step": 0, **evaluate()})
+    started, first_step = time.time(), step
+    bar = tqdm(total=total, initial=step, desc="generative", disable=not acc.is_main_process)
+    while step < total:
+        if space.table is not None and step and (step == contrastive and cfg.np.variant == "contra"
+                                                 or rebuild_every and step % rebuild_every == 0):
+            space = use_table(ensure_ce(run, generator, targets, corpus, tokenizer, cfg))
+        picked = local_slice(global_batch(len(train_questions), cfg.train.batch_size, cfg.train.seed, step), acc)
+        batch_targets = [train_targets[i] for i in picked]
+        inputs = tokenizer([train_questions[i] for i in picked], padding=True, truncation=True,
+                           max_length=cfg.generator.max_question_length, return_tensors="pt").to(acc.device)
+        if step < contrastive:  # CONTRA's stage: the first decoder output against every CE row
+            positives = space.positives(batch_targets, len(generator.ce)).to(acc.device)
+            loss = model(lambda parts: token_contrastive_loss(
+                parts.generator.first_output_state(inputs["input_ids"], inputs["attention_mask"]),
+                parts.generator.ce, positives))
+        else:
+            labels = space.labels(batch_targets).to(acc.device)
+            loss = model(lambda parts: parts.generator(**inputs, labels=labels).loss)
+        optimizer_step(acc, loss, list(model.parameters()), optimizer, scheduler, run.guard, cfg.train.max_grad_norm)
+        step += 1
+        bar.update(1)
+        if step % cfg.train.log_every == 0 or step == total:
+            run.log({"loss" if step > contrastive else "contrastive_loss": loss.item()}, step)
+            bar.set_postfix(loss=f"{loss.item():.3f}")
+        if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < total:
+            history.append({"step": step, **evaluate()})
+            run.log(_flat(history[-1]), step)
+        if cfg.train.save_every and step % cfg.train.save_every == 0 and step < total:
+            run.save(step, extra=save_pointer)
+    bar.close()
+    train_seconds = time.time() - started
+
+    final = evaluate()
+    run.save(step, extra=save_pointer)
+    if acc.is_main_process:
+        save_pretrained_atomic(run.dir / "generator", generator, tokenizer)
+        save_pointer(run.dir / "generator")
+    acc.wait_for_everyone()
+    main = next(iter(final.values()))
+    metrics = {"r_precision": main["r_precision"], "recall": main["recall"], "datasets": final,
+               "decoding": f"np-{cfg.np.variant}" if cfg.np.enabled else "vanilla", "targets": len(targets),
+               "ce_rows": len(space.table.vectors) if space.table is not None else None, "ce_builds": ce_builds,
+               "steps": step, "steps_per_second": (step - first_step) / train_seconds if step > first_step else None,
+               "history": history}
+    run.log(_flat({"step": step, **final}), step)
+    run.write_metrics(metrics)
+    run.end()
+    return metrics
+
+
+def local_slice_range(n: int, rank: int, world: int) -> range:
+    """Contiguous share `rank` of `world` of n items (the first shares take the remainder)."""
+    per, extra = divmod(n, world)
+    start = rank * per + min(rank, extra)
+    return range(start, start + per + (rank < extra))
+
+
+def _flat(entry: dict) -> dict[str, float]:
+    out = {}
+    for name, values in entry.items():
+        if isinstance(values, dict):
+            out[f"eval/{name}/r_precision"] = values["r_precision"]
+            out.update({f"eval/{name}/recall@{k}": v for k, v in values["recall"].items()})
+    return out
+
+
+def print_generative_table(cfg: GenerativeConfig, metrics: dict) -> None:
+    """One line per dev set: R-precision and recall@k (main process only)."""
+    from accelerate import PartialState
+
+    if not PartialState().is_main_process:
+        return
+    ks = sorted(metrics["recall"], key=int)
+    lines = [f"\ngenerative retrieval ({metrics['decoding']}, {metrics['targets']} targets, {metrics['steps']} steps) "
+             f"-> {cfg.train.output_dir}", "| dataset | R-prec | " + " | ".join(f"R@{k}" for k in ks) + " |",
+             "|---|---|" + "---|" * len(ks)]
+    for name, values in metrics["datasets"].items():
+        lines.append(f"| {name} | {100 * values['r_precision']:.1f} | "
+                     + " | ".join(f"{100 * values['recall'][k]:.1f}" for k in ks) + " |")
+    print("\n".join(lines))
