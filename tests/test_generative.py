@@ -4,6 +4,7 @@ without padding, brute force over the valid paths), and a tiny model overfitting
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -218,3 +219,78 @@ def test_tiny_model_overfits_fifty_titles(recipe_toy_dir, tmp_path):
     saved = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert saved["recall"] == metrics["recall"]
     assert (tmp_path / "run" / "generator" / "ce.json").is_file()
+
+
+def test_real_data_config_fails_clearly_offline(monkeypatch, tmp_path):
+    """configs/generative/nq_titles_t5_base.yaml offline: the hub checkpoint is named before any data is read."""
+    from pathlib import Path
+
+    from rag_train.config import load_config
+    from rag_train.generative.config import GenerativeConfig
+    from rag_train.models.reader import ReaderLoadError
+    from rag_train.train.generative import train_generative
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    config = Path(__file__).resolve().parent.parent / "configs" / "generative" / "nq_titles_t5_base.yaml"
+    cfg = load_config(GenerativeConfig, config, [f"train.output_dir={tmp_path / 'run'}", "train.tracker=null"])
+    with pytest.raises(ReaderLoadError, match=r"google/t5-base-lm-adapt.*huggingface-cli download"):
+        train_generative(cfg)
+
+
+@pytest.mark.slow
+def test_async_run_resumes_to_the_uninterrupted_weights(recipe_toy_dir, tmp_path):
+    """ASYNC rebuilds the CE every 2 steps; 4 steps + resume to 6 ends on the same weights and the same CE table as
+    6 steps in one go (the checkpoint's CE pointer, the step-indexed data order and the rebuild schedule)."""
+    from safetensors.torch import load_file
+
+    from rag_train.config import load_config
+    from rag_train.generative.config import GenerativeConfig
+    from rag_train.train.generative import train_generative
+
+    def run(name, steps, resume=False):
+        cfg = load_config(GenerativeConfig, None, [
+            f"data.toy_dir={recipe_toy_dir}", "data.toy_passages=300", "data.max_train_examples=64",
+            "data.max_eval_examples=4", "generator.tiny.d_model=32", "generator.tiny.d_ff=64",
+            "generator.tiny.num_heads=4", "generator.tiny.num_layers=1", "generator.tiny.num_decoder_layers=1",
+            "targets.context_length=24", "np.variant=async", "np.clusters_per_token=2", "np.rebuild_every_epochs=0.25",
+            f"train.steps={steps}", "train.batch_size=8", "train.tracker=null", f"train.resume={str(resume).lower()}",
+            f"train.output_dir={tmp_path / name}", "eval.num_beams=2", "eval.recall_at=[1]"])
+        return train_generative(cfg)
+
+    whole = run("whole", 6)
+    run("split", 4)
+    resumed = run("split", 6, resume=True)
+    assert [b["step"] for b in whole["ce_builds"]] == [0, 2, 4]
+    assert [b["step"] for b in resumed["ce_builds"]] == [4, 4]  # the checkpoint's table, then the step-4 rebuild
+    assert Path(whole["ce_builds"][-1]["directory"]).name == Path(resumed["ce_builds"][-1]["directory"]).name
+    a = load_file(str(tmp_path / "whole" / "generator" / "model.safetensors"))
+    b = load_file(str(tmp_path / "split" / "generator" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+def test_two_processes_rebuild_the_same_ce_and_rank_every_question(recipe_toy_dir, tmp_path):
+    """2 gloo processes (DDP): each ASYNC rebuild passes the cross-process check that both encoders are identical
+    (`TrainingRun.agree`, else the run fails), and the dev questions, split unevenly, are all ranked once."""
+    import os
+    import subprocess
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from conftest import launch_command
+
+    root = Path(__file__).resolve().parent.parent
+    cmd = launch_command(root / "scripts" / "train_generative.py", f"data.toy_dir={recipe_toy_dir}",
+                         "data.toy_passages=300", "data.max_train_examples=32", "data.max_eval_examples=9",
+                         "generator.tiny.d_model=32", "generator.tiny.d_ff=64", "generator.tiny.num_heads=4",
+                         "generator.tiny.num_layers=1", "generator.tiny.num_decoder_layers=1", "targets.context_length=24",
+                         "np.variant=async", "np.rebuild_every_epochs=0.5", "train.steps=6", "train.batch_size=8",
+                         "train.tracker=null", f"train.output_dir={tmp_path / 'two'}", "eval.num_beams=2",
+                         "eval.recall_at=[1]")
+    env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = json.loads((tmp_path / "two" / "metrics.json").read_text())
+    assert metrics["datasets"]["retrieval"]["questions"] == 9
+    assert [b["step"] for b in metrics["ce_builds"]] == [0, 2, 4]
+    assert len({b["directory"] for b in metrics["ce_builds"]}) == 3

@@ -23,6 +23,7 @@ from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 from transformers.optimization import Adafactor
 
+from rag_train.config import ConfigError
 from rag_train.data.corpus import Corpus
 from rag_train.data.sources import dataset_name, resolve_data
 from rag_train.data.supervised import load_retrieval
@@ -93,6 +94,18 @@ def ensure_ce(run: TrainingRun, generator: GenerativeT5, targets: Targets, corpu
     return load_ce_table(directory, model_fp, targets.fingerprint)
 
 
+def _generator_and_tokenizer(cfg: GenerativeConfig, toy_tokenizer: Optional[str]):
+    """A tiny model needs its tokenizer first; a checkpoint is loaded first, so that an unreachable hub id fails
+    before its tokenizer is looked up (ReaderLoadError, naming what to download)."""
+    if cfg.generator.model == "tiny":
+        if not (cfg.generator.tokenizer or toy_tokenizer):
+            raise ConfigError("generator.model=tiny needs generator.tokenizer (or data.toy=true for the toy one)")
+        tokenizer = load_tokenizer(cfg.generator.tokenizer or toy_tokenizer)
+        return load_generator("tiny", tokenizer, cfg.generator.tiny), tokenizer
+    generator = load_generator(cfg.generator.model, None)
+    return generator, load_tokenizer(cfg.generator.tokenizer or cfg.generator.model)
+
+
 def _examples(path: str, corpus: Corpus, targets: Targets, limit: Optional[int]) -> tuple[list[str], list[list[int]]]:
     examples = load_retrieval(path, corpus=corpus, limit=limit)
     return [ex.question for ex in examples], [targets.gold(corpus, ex) for ex in examples]
@@ -102,12 +115,10 @@ def train_generative(cfg: GenerativeConfig) -> dict:
     run = TrainingRun(cfg, "generative")
     acc = run.accelerator
     files = resolve_data(cfg.data, acc, ["retrieval-train"], ["retrieval-dev"])
+    generator, tokenizer = _generator_and_tokenizer(cfg, files.tokenizer)  # first: an offline hub id fails at once
     with acc.main_process_first():
         corpus = Corpus.open(files.passages)
     run.agree(corpus_fingerprint=corpus.fingerprint)
-    tokenizer = load_tokenizer(cfg.generator.tokenizer
-                               or (files.tokenizer if cfg.generator.model == "tiny" else cfg.generator.model))
-    generator = load_generator(cfg.generator.model, tokenizer, cfg.generator.tiny)  # before data: fails fast offline
     targets = build_targets(corpus, tokenizer, cfg.targets.identifier, progress=acc.is_main_process)
     train_questions, train_gold = [], []
     for path in files.train:
