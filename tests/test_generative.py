@@ -299,3 +299,13 @@ def test_two_processes_rebuild_the_same_ce_and_rank_every_question(recipe_toy_di
     assert metrics["datasets"]["retrieval"]["questions"] == 9
     assert [b["step"] for b in metrics["ce_builds"]] == [0, 2, 4]
     assert len({b["directory"] for b in metrics["ce_builds"]}) == 3
+
+
+def test_ranking_metrics_by_hand():
+    """R-precision with R = |gold| and recall@k, an empty ranking counted as a miss (computed by hand)."""
+    from rag_train.generative.search import ranking_metrics
+
+    out = ranking_metrics([[1, 2, 3], [5, 4], []], [[2], [4, 5], [9]], [1, 2])
+    assert out["r_precision"] == pytest.approx(1 / 3)  # q0: 1 not gold; q1: top-2 = both gold; q2: nothing
+    assert out["recall"]["1"] == pytest.approx((0 + 0.5 + 0) / 3)
+    assert out["recall"]["2"] == pytest.approx((1 + 1 + 0) / 3)

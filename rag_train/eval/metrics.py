@@ -103,16 +103,3 @@ def answer_recall_at_k(
         for k in ks:
             totals[k] += first is not None and first <= k
     return {k: total / len(ranked_texts) for k, total in totals.items()}
-
-
-def r_precision(ranked_ids: Sequence[Sequence[Hashable]], gold_ids: Sequence[Iterable[Hashable]]) -> float:
-    """Mean over queries of |gold in top-R| / R with R = |gold| (KILT's R-precision; with one gold id per
-    query it is precision@1). Queries without gold ids are an error."""
-    _check_lengths(ranked_ids, gold_ids)
-    total = 0.0
-    for i, (ranking, gold) in enumerate(zip(ranked_ids, gold_ids)):
-        gold = set(gold)
-        if not gold:
-            raise ValueError(f"query {i} has no gold ids")
-        total += len(gold.intersection(ranking[: len(gold)])) / len(gold)
-    return total / len(ranked_ids)

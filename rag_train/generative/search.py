@@ -7,12 +7,15 @@ continuations (fewer targets than beams below some prefix): such beams end off t
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Hashable, Sequence
 
 import torch
 from tqdm.auto import tqdm
 
-from rag_train.eval.metrics import r_precision, recall_at_k
+import ir_measures
+from ir_measures import Rprec
+
+from rag_train.eval import metrics
 from rag_train.generative.trie import Trie
 
 
@@ -49,7 +52,15 @@ def rank_targets(model, tokenizer, questions: Sequence[str], trie: Trie, end_ids
     return ranked
 
 
-def ranking_metrics(ranked: Sequence[Sequence[int]], gold: Sequence[Sequence[int]], ks: Sequence[int]) -> dict:
-    """R-precision and recall@k of target rankings against gold target sets."""
-    return {"questions": len(ranked), "r_precision": r_precision(ranked, gold),
-            "recall": {str(k): v for k, v in recall_at_k(ranked, gold, ks).items()}}
+def ranking_metrics(ranked: Sequence[Sequence[Hashable]], gold: Sequence[Sequence[Hashable]], ks: Sequence[int]) -> dict:
+    """R-precision (KILT's; with one gold target it is precision@1) and recall@k of target rankings against gold
+    target sets, by ir_measures as the project's other retrieval metrics. A question whose beams held no target
+    ranks one never-relevant placeholder, so it counts as a miss instead of being left out."""
+    if len(ranked) != len(gold):
+        raise ValueError(f"{len(ranked)} rankings but {len(gold)} gold sets")
+    run = {str(q): {str(t): float(len(r) - j) for j, t in enumerate(r)} or {"\x00none": 0.0}
+           for q, r in enumerate(ranked)}
+    qrels = {str(q): {str(t): 1 for t in g} for q, g in enumerate(gold)}
+    out = metrics.ranking_metrics(run, qrels, ks)
+    return {"questions": len(ranked), "r_precision": ir_measures.calc_aggregate([Rprec], qrels, run)[Rprec],
+            "recall": out["recall"], "mrr@10": out["mrr@10"]}
