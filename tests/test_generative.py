@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from rag_train.config import TinyModelConfig
 from rag_train.data.corpus import Corpus
 from rag_train.generative.ce_table import build_ce_table, contextual_occurrences, load_ce_table, save_ce_table
-from rag_train.generative.model import GenerativeT5, load_generator, token_contrastive_loss
+from rag_train.generative.model import GenerativeT5, token_contrastive_loss
 from rag_train.generative.search import rank_targets
 from rag_train.generative.targets import build_targets, context_inputs
 from rag_train.generative.trie import Trie

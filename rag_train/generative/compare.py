@@ -31,10 +31,9 @@ def dense_title_metrics(run_dir: str | Path, ks: Sequence[int], depth: int = 100
 
     run_dir = Path(run_dir)
     cfg = load_config(RetrieverTrainConfig, run_dir / "config.yaml")
-    files = resolve_data(cfg.data, _NoAccelerator(), ["retrieval-train"], ["retrieval-dev"])
+    files = resolve_data(cfg.data, PartialState(), ["retrieval-train"], ["retrieval-dev"])
     corpus = Corpus.open(files.passages)
     model = DualEncoder.load(run_dir / "retriever").eval()
-    PartialState()
     vectors = embed_rows(model, corpus, np.arange(len(corpus)), batch_size, torch.device("cpu"))
     titles = [corpus.title(row) for row in range(len(corpus))]
     out = {}
@@ -48,20 +47,6 @@ def dense_title_metrics(run_dir: str | Path, ks: Sequence[int], depth: int = 100
         gold = [list(dict.fromkeys(titles[r] for r in corpus.rows(ex.positive_ids))) for ex in examples]
         out[dataset_name(path)] = ranking_metrics(ranked, gold, ks)
     return out
-
-
-class _NoAccelerator:
-    """`resolve_data` in a single process: nothing to wait for."""
-
-    class _Nothing:
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
-    def main_process_first(self):
-        return self._Nothing()
 
 
 def comparison_table(generative_runs: Sequence[str | Path], dense_runs: Sequence[str | Path],
