@@ -30,6 +30,12 @@ def _choice(section: str, key: str, value: Any, allowed: tuple) -> None:
         raise ConfigError(f"{section}.{key}={value!r} is not one of {list(allowed)}")
 
 
+def _absolute(path: Optional[str]) -> Optional[str]:
+    """`path` made absolute (symlinks resolved) when it names an existing file or folder, so a saved config
+    means the same data from any working directory; anything else (a hub dataset name) is kept as given."""
+    return str(Path(path).resolve()) if path and Path(path).exists() else path
+
+
 def _positive(section: str, key: str, value: Any, allow_zero: bool = False) -> None:
     if value is None:
         return
@@ -85,6 +91,11 @@ class DataConfig:
         _positive("data", "max_eval_examples", self.max_eval_examples)
         if not self.toy and (self.passages is None or self.train is None):
             raise ConfigError("data.toy=false needs data.passages and data.train")
+        # absolute paths, so the saved config (and export / evaluate reading it) names the same files anywhere
+        self.toy_dir = str(Path(self.toy_dir).resolve())
+        self.passages = _absolute(self.passages)
+        self.train = ",".join(_absolute(part) or "" for part in self.train.split(",")) if self.train else self.train
+        self.dev = [_absolute(path) for path in self.dev]
 
 
 @dataclass
@@ -175,6 +186,7 @@ class BufferConfig:
     verify: bool = True
 
     def __post_init__(self) -> None:
+        self.path = str(Path(self.path).resolve()) if self.path else self.path  # see DataConfig
         _choice("buffer", "dtype", self.dtype, ("float16", "bfloat16", "float32"))
         _choice("buffer", "search", self.search, ("exact", "corrector_full", "corrector_rerank"))
         for key in ("shard_rows", "embed_batch_size", "chunk_rows", "rerank_candidates"):
@@ -309,6 +321,8 @@ class WarmStartConfig:
         _positive("warm_start", "retriever_lr", self.retriever_lr)
         _choice("warm_start", "retriever_strategy", self.retriever_strategy, ("in_batch", "uniform", "stale"))
         _choice("warm_start", "reader_distractors", self.reader_distractors, ("random", "retrieved"))
+        self.retriever_train = _absolute(self.retriever_train)  # see DataConfig
+        self.from_run = str(Path(self.from_run).resolve()) if self.from_run else self.from_run
 
 
 @dataclass

@@ -28,9 +28,11 @@ from tqdm.auto import tqdm
 
 from rag_train.buffer.embed import embed_rows
 from rag_train.data.corpus import Corpus
+from rag_train.data.errors import DataError
 from rag_train.io import (CorruptFileError, atomic_directory, atomic_open, atomic_write_json, atomic_write_text,
                           folder_checksums, read_json, verify_checksums)
 from rag_train.models.retriever import META_FILE, DualEncoder
+from rag_train.run_corpus import check_run_corpus, recorded_corpus
 
 EXPORT_FORMAT_VERSION = 1
 MANIFEST = "export.json"
@@ -62,24 +64,34 @@ def _load_run(run_dir: Path) -> tuple[dict, dict]:
     return config, metrics
 
 
-def _corpus_path(config: dict, run_dir: Path, override: Optional[str]) -> Path:
-    """The passages file the run trained on (data.passages, else the toy world's), or `override`."""
+def _open_corpus(config: dict, run_dir: Path, override: Optional[str]) -> Corpus:
+    """The passages file the run trained on, or `override`; refused unless its fingerprint is the one the
+    run recorded (corpus.json or buffer manifest), whichever file is named and wherever export runs."""
+    recorded = recorded_corpus(run_dir, config)
+    data = config.get("data", {})
     if override is not None:
         path, origin = Path(override), "--corpus"
-    else:
-        data = config.get("data", {})
-        if data.get("passages"):
-            path, origin = Path(data["passages"]), f"{run_dir / 'config.yaml'}: field 'data.passages'"
-        elif data.get("toy"):
-            from rag_train.data.toy import toy_paths
+    elif recorded is not None and recorded["path"]:
+        path, origin = Path(recorded["path"]), f"{recorded['source']}: field 'path'"
+    elif data.get("passages"):
+        path, origin = Path(data["passages"]), f"{run_dir / 'config.yaml'}: field 'data.passages'"
+    elif data.get("toy"):
+        from rag_train.data.toy import toy_paths
 
-            path = toy_paths(Path(data["toy_dir"]))["passages"]
-            origin = f"{run_dir / 'config.yaml'}: field 'data.toy_dir'"
-        else:
-            raise ExportError(f"{run_dir / 'config.yaml'}: field 'data.passages' is empty; pass --corpus")
+        path = toy_paths(Path(data["toy_dir"]))["passages"]
+        origin = f"{run_dir / 'config.yaml'}: field 'data.toy_dir'"
+    else:
+        raise ExportError(f"{run_dir / 'config.yaml'}: field 'data.passages' is empty; pass --corpus")
     if not path.is_file():
         raise ExportError(f"{origin}: passages file {path} does not exist (pass --corpus PATH)")
-    return path
+    corpus = Corpus.open(path)
+    try:
+        check_run_corpus(run_dir, corpus, origin, config, hint="; pass --corpus with the file the run trained "
+                         "on (only a file with that fingerprint is accepted)")
+    except DataError as exc:
+        corpus.close()
+        raise ExportError(str(exc)) from None
+    return corpus
 
 
 def _summary(config: dict, metrics: dict) -> tuple[dict, dict]:
@@ -227,7 +239,7 @@ def export_retriever(run_dir: str | Path, out_dir: str | Path, faiss_factory: Op
                                                            if overwrite else ""))
     corpus_store = None
     if faiss_factory is not None or copy_corpus:
-        corpus_store = Corpus.open(_corpus_path(config, run_dir, corpus))
+        corpus_store = _open_corpus(config, run_dir, corpus)
     model = DualEncoder.load(run_dir / "retriever")
     if faiss_factory is not None:
         _check_factory(faiss_factory, model.dim, len(corpus_store))
