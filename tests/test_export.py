@@ -16,13 +16,14 @@ from rag_train.data.corpus import Corpus
 from rag_train.data.toy import toy_paths
 from rag_train.export import ExportError, export_retriever, load_manifest
 from rag_train.models.retriever import DualEncoder
+from rag_train.run_corpus import record_corpus
 
 QUESTIONS = ["Who trained Bihe Ziturin?", "Which instrument does the tallest person play?", "x"]
 _CACHE: dict = {}
 
 
 def make_run(root, toy_dir, shared_towers=False):
-    """A finished run directory as the recipes leave it: config.yaml, metrics.json, retriever/.
+    """A finished run directory as the recipes leave it: config.yaml, metrics.json, corpus.json, retriever/.
 
     The passage tower is perturbed so the two towers differ and a swapped export cannot pass.
     """
@@ -40,6 +41,7 @@ def make_run(root, toy_dir, shared_towers=False):
     save_config(cfg, root / "config.yaml")
     (root / "metrics.json").write_text(json.dumps({"recall": {"5": 0.5, "20": 0.75}, "mrr@10": 0.25, "steps": 7}))
     model.save(root / "retriever")
+    record_corpus(root, Corpus.open(toy_paths(toy_dir)["passages"]))
     return root, model
 
 

@@ -71,6 +71,7 @@ def test_runs_without_a_corpus_record_are_checked_against_their_buffer_manifest(
     holds the corpus fingerprint. Run from a directory holding another toy world, export used to index that
     world silently (exit 0, the wrong rows); now it refuses, naming both fingerprints."""
     run, model = make_run(tmp_path / "run", recipe_toy_dir)
+    (run / "corpus.json").unlink()
     text = (run / "config.yaml").read_text()
     (run / "config.yaml").write_text(text.replace(str(recipe_toy_dir.resolve()), "toy"))
     trained_on = Corpus.open(toy_paths(recipe_toy_dir)["passages"])
