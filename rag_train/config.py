@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -269,6 +270,20 @@ class EvalConfig:
 # ---------------------------------------------------------------------------------------------------
 
 
+FINE_TUNING_MAX_LR = 1e-4  # above this, AdamW steps wreck a pretrained encoder within a few steps
+
+
+def warn_if_lr_wrecks_pretrained(retriever: RetrieverConfig, key: str, lr: float) -> None:
+    """Warn when a pretrained retriever (anything but `tiny`) is to be trained at a from-scratch learning rate."""
+    if retriever.model != "tiny" and lr > FINE_TUNING_MAX_LR:
+        warnings.warn(
+            f"retriever.model={retriever.model!r} is a pretrained checkpoint, and {key}={lr:g} is far above the "
+            f"rates pretrained encoders are fine-tuned at (1e-5 to 5e-5 with AdamW; > {FINE_TUNING_MAX_LR:g} here "
+            f"warns): a few steps can undo the pretraining (all-MiniLM-L6-v2 on the toy world: R@1 70.0 before, "
+            f"30.0 after 20 steps at 1e-3, 99.8 at 2e-5). Lower {key} (see configs/retriever/toy_minilm_finetune.yaml).",
+            UserWarning, stacklevel=2)
+
+
 @dataclass
 class RetrieverTrainConfig:
     """Algorithm 1: supervised dense retrieval."""
@@ -279,6 +294,9 @@ class RetrieverTrainConfig:
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def __post_init__(self) -> None:
+        warn_if_lr_wrecks_pretrained(self.retriever, "train.lr", self.train.lr)
 
 
 @dataclass
@@ -353,6 +371,10 @@ class RLMConfig:
 
     def __post_init__(self) -> None:
         _positive("", "reader_temperature", self.reader_temperature)
+        warn_if_lr_wrecks_pretrained(self.retriever, "retriever_lr" if self.retriever_lr else "train.lr",
+                                     self.retriever_lr or self.train.lr)
+        if self.warm_start.retriever_steps:
+            warn_if_lr_wrecks_pretrained(self.retriever, "warm_start.retriever_lr", self.warm_start.retriever_lr)
         if self.retriever_lr is not None:
             _positive("", "retriever_lr", self.retriever_lr)
         _positive("", "retriever_start_step", self.retriever_start_step, allow_zero=True)

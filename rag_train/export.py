@@ -39,6 +39,11 @@ MANIFEST = "export.json"
 FAISS_FILE = "faiss.index"
 IDS_FILE = "passage_ids.npy"
 PASSAGE_FORMAT = "title: {title} | {text}  (just {text} when the title is empty)"
+# rag_train.models.retriever.format_passage for users without rag-train: written into every model card (tested equal)
+PASSAGE_FORMAT_FUNCTION = '''def format_passage(title, text):
+    """The text the passage tower was trained on, for a passage with this title and text."""
+    title = (title or "").strip()
+    return f"title: {title} | {text or ''}" if title else (text or "")'''
 ONNX_OPSET = 17
 
 
@@ -132,7 +137,11 @@ vectors = model.encode(["..."])
 ```
 
 - Queries were truncated to {meta['max_query_length']} tokens in training, passages to {meta['max_passage_length']}.
-- Passages are encoded as `{PASSAGE_FORMAT}`.
+- Passages are encoded as `{PASSAGE_FORMAT}`; format yours the same way before encoding them:
+
+```python
+{PASSAGE_FORMAT_FUNCTION}
+```
 - Weights fingerprint (sha256 of the whole dual encoder): `{meta['fingerprint']}`.
 
 ## Training configuration
@@ -251,6 +260,7 @@ def export_retriever(run_dir: str | Path, out_dir: str | Path, faiss_factory: Op
         folders = _write_towers(model, tmp, meta, keys, headline)
         manifest = {"format_version": EXPORT_FORMAT_VERSION, "source_run": str(run_dir.resolve()),
                     "shared_towers": model.shared_towers, "towers": folders, "passage_format": PASSAGE_FORMAT,
+                    "passage_format_python": PASSAGE_FORMAT_FUNCTION,
                     "metrics": headline, **meta}
         if corpus_store is not None:
             source = Path(corpus_store.path)
@@ -265,7 +275,7 @@ def export_retriever(run_dir: str | Path, out_dir: str | Path, faiss_factory: Op
             index = _embed_into_index(model, corpus_store, faiss_factory, batch_size, torch.device("cpu"))
             with atomic_open(tmp / FAISS_FILE) as handle:
                 handle.write(faiss.serialize_index(index).tobytes())
-            ids = np.array([corpus_store.id(row).encode("utf-8") for row in range(len(corpus_store))], dtype=np.bytes_)
+            ids = np.array([corpus_store.id(row) for row in range(len(corpus_store))], dtype=np.str_)
             with atomic_open(tmp / IDS_FILE) as handle:
                 np.save(handle, ids, allow_pickle=False)
             manifest["faiss"] = {"file": FAISS_FILE, "factory": faiss_factory, "rows": int(index.ntotal),

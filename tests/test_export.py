@@ -133,7 +133,7 @@ def test_flat_faiss_matches_exact_search(full_export):
     corpus = Corpus.open(export_dir / manifest["corpus"]["path"])  # the export's own copy
     assert manifest["corpus"]["fingerprint"] == corpus.fingerprint and manifest["faiss"]["rows"] == len(corpus)
     ids = np.load(export_dir / manifest["faiss"]["ids"])
-    assert [i.decode() for i in ids] == [corpus.id(r) for r in range(len(corpus))]
+    assert ids.dtype.kind == "U" and ids.tolist() == [corpus.id(r) for r in range(len(corpus))]  # str, not bytes
     buffer = embed_rows(model, corpus, np.arange(len(corpus)), 64, torch.device("cpu"))
     with torch.no_grad():
         queries = model.encode_queries(QUESTIONS)
