@@ -61,12 +61,12 @@ def full_export(tmp_path_factory, recipe_toy_dir):
     return exported(tmp_path_factory, recipe_toy_dir, faiss_factory="Flat", onnx=True, copy_corpus=True)
 
 
-def _isolated_python(script: str, cwd) -> subprocess.CompletedProcess:
+def _isolated_python(script: str, cwd, timeout: int = 120) -> subprocess.CompletedProcess:
     """Run `script` where rag_train is not importable: no site hooks (the editable install is a .pth
     finder), no cwd / PYTHONPATH on sys.path; only the site-packages folders themselves."""
     bootstrap = f"import sys; sys.path.extend({site.getsitepackages()!r})\n"
     return subprocess.run([sys.executable, "-I", "-S", "-c", bootstrap + script], cwd=cwd, capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=timeout)
 
 
 def test_sentence_transformers_folders_load_without_the_package(full_export, tmp_path):
@@ -169,3 +169,27 @@ def test_bad_inputs_fail_before_work(tmp_path, recipe_toy_dir):
     with pytest.raises(ExportError, match="holds no export.json"):
         export_retriever(run, tmp_path / "taken", overwrite=True)
     assert not (tmp_path / "out").exists() and (tmp_path / "taken" / "keep.txt").read_text() == "user data"
+
+
+def test_loaded_retrievers_are_in_eval_mode(tmp_path, recipe_toy_dir):
+    run, _ = make_run(tmp_path / "run", recipe_toy_dir)
+    loaded = DualEncoder.load(run / "retriever")
+    assert not any(module.training for module in loaded.modules())  # no dropout without an explicit .train()
+    with torch.no_grad():
+        first, second = loaded.encode_passages(QUESTIONS), loaded.encode_passages(QUESTIONS)
+    assert torch.equal(first, second)
+
+
+def test_model_cards_carry_the_passage_format_as_a_function(full_export):
+    """The card's (package-free) format_passage is the function the towers were trained with."""
+    from rag_train.models.retriever import format_passage
+
+    export_dir, _, manifest = full_export
+    card = (export_dir / "passage" / "README.md").read_text()
+    code = card.split("```python\n")[2].split("```")[0]
+    assert code.startswith("def format_passage(") and code.strip() == manifest["passage_format_python"]
+    namespace: dict = {}
+    exec(code, namespace)
+    for title, text in (("Bihe Ziturin", "was trained by Migor."), ("", "no title"), ("  padded  ", "x | y"),
+                        (None, "none"), ("   ", "blank title"), ("T", "")):
+        assert namespace["format_passage"](title, text) == format_passage({"title": title, "text": text})

@@ -1,5 +1,6 @@
 """Serving: request coalescing, and a real server on loopback answering, rejecting and shutting down."""
 
+import ast
 import asyncio
 import select
 import signal
@@ -18,7 +19,7 @@ from rag_train.buffer.embed import embed_rows
 from rag_train.buffer.search import search
 from rag_train.data.corpus import Corpus
 from rag_train.serve import MicroBatcher, ServeLimits, create_app, validation_detail
-from test_export import exported
+from test_export import _isolated_python, exported
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -76,7 +77,7 @@ def server(tmp_path_factory, recipe_toy_dir):
                              "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"],  # default limits
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 90
+    deadline = time.monotonic() + 300  # startup imports torch, faiss and the model: slow on a busy machine
     while True:
         if proc.poll() is not None:
             pytest.fail(f"server exited with {proc.returncode}: {proc.stdout.read()[-3000:]}")
@@ -87,7 +88,7 @@ def server(tmp_path_factory, recipe_toy_dir):
             pass
         if time.monotonic() > deadline:
             proc.kill()
-            pytest.fail("server did not answer /health within 90 s")
+            pytest.fail("server did not answer /health within 300 s")
         time.sleep(0.3)
     yield url, proc, export_dir, model
     if proc.poll() is None:
@@ -230,6 +231,60 @@ def test_a_chunked_body_over_the_limit_is_cut_off_on_a_real_server(server):
     assert sent < total // 4, sent  # cut off early: the whole 96 MB was not read
 
 
+def doc_examples() -> dict[str, str]:
+    """The `<!-- example: NAME -->` python blocks of docs/serving.md, by name."""
+    text = (ROOT / "docs" / "serving.md").read_text(encoding="utf-8")
+    examples = {}
+    for part in text.split("<!-- example: ")[1:]:
+        name, rest = part.split(" -->", 1)
+        examples[name] = rest.split("```python\n", 1)[1].split("```", 1)[0]
+    return examples
+
+
+def test_the_docs_show_every_export_format():
+    assert sorted(doc_examples()) == ["faiss", "http", "onnxruntime", "sentence-transformers"]
+
+
+@pytest.mark.slow
+def test_doc_examples_run_without_the_package_and_rank_as_rag_train_does(server, tmp_path):
+    """Each example, copied from the docs, runs where rag_train cannot be imported (cwd holds `export`, the http
+    example is pointed at the test server) and prints the same top-5 ids as rag-train's exact search. One
+    interpreter runs them all (each in fresh globals), to import torch and transformers once."""
+    url, _, export_dir, model = server
+    examples = {name: code.replace("http://127.0.0.1:8000", url) for name, code in doc_examples().items()}
+    (tmp_path / "export").symlink_to(export_dir)
+    driver = f"""
+import sys
+try:
+    import rag_train
+    sys.exit("rag_train is importable")
+except ImportError:
+    pass
+for name, code in {examples!r}.items():
+    print("=== " + name, flush=True)
+    exec(compile(code, name, "exec"), {{"__name__": "__main__"}})
+"""
+    result = _isolated_python(driver, tmp_path, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    printed = {}
+    for block in result.stdout.split("=== ")[1:]:
+        name, *lines = block.splitlines()
+        printed[name] = dict(line.split(" -> ") for line in lines if " -> " in line)
+    assert sorted(printed) == sorted(examples)
+    corpus = Corpus.open(export_dir / "passages.jsonl")
+    questions = list(printed["http"])
+    with torch.no_grad():
+        model.eval()
+        expected = search(model.encode_queries(questions),
+                          embed_rows(model, corpus, np.arange(len(corpus)), 64, torch.device("cpu")), k=5)
+    assert len(questions) == 2
+    for name, answers in printed.items():
+        assert list(answers) == questions, name
+        for question, rows in zip(questions, expected.rows.tolist()):
+            assert ast.literal_eval(answers[question]) == [corpus.id(r) for r in rows], (name, question)
+
+
+# last: it stops the module's server
 def test_sigterm_stops_the_server_cleanly(server):
     url, proc, _, _ = server
     proc.send_signal(signal.SIGTERM)
