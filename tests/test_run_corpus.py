@@ -36,6 +36,7 @@ def other_world(destination: Path, toy_dir: Path) -> Corpus:
     return Corpus.open(passages)
 
 
+@pytest.mark.slow
 def test_export_from_another_directory_uses_the_corpus_the_run_trained_on(recipe_toy_dir, tmp_path, monkeypatch):
     home = tmp_path / "home"
     home.mkdir()
@@ -86,6 +87,7 @@ def test_runs_without_a_corpus_record_are_checked_against_their_buffer_manifest(
     assert manifest["corpus"]["fingerprint"] == trained_on.fingerprint
 
 
+@pytest.mark.slow
 def test_evaluate_refuses_a_corpus_the_run_did_not_train_on(recipe_toy_dir, tmp_path):
     other = other_world(tmp_path / "other", recipe_toy_dir)
     files = toy_paths(recipe_toy_dir)
