@@ -202,9 +202,10 @@ async def read_json_body(request: Any, limits: ServeLimits) -> Any:
         media = media.strip().lower()
         if media != "application/json" and not media.endswith("+json"):
             raise BadRequest(415, f"Content-Type {media[:100]!r} is not JSON; send the body as application/json")
-        charset = params.strip().lower().removeprefix("charset=").strip('"')
-        if params.strip() and charset not in ("utf-8", "utf8"):
-            raise BadRequest(415, f"Content-Type parameters {params.strip()[:100]!r}: the body must be UTF-8 JSON")
+        for param in params.split(";"):
+            name, _, value = param.partition("=")
+            if name.strip().lower() == "charset" and value.strip().strip('"').lower() not in ("utf-8", "utf8"):
+                raise BadRequest(415, f"Content-Type charset {value.strip()[:50]!r}: the body must be UTF-8 JSON")
     too_large = (f"request body larger than this server accepts ({limits.max_body_bytes} bytes: at most "
                  f"{limits.max_queries} queries of {limits.max_query_chars} characters)")
     length = request.headers.get("content-length")
