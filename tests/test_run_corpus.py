@@ -105,3 +105,21 @@ def test_evaluate_refuses_a_corpus_the_run_did_not_train_on(recipe_toy_dir, tmp_
     assert result.returncode == 1, result.stderr[-2000:]
     assert f"fingerprint {other.fingerprint[:12]}" in result.stderr
     assert f"fingerprint {trained_on.fingerprint[:12]} in {run / 'corpus.json'}" in result.stderr
+
+
+def test_the_server_refuses_a_corpus_changed_after_export(recipe_toy_dir, tmp_path):
+    """The last link of run -> export -> serve: the export records the fingerprint export checked against the
+    run, and the server refuses to start on a referenced corpus whose content changed since."""
+    from rag_train.serve import ExportedRetriever
+
+    toy = tmp_path / "toy"
+    shutil.copytree(recipe_toy_dir, toy, ignore=shutil.ignore_patterns(".lock", "*.index"))
+    run, _ = make_run(tmp_path / "run", toy)
+    manifest = export_retriever(run, tmp_path / "export", faiss_factory="Flat")
+    exported_from = manifest["corpus"]["fingerprint"]
+    ExportedRetriever(tmp_path / "export").corpus.close()  # starts on the corpus it was built from
+    changed = other_world(tmp_path / "changed", toy)
+    shutil.copyfile(changed.path, toy_paths(toy)["passages"])
+    with pytest.raises(ExportError, match=rf"content differs .* \(fingerprint {changed.fingerprint[:12]} != "
+                                          rf"{exported_from[:12]}\)"):
+        ExportedRetriever(tmp_path / "export")
