@@ -87,7 +87,7 @@ def _open_corpus(config: dict, run_dir: Path, override: Optional[str]) -> Corpus
         origin = f"{run_dir / 'config.yaml'}: field 'data.toy_dir'"
     else:
         raise ExportError(f"{run_dir / 'config.yaml'}: field 'data.passages' is empty; pass --corpus")
-    if not path.is_file():
+    if not path.exists():  # a file, or a datasets.save_to_disk folder
         raise ExportError(f"{origin}: passages file {path} does not exist (pass --corpus PATH)")
     corpus = Corpus.open(path)
     try:
