@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +29,12 @@ class ConfigError(ValueError):
 def _choice(section: str, key: str, value: Any, allowed: tuple) -> None:
     if value not in allowed:
         raise ConfigError(f"{section}.{key}={value!r} is not one of {list(allowed)}")
+
+
+def _absolute(path: Optional[str]) -> Optional[str]:
+    """`path` made absolute (symlinks resolved) when it names an existing file or folder, so a saved config
+    means the same data from any working directory; anything else (a hub dataset name) is kept as given."""
+    return str(Path(path).resolve()) if path and Path(path).exists() else path
 
 
 def _positive(section: str, key: str, value: Any, allow_zero: bool = False) -> None:
@@ -85,6 +92,11 @@ class DataConfig:
         _positive("data", "max_eval_examples", self.max_eval_examples)
         if not self.toy and (self.passages is None or self.train is None):
             raise ConfigError("data.toy=false needs data.passages and data.train")
+        # absolute paths, so the saved config (and export / evaluate reading it) names the same files anywhere
+        self.toy_dir = str(Path(self.toy_dir).resolve())
+        self.passages = _absolute(self.passages)
+        self.train = ",".join(_absolute(part) or "" for part in self.train.split(",")) if self.train else self.train
+        self.dev = [_absolute(path) for path in self.dev]
 
 
 @dataclass
@@ -175,6 +187,7 @@ class BufferConfig:
     verify: bool = True
 
     def __post_init__(self) -> None:
+        self.path = str(Path(self.path).resolve()) if self.path else self.path  # see DataConfig
         _choice("buffer", "dtype", self.dtype, ("float16", "bfloat16", "float32"))
         _choice("buffer", "search", self.search, ("exact", "corrector_full", "corrector_rerank"))
         for key in ("shard_rows", "embed_batch_size", "chunk_rows", "rerank_candidates"):
@@ -297,6 +310,19 @@ class EvalConfig:
 # ---------------------------------------------------------------------------------------------------
 
 
+FINE_TUNING_MAX_LR = 1e-4  # above this, AdamW steps wreck a pretrained encoder within a few steps
+
+
+def warn_if_lr_wrecks_pretrained(retriever: RetrieverConfig, key: str, lr: float) -> None:
+    """Warn when a pretrained retriever (anything but `tiny`) is to be trained at a from-scratch learning rate."""
+    if retriever.model != "tiny" and lr > FINE_TUNING_MAX_LR:
+        warnings.warn(
+            f"retriever.model={retriever.model!r} is a pretrained checkpoint, and {key}={lr:g} is far above the "
+            f"rates pretrained encoders are fine-tuned at (1e-5 to 5e-5 with AdamW; > {FINE_TUNING_MAX_LR:g} here "
+            f"warns): a few such steps can undo the pretraining. Lower {key} (see configs/retriever/toy_minilm_finetune.yaml).",
+            UserWarning, stacklevel=2)
+
+
 @dataclass
 class RetrieverTrainConfig:
     """Algorithm 1: supervised dense retrieval."""
@@ -308,6 +334,9 @@ class RetrieverTrainConfig:
     batching: BatchingConfig = field(default_factory=BatchingConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def __post_init__(self) -> None:
+        warn_if_lr_wrecks_pretrained(self.retriever, "train.lr", self.train.lr)
 
 
 @dataclass
@@ -350,6 +379,8 @@ class WarmStartConfig:
         _positive("warm_start", "retriever_lr", self.retriever_lr)
         _choice("warm_start", "retriever_strategy", self.retriever_strategy, ("in_batch", "uniform", "stale"))
         _choice("warm_start", "reader_distractors", self.reader_distractors, ("random", "retrieved"))
+        self.retriever_train = _absolute(self.retriever_train)  # see DataConfig
+        self.from_run = str(Path(self.from_run).resolve()) if self.from_run else self.from_run
 
 
 @dataclass
@@ -380,6 +411,10 @@ class RLMConfig:
 
     def __post_init__(self) -> None:
         _positive("", "reader_temperature", self.reader_temperature)
+        warn_if_lr_wrecks_pretrained(self.retriever, "retriever_lr" if self.retriever_lr else "train.lr",
+                                     self.retriever_lr or self.train.lr)
+        if self.warm_start.retriever_steps:
+            warn_if_lr_wrecks_pretrained(self.retriever, "warm_start.retriever_lr", self.warm_start.retriever_lr)
         if self.retriever_lr is not None:
             _positive("", "retriever_lr", self.retriever_lr)
         _positive("", "retriever_start_step", self.retriever_start_step, allow_zero=True)

@@ -28,15 +28,22 @@ from tqdm.auto import tqdm
 
 from rag_train.buffer.embed import embed_rows
 from rag_train.data.corpus import Corpus
+from rag_train.data.errors import DataError
 from rag_train.io import (CorruptFileError, atomic_directory, atomic_open, atomic_write_json, atomic_write_text,
                           folder_checksums, read_json, verify_checksums)
 from rag_train.models.retriever import META_FILE, DualEncoder
+from rag_train.run_corpus import check_run_corpus, recorded_corpus
 
 EXPORT_FORMAT_VERSION = 1
 MANIFEST = "export.json"
 FAISS_FILE = "faiss.index"
 IDS_FILE = "passage_ids.npy"
 PASSAGE_FORMAT = "title: {title} | {text}  (just {text} when the title is empty)"
+# rag_train.models.retriever.format_passage for users without rag-train: written into every model card (tested equal)
+PASSAGE_FORMAT_FUNCTION = '''def format_passage(title, text):
+    """The text the passage tower was trained on, for a passage with this title and text."""
+    title = (title or "").strip()
+    return f"title: {title} | {text or ''}" if title else (text or "")'''
 ONNX_OPSET = 17
 
 
@@ -62,24 +69,34 @@ def _load_run(run_dir: Path) -> tuple[dict, dict]:
     return config, metrics
 
 
-def _corpus_path(config: dict, run_dir: Path, override: Optional[str]) -> Path:
-    """The passages file the run trained on (data.passages, else the toy world's), or `override`."""
+def _open_corpus(config: dict, run_dir: Path, override: Optional[str]) -> Corpus:
+    """The passages file the run trained on, or `override`; refused unless its fingerprint is the one the
+    run recorded (corpus.json or buffer manifest), whichever file is named and wherever export runs."""
+    recorded = recorded_corpus(run_dir, config)
+    data = config.get("data", {})
     if override is not None:
         path, origin = Path(override), "--corpus"
-    else:
-        data = config.get("data", {})
-        if data.get("passages"):
-            path, origin = Path(data["passages"]), f"{run_dir / 'config.yaml'}: field 'data.passages'"
-        elif data.get("toy"):
-            from rag_train.data.toy import toy_paths
+    elif recorded is not None and recorded["path"]:
+        path, origin = Path(recorded["path"]), f"{recorded['source']}: field 'path'"
+    elif data.get("passages"):
+        path, origin = Path(data["passages"]), f"{run_dir / 'config.yaml'}: field 'data.passages'"
+    elif data.get("toy"):
+        from rag_train.data.toy import toy_paths
 
-            path = toy_paths(Path(data["toy_dir"]))["passages"]
-            origin = f"{run_dir / 'config.yaml'}: field 'data.toy_dir'"
-        else:
-            raise ExportError(f"{run_dir / 'config.yaml'}: field 'data.passages' is empty; pass --corpus")
-    if not path.is_file():
+        path = toy_paths(Path(data["toy_dir"]))["passages"]
+        origin = f"{run_dir / 'config.yaml'}: field 'data.toy_dir'"
+    else:
+        raise ExportError(f"{run_dir / 'config.yaml'}: field 'data.passages' is empty; pass --corpus")
+    if not path.exists():  # a file, or a datasets.save_to_disk folder
         raise ExportError(f"{origin}: passages file {path} does not exist (pass --corpus PATH)")
-    return path
+    corpus = Corpus.open(path)
+    try:
+        check_run_corpus(run_dir, corpus, origin, config, hint="; pass --corpus with the file the run trained "
+                         "on (only a file with that fingerprint is accepted)")
+    except DataError as exc:
+        corpus.close()
+        raise ExportError(str(exc)) from None
+    return corpus
 
 
 def _summary(config: dict, metrics: dict) -> tuple[dict, dict]:
@@ -120,7 +137,11 @@ vectors = model.encode(["..."])
 ```
 
 - Queries were truncated to {meta['max_query_length']} tokens in training, passages to {meta['max_passage_length']}.
-- Passages are encoded as `{PASSAGE_FORMAT}`.
+- Passages are encoded as `{PASSAGE_FORMAT}`; format yours the same way before encoding them:
+
+```python
+{PASSAGE_FORMAT_FUNCTION}
+```
 - Weights fingerprint (sha256 of the whole dual encoder): `{meta['fingerprint']}`.
 
 ## Training configuration
@@ -227,7 +248,7 @@ def export_retriever(run_dir: str | Path, out_dir: str | Path, faiss_factory: Op
                                                            if overwrite else ""))
     corpus_store = None
     if faiss_factory is not None or copy_corpus:
-        corpus_store = Corpus.open(_corpus_path(config, run_dir, corpus))
+        corpus_store = _open_corpus(config, run_dir, corpus)
     model = DualEncoder.load(run_dir / "retriever")
     if faiss_factory is not None:
         _check_factory(faiss_factory, model.dim, len(corpus_store))
@@ -239,6 +260,7 @@ def export_retriever(run_dir: str | Path, out_dir: str | Path, faiss_factory: Op
         folders = _write_towers(model, tmp, meta, keys, headline)
         manifest = {"format_version": EXPORT_FORMAT_VERSION, "source_run": str(run_dir.resolve()),
                     "shared_towers": model.shared_towers, "towers": folders, "passage_format": PASSAGE_FORMAT,
+                    "passage_format_python": PASSAGE_FORMAT_FUNCTION,
                     "metrics": headline, **meta}
         if corpus_store is not None:
             source = Path(corpus_store.path)
@@ -253,7 +275,7 @@ def export_retriever(run_dir: str | Path, out_dir: str | Path, faiss_factory: Op
             index = _embed_into_index(model, corpus_store, faiss_factory, batch_size, torch.device("cpu"))
             with atomic_open(tmp / FAISS_FILE) as handle:
                 handle.write(faiss.serialize_index(index).tobytes())
-            ids = np.array([corpus_store.id(row).encode("utf-8") for row in range(len(corpus_store))], dtype=np.bytes_)
+            ids = np.array([corpus_store.id(row) for row in range(len(corpus_store))], dtype=np.str_)
             with atomic_open(tmp / IDS_FILE) as handle:
                 np.save(handle, ids, allow_pickle=False)
             manifest["faiss"] = {"file": FAISS_FILE, "factory": faiss_factory, "rows": int(index.ntotal),

@@ -4,18 +4,22 @@ Concurrent requests are coalesced into one encoder batch: each request waits in 
 single worker takes everything queued (up to `max_batch_queries` questions), waits at most `max_wait_ms`
 for more, encodes the batch and searches the FAISS index in a worker thread, then answers each request
 with its own slice. Passage titles and texts are read by row from the corpus named in the export.
+
+Bad requests get a 4xx whose `detail` names the field or the problem and never echoes the body: the body is
+read here with its size limit enforced while it streams, then parsed and validated (see docs/serving.md).
 """
 
 import asyncio
+import json
 import logging
 import signal
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Callable, Optional
+from typing import Annotated, Any, Callable, Optional
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, create_model
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, ValidationError, create_model
 
 from rag_train.export import ExportError, load_manifest
 
@@ -82,11 +86,16 @@ class ExportedRetriever:
         for query_scores, query_rows in zip(scores, rows):
             found = [int(r) for r in query_rows if r >= 0]
             passages = self.corpus.passages(found)
-            results.append({"ids": [self.ids[r].decode("utf-8") for r in found],
+            results.append({"ids": [_passage_id(self.ids[r]) for r in found],
                             "scores": [float(s) for s in query_scores[: len(found)]],
                             "titles": [p["title"] for p in passages],
                             "texts": [p["text"] for p in passages]})
         return results
+
+
+def _passage_id(value: Any) -> str:
+    """passage_ids.npy holds str; exports made before held utf-8 bytes."""
+    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
 
 
 class MicroBatcher:
@@ -149,9 +158,20 @@ class MicroBatcher:
                     future.set_result([{key: values[:k] for key, values in result.items()} for result in mine])
 
 
+def _valid_unicode(text: Any) -> Any:
+    """Reject lone UTF-16 surrogates (`"\\ud800"` is valid JSON, but no tokenizer or response can carry it)."""
+    try:
+        if isinstance(text, str):  # runs before the type check: other types get its message
+            text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"not valid Unicode: a lone surrogate at character {exc.start}") from None
+    return text
+
+
 def _request_model(limits: ServeLimits, rows: int) -> type[BaseModel]:
     """The POST /search body, with this server's limits (pydantic answers 422 naming the field)."""
-    query = Annotated[str, StringConstraints(strip_whitespace=True, min_length=1, max_length=limits.max_query_chars)]
+    query = Annotated[str, StringConstraints(strip_whitespace=True, min_length=1, max_length=limits.max_query_chars),
+                      BeforeValidator(_valid_unicode)]
     return create_model(
         "SearchRequest",
         __config__=ConfigDict(extra="forbid", strict=True),
@@ -160,12 +180,79 @@ def _request_model(limits: ServeLimits, rows: int) -> type[BaseModel]:
     )
 
 
+class BadRequest(Exception):
+    """A request answered with `status` and a `detail` that names the problem (never the request's content)."""
+
+    def __init__(self, status: int, detail: Any):
+        super().__init__(status)
+        self.status, self.detail = status, detail
+
+
+def _not_json_constant(name: str) -> Any:
+    raise BadRequest(400, f"body is not valid JSON: {name} is not a JSON value (numbers must be finite)")
+
+
+async def read_json_body(request: Any, limits: ServeLimits) -> Any:
+    """The request body parsed as JSON, or BadRequest: 415 for another content type, 413 as soon as more bytes
+    than the limit have arrived (whatever Content-Length says, chunked or not: nothing more is read),
+    400 for an empty body, invalid UTF-8, invalid JSON (NaN / Infinity included) or JSON nested too deeply."""
+    content_type = request.headers.get("content-type")
+    if content_type is not None:  # none at all is read as JSON, as FastAPI does
+        media, _, params = content_type.partition(";")
+        media = media.strip().lower()
+        if media != "application/json" and not media.endswith("+json"):
+            raise BadRequest(415, f"Content-Type {media[:100]!r} is not JSON; send the body as application/json")
+        for param in params.split(";"):
+            name, _, value = param.partition("=")
+            if name.strip().lower() == "charset" and value.strip().strip('"').lower() not in ("utf-8", "utf8"):
+                raise BadRequest(415, f"Content-Type charset {value.strip()[:50]!r}: the body must be UTF-8 JSON")
+    too_large = (f"request body larger than this server accepts ({limits.max_body_bytes} bytes: at most "
+                 f"{limits.max_queries} queries of {limits.max_query_chars} characters)")
+    length = request.headers.get("content-length")
+    if length is not None and (not length.isdigit() or int(length) > limits.max_body_bytes):
+        raise BadRequest(413, f"Content-Length {length[:30]}: {too_large}")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limits.max_body_bytes:
+            raise BadRequest(413, too_large)
+    if not body:
+        raise BadRequest(400, 'empty body; send JSON such as {"queries": ["a question"], "k": 10}')
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise BadRequest(400, f"body is not valid UTF-8: byte {exc.start} (0x{body[exc.start]:02x}) {exc.reason}") from None
+    try:
+        return json.loads(text, parse_constant=_not_json_constant)
+    except json.JSONDecodeError as exc:
+        raise BadRequest(400, f"body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+    except RecursionError:
+        raise BadRequest(400, "body is not usable JSON: nested too deeply to parse") from None
+
+
+def validation_detail(errors: Any) -> list[dict]:
+    """pydantic / FastAPI errors as [{"loc", "msg", "type"}] without the offending input or its context (which
+    may hold NaN, lone surrogates or whole bodies that JSON cannot carry). Never raises."""
+    try:
+        return [{"loc": ["body", *(part if isinstance(part, int) else str(part) for part in error.get("loc", ()))],
+                 "msg": str(error.get("msg")), "type": str(error.get("type"))} for error in errors]
+    except Exception:  # a renderer must not turn a 422 into a 500
+        return [{"loc": ["body"], "msg": "the body does not match the request schema", "type": "value_error"}]
+
+
+def _json_response(status: int, content: Any):
+    """JSONResponse that cannot fail: ASCII-escaped, so lone surrogates in a message are escaped, not raised."""
+    from fastapi.responses import Response
+
+    return Response(json.dumps(content, ensure_ascii=True), status_code=status, media_type="application/json")
+
+
 def create_app(export_dir: str | Path, limits: ServeLimits = ServeLimits(), device: str = "cpu"):
     """FastAPI app serving `export_dir`; the model loads before the first request is accepted."""
     from contextlib import asynccontextmanager
 
     from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse
+    from fastapi.exceptions import RequestValidationError
 
     retriever = ExportedRetriever(export_dir, device)
     state: dict = {}
@@ -186,15 +273,9 @@ def create_app(export_dir: str | Path, limits: ServeLimits = ServeLimits(), devi
     app = FastAPI(title="rag-train retrieval", lifespan=lifespan)
     SearchRequest = _request_model(limits, retriever.rows)
 
-    @app.middleware("http")
-    async def reject_large_bodies(request: Request, call_next):
-        length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > limits.max_body_bytes):
-            return JSONResponse(status_code=413, content={
-                "detail": f"request body of {length} bytes is larger than this server accepts "
-                          f"({limits.max_body_bytes} bytes: at most {limits.max_queries} queries of "
-                          f"{limits.max_query_chars} characters)"})
-        return await call_next(request)
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, exc: RequestValidationError):
+        return _json_response(422, {"detail": validation_detail(exc.errors())})
 
     @app.get("/health")
     async def health() -> dict:
@@ -205,8 +286,17 @@ def create_app(export_dir: str | Path, limits: ServeLimits = ServeLimits(), devi
                 "limits": {"max_queries": limits.max_queries, "max_query_chars": limits.max_query_chars,
                            "max_k": min(limits.max_k, retriever.rows)}}
 
-    @app.post("/search")
-    async def search(body: SearchRequest) -> dict:  # type: ignore[valid-type]
+    # The body is read and parsed here, not by FastAPI: its reader takes any body whole (no size limit) and its
+    # errors echo the input back.
+    @app.post("/search", openapi_extra={"requestBody": {"required": True, "content": {
+        "application/json": {"schema": SearchRequest.model_json_schema()}}}})
+    async def search(request: Request):
+        try:
+            body = SearchRequest.model_validate(await read_json_body(request, limits))
+        except BadRequest as exc:
+            return _json_response(exc.status, {"detail": exc.detail})
+        except ValidationError as exc:
+            return _json_response(422, {"detail": validation_detail(exc.errors(include_input=False))})
         return {"results": await state["batcher"].submit(body.queries, body.k)}
 
     return app

@@ -16,6 +16,7 @@ from rag_train.launch import make_accelerator
 
 from rag_train.config import ConfigError, RLMConfig, load_config
 from rag_train.data.corpus import Corpus
+from rag_train.data.errors import DataError
 from rag_train.data.qa import load_qa
 from rag_train.data.sources import dataset_name, resolve_data
 from rag_train.eval.qa import QAEvalSettings, evaluate_qa
@@ -23,6 +24,7 @@ from rag_train.io import atomic_write_json
 from rag_train.models.reader import FiDReader
 from rag_train.models.retriever import DualEncoder
 from rag_train.models.tokenizer import load_tokenizer
+from rag_train.run_corpus import check_run_corpus
 from rag_train.train.rlm import TOY_DEV_SETS, TOY_TRAIN_SETS, write_predictions
 
 
@@ -46,6 +48,10 @@ def main() -> None:
     accelerator = make_accelerator()
     files = resolve_data(cfg.data, accelerator, TOY_TRAIN_SETS, TOY_DEV_SETS)
     corpus = Corpus.open(files.passages)
+    try:  # the corpus the retriever was trained (and its buffer built) on, not another toy world
+        check_run_corpus(run, corpus, f"{run / 'config.yaml'}: data", {"buffer": {"path": cfg.buffer.path}})
+    except DataError as exc:
+        sys.exit(f"error: {exc}")
     sets = {dataset_name(p): load_qa(p, corpus=corpus, limit=args.limit) for p in (args.data or files.dev)}
 
     retriever = DualEncoder.load(run / "retriever").to(accelerator.device)

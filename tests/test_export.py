@@ -16,13 +16,14 @@ from rag_train.data.corpus import Corpus
 from rag_train.data.toy import toy_paths
 from rag_train.export import ExportError, export_retriever, load_manifest
 from rag_train.models.retriever import DualEncoder
+from rag_train.run_corpus import record_corpus
 
 QUESTIONS = ["Who trained Bihe Ziturin?", "Which instrument does the tallest person play?", "x"]
 _CACHE: dict = {}
 
 
 def make_run(root, toy_dir, shared_towers=False):
-    """A finished run directory as the recipes leave it: config.yaml, metrics.json, retriever/.
+    """A finished run directory as the recipes leave it: config.yaml, metrics.json, corpus.json, retriever/.
 
     The passage tower is perturbed so the two towers differ and a swapped export cannot pass.
     """
@@ -40,6 +41,7 @@ def make_run(root, toy_dir, shared_towers=False):
     save_config(cfg, root / "config.yaml")
     (root / "metrics.json").write_text(json.dumps({"recall": {"5": 0.5, "20": 0.75}, "mrr@10": 0.25, "steps": 7}))
     model.save(root / "retriever")
+    record_corpus(root, Corpus.open(toy_paths(toy_dir)["passages"]))
     return root, model
 
 
@@ -59,12 +61,12 @@ def full_export(tmp_path_factory, recipe_toy_dir):
     return exported(tmp_path_factory, recipe_toy_dir, faiss_factory="Flat", onnx=True, copy_corpus=True)
 
 
-def _isolated_python(script: str, cwd) -> subprocess.CompletedProcess:
+def _isolated_python(script: str, cwd, timeout: int = 120) -> subprocess.CompletedProcess:
     """Run `script` where rag_train is not importable: no site hooks (the editable install is a .pth
     finder), no cwd / PYTHONPATH on sys.path; only the site-packages folders themselves."""
     bootstrap = f"import sys; sys.path.extend({site.getsitepackages()!r})\n"
     return subprocess.run([sys.executable, "-I", "-S", "-c", bootstrap + script], cwd=cwd, capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=timeout)
 
 
 def test_sentence_transformers_folders_load_without_the_package(full_export, tmp_path):
@@ -131,7 +133,7 @@ def test_flat_faiss_matches_exact_search(full_export):
     corpus = Corpus.open(export_dir / manifest["corpus"]["path"])  # the export's own copy
     assert manifest["corpus"]["fingerprint"] == corpus.fingerprint and manifest["faiss"]["rows"] == len(corpus)
     ids = np.load(export_dir / manifest["faiss"]["ids"])
-    assert [i.decode() for i in ids] == [corpus.id(r) for r in range(len(corpus))]
+    assert ids.dtype.kind == "U" and ids.tolist() == [corpus.id(r) for r in range(len(corpus))]  # str, not bytes
     buffer = embed_rows(model, corpus, np.arange(len(corpus)), 64, torch.device("cpu"))
     with torch.no_grad():
         queries = model.encode_queries(QUESTIONS)
@@ -167,3 +169,27 @@ def test_bad_inputs_fail_before_work(tmp_path, recipe_toy_dir):
     with pytest.raises(ExportError, match="holds no export.json"):
         export_retriever(run, tmp_path / "taken", overwrite=True)
     assert not (tmp_path / "out").exists() and (tmp_path / "taken" / "keep.txt").read_text() == "user data"
+
+
+def test_loaded_retrievers_are_in_eval_mode(tmp_path, recipe_toy_dir):
+    run, _ = make_run(tmp_path / "run", recipe_toy_dir)
+    loaded = DualEncoder.load(run / "retriever")
+    assert not any(module.training for module in loaded.modules())  # no dropout without an explicit .train()
+    with torch.no_grad():
+        first, second = loaded.encode_passages(QUESTIONS), loaded.encode_passages(QUESTIONS)
+    assert torch.equal(first, second)
+
+
+def test_model_cards_carry_the_passage_format_as_a_function(full_export):
+    """The card's (package-free) format_passage is the function the towers were trained with."""
+    from rag_train.models.retriever import format_passage
+
+    export_dir, _, manifest = full_export
+    card = (export_dir / "passage" / "README.md").read_text()
+    code = card.split("```python\n")[2].split("```")[0]
+    assert code.startswith("def format_passage(") and code.strip() == manifest["passage_format_python"]
+    namespace: dict = {}
+    exec(code, namespace)
+    for title, text in (("Bihe Ziturin", "was trained by Migor."), ("", "no title"), ("  padded  ", "x | y"),
+                        (None, "none"), ("   ", "blank title"), ("T", "")):
+        assert namespace["format_passage"](title, text) == format_passage({"title": title, "text": text})

@@ -163,7 +163,7 @@ class DualEncoder(nn.Module):
                 raise ConfigError(f"retriever.tokenizer={cfg.tokenizer!r} cannot override the tokenizer of the saved "
                                   f"retriever {cfg.model}; leave it unset")
             return cls(saved.query_encoder, None if saved.shared_towers else saved.passage_encoder,
-                       cfg.max_query_length, cfg.max_passage_length, cfg.train_passage_encoder)
+                       cfg.max_query_length, cfg.max_passage_length, cfg.train_passage_encoder).train()
         query_tower = _build_tower(cfg, tokenizer, seed)
         passage_tower = None if cfg.shared_towers else copy.deepcopy(query_tower)
         return cls(query_tower, passage_tower, cfg.max_query_length, cfg.max_passage_length, cfg.train_passage_encoder)
@@ -226,7 +226,8 @@ class DualEncoder(nn.Module):
 
     @classmethod
     def load(cls, directory: Union[str, Path]) -> "DualEncoder":
-        """Restore a model written by `save` (weights and lengths; byte-identical parameters)."""
+        """Restore a model written by `save` (weights and lengths; byte-identical parameters), in eval mode:
+        encoding with it is deterministic (no dropout) until a trainer calls `.train()`."""
         from sentence_transformers import SentenceTransformer
 
         directory = Path(directory)
@@ -246,4 +247,4 @@ class DualEncoder(nn.Module):
             towers = (tower("shared"), None)
         else:
             towers = (tower("query"), tower("passage"))
-        return cls(*towers, meta["max_query_length"], meta["max_passage_length"], meta["train_passage_encoder"])
+        return cls(*towers, meta["max_query_length"], meta["max_passage_length"], meta["train_passage_encoder"]).eval()

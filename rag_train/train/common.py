@@ -180,6 +180,19 @@ class TrainingRun:
             if value > rows:
                 raise ConfigError(f"{key}={value} is larger than the corpus {corpus.path} ({rows} passages)")
         self.agree(corpus_fingerprint=corpus.fingerprint)
+        if self.accelerator.is_main_process:
+            self._record_corpus(corpus)
+
+    def _record_corpus(self, corpus: Any) -> None:
+        """`<run>/corpus.json`: the corpus export / evaluate must use. A resumed run must keep its corpus."""
+        from rag_train.run_corpus import RECORD, record_corpus, recorded_corpus
+
+        before = recorded_corpus(self.dir) if (self.dir / RECORD).is_file() else None
+        if before and self.latest_checkpoint() is not None and before["fingerprint"] != corpus.fingerprint:
+            raise ConfigError(f"{self.dir / RECORD}: this run trained on {before['path']} (fingerprint "
+                              f"{before['fingerprint'][:12]}); resuming it on {corpus.path} (fingerprint "
+                              f"{corpus.fingerprint[:12]}) would mix two corpora. Point data.* back at it.")
+        record_corpus(self.dir, corpus)
 
     def check_buffer(self, directory: Path) -> None:
         """Every process sees the same buffer manifest (hash of its bytes)."""
