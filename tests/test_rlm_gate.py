@@ -7,7 +7,7 @@ import torch
 from accelerate import Accelerator
 
 from rag_train.config import RLMConfig
-from rag_train.train.rlm import RetrieverGate
+from rag_train.train.gate import RetrieverGate
 
 
 def gate(threshold: float, start: int = 0) -> RetrieverGate:
