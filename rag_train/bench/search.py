@@ -25,9 +25,6 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import platform
-import resource
-import subprocess
 import tempfile
 import threading
 import time
@@ -36,6 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from rag_train.bench.machine import cpu_name, peak_rss_bytes, rss_kib, synchronize
 from rag_train.buffer.search import _chunk_topk, fp32_mm, search
 from rag_train.models.corrector import Corrector
 
@@ -81,11 +79,6 @@ def best_time(fn, repeats: int, label: str = "", device: torch.device = torch.de
     return min(wall)
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def gemm_peak(repeats: int) -> tuple[float, int]:
     """Best fp32 GFLOP/s of square torch.mm over a few sizes."""
     best = (0.0, 0)
@@ -108,7 +101,7 @@ class RssPeak:
     """Samples VmRSS every 10 ms in a thread: the peak resident memory of one phase of this process."""
 
     def __enter__(self):
-        self.base_kib = self.peak_kib = _rss_kib()
+        self.base_kib = self.peak_kib = rss_kib()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
@@ -116,12 +109,12 @@ class RssPeak:
 
     def _sample(self):
         while not self._stop.wait(0.01):
-            self.peak_kib = max(self.peak_kib, _rss_kib())
+            self.peak_kib = max(self.peak_kib, rss_kib())
 
     def __exit__(self, *exc):
         self._stop.set()
         self._thread.join()
-        self.peak_kib = max(self.peak_kib, _rss_kib())
+        self.peak_kib = max(self.peak_kib, rss_kib())
 
     @property
     def gib(self) -> float:
@@ -130,19 +123,6 @@ class RssPeak:
     @property
     def grown_gib(self) -> float:
         return (self.peak_kib - self.base_kib) / 2**20
-
-
-def _rss_kib() -> int:
-    with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
-
-
-def cpu_name() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or "unknown"
 
 
 def make_corrector(dim: int, hidden: int, seed: int) -> Corrector:
@@ -184,7 +164,7 @@ def in_memory_part(args, peak: float) -> None:
     print(f"exact           ours {exact_s:.3f} s  faiss.IndexFlatIP {faiss_s:.3f} s  ratio {exact_s / faiss_s:.2f}  "
           f"(same ids {same:.4f}, max |score diff| {score_gap:.1e}); by CPU time "
           f"{CPU_SECONDS['exact']:.3f} vs {CPU_SECONDS['faiss']:.3f} CPU-s, ratio {CPU_SECONDS['exact'] / CPU_SECONDS['faiss']:.2f}")
-    print(f"peak RSS (process so far) {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
+    print(f"peak RSS (process so far) {peak_rss_bytes() / 2**30:.2f} GiB")
 
 
 def write_random_fp16(path: Path, rows: int, dim: int, seed: int, block: int = 1_000_000) -> None:
@@ -357,8 +337,8 @@ def device_part(args) -> None:
     corrector_breakdown(queries, rows, corrector, args, device, full_s)
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv=None) -> None:
+    args = parse_args(argv)
     if args.device != "cpu":
         device_part(args)
         return
@@ -375,7 +355,3 @@ def main() -> None:
     if args.memmap_rows:
         memmap_part(args)
     print(f"load average at end {os.getloadavg()[0]:.2f}")
-
-
-if __name__ == "__main__":
-    main()

@@ -51,7 +51,8 @@ def final_corrector(run: Path, dim: int) -> Corrector | None:
 
 
 @torch.no_grad()
-def tracking(run: Path, corpus: Corpus, files, k: int, limit: int) -> None:
+def tracking(run: Path, corpus: Corpus, files, k: int, limit: int) -> list[dict]:
+    """Prints the tracking table; returns its rows ({questions, searched, overlap, gold_in_top_k, gold_at_1})."""
     retriever = DualEncoder.load(run / "retriever").eval()
     buffer = Buffer.open(run / "buffer")
     stale = torch.from_numpy(buffer.shard(0, buffer.rows).astype("float32"))
@@ -63,6 +64,7 @@ def tracking(run: Path, corpus: Corpus, files, k: int, limit: int) -> None:
         searched["corrector"] = corrector(stale)
     print(f"| questions | buffer seen through | overlap@{k} with fresh top-{k} | gold in top-{k} | gold at 1 |")
     print("|---|---|---|---|---|")
+    table = []
     for path in [p for p in files.train if "nq" in Path(p).name] + [p for p in files.dev if "nq" in Path(p).name]:
         examples = [ex for ex in load_qa(path, corpus=corpus, limit=limit) if ex.gold_ids]
         queries = retriever.encode_queries([ex.question for ex in examples]).float()
@@ -73,6 +75,9 @@ def tracking(run: Path, corpus: Corpus, files, k: int, limit: int) -> None:
             hit = sum(g in r for g, r in zip(gold, rows)) / len(rows)
             first = sum(g == r[0] for g, r in zip(gold, rows)) / len(rows)
             print(f"| {Path(path).stem} | {name} | {overlap:.3f} | {hit:.3f} | {first:.3f} |")
+            table.append({"questions": Path(path).stem, "searched": name, "overlap": overlap, "gold_in_top_k": hit,
+                          "gold_at_1": first})
+    return table
 
 
 def distractor_kind(gold: dict, other: dict, gold_row: int, other_row: int) -> str:
@@ -182,7 +187,3 @@ def main(argv: list[str] | None = None) -> None:
     distractors(args.run, corpus, files)
     if args.read:
         reading(args.run, corpus, files, cfg, args.k or cfg.strategy.top_k, args.questions)
-
-
-if __name__ == "__main__":
-    main()

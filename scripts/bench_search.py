@@ -1,0 +1,11 @@
+"""Buffer search benchmark (rag_train/bench/search.py; docs/search_benchmark.md): CPU in-memory and memmapped
+buffers, or `--device cuda` for a buffer held on the GPU.
+
+    python scripts/bench_search.py --device cuda --rows 28000000 --dim 768 --hidden 8192 --batch 64 --k 32 \\
+        --dtype bf16 --chunk 262144
+"""
+
+from rag_train.bench.search import main
+
+if __name__ == "__main__":
+    main()
