@@ -275,7 +275,8 @@ class RLMRecipe:
         Each set's ranking also lands in `<run>/eval/step-<step>/<set>.trec`."""
         with full_weights(self.accelerator, self.model, self.reader, self.retriever):
             return evaluate_qa(self.retriever, self.reader, self.tokenizer, self.corpus, self.dev_sets,
-                               self.eval_settings, self.accelerator, out_dir=self.run.dir / "eval" / f"step-{self.step}")
+                               self.eval_settings, self.accelerator,
+                               out_dir=self.run.dir / "eval" / f"step-{self.step}")
 
     def record_eval(self) -> float:
         """Evaluate into `history`; returns its seconds."""
