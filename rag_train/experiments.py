@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+ROOT = Path(__file__).resolve().parents[1]
+
 
 def launch_command(script: str | Path, config: Optional[str | Path], overrides: list[str], processes: int = 1,
                    threads: Optional[int] = None) -> list[str]:
@@ -67,4 +69,24 @@ def batching_table(results: dict[str, list[dict]]) -> str:
         ratio = cell([r.get("grad_ratio_passage_query") for r in runs], scale=1.0, digits=2)
         lines.append(f"| {label} | {recalls} | {cell([r['mrr@10'] for r in runs])} | {speed:.2f} | {memory:.0f} | "
                      f"{ratio} |")
+    return "\n".join(lines)
+
+
+def compare_strategies(config: str | Path, strategies: list[str], seeds: list[int], runs: Path, overrides: list[str],
+                       processes: int = 1) -> str:
+    """Algorithm 1 once per (strategy, seed), same config and steps, each run in `runs/<strategy>-seed<seed>`
+    (finished ones reused): a markdown table of recall@k, MRR@10 (mean ± std over seeds) and wall time."""
+    rows = []
+    for strategy in strategies:
+        results = [run_once(ROOT / "scripts" / "train_retriever.py", config, runs / f"{strategy}-seed{seed}",
+                            [f"strategy.name={strategy}", f"train.seed={seed}", *overrides], processes)
+                   for seed in seeds]
+        rows.append((strategy, results))
+    ks = sorted(rows[0][1][0]["recall"], key=int)
+    lines = ["| strategy | re-embedded | " + " | ".join(f"R@{k}" for k in ks) + " | MRR@10 | wall s |",
+             "|---|---|" + "---|" * (len(ks) + 2)]
+    for strategy, results in rows:
+        recalls = " | ".join(cell([r["recall"][k] for r in results]) for k in ks)
+        lines.append(f"| {strategy} | {results[0]['reembedded_passages']} | {recalls} | "
+                     f"{cell([r['mrr@10'] for r in results])} | {statistics.mean(r['wall_seconds'] for r in results):.0f} |")
     return "\n".join(lines)

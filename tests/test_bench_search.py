@@ -1,12 +1,8 @@
-"""scripts/bench_search.py's device part, run on CPU at toy size: it must agree with its plain references."""
-
-import sys
-from pathlib import Path
+"""rag_train/bench/search.py's device part, run on CPU at toy size: it must agree with its plain references."""
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-import bench_search  # noqa: E402
+from rag_train.bench import search as bench_search
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])

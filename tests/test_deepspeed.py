@@ -4,8 +4,10 @@ losses of DDP, and a ZeRO-3 run stopped and resumed gives them too.
 
 Same data and steps as a DDP run (`--multi_gpu`); train.max_grad_norm=0 because DeepSpeed clips over all
 parameters, the corrector's included, where the DDP path leaves the corrector out of the clipping norm.
-Measured here: ZeRO-2 ends bitwise equal to DDP; ZeRO-3 (stopped at step 2, resumed) within 3e-6 relative
-on the losses and 5e-6 on the weights (its gathers and reduce-scatters sum in another order)."""
+Asserted on CPU: ZeRO-2 bitwise equal to DDP (every logged loss, every saved weight); ZeRO-3 (stopped at step
+2, resumed) within 1e-4 relative on the losses and 1e-4 absolute on the weights (its gathers and
+reduce-scatters sum in another order). On GPUs ZeRO-2 gets the ZeRO-3 tolerances (NCCL and cuBLAS reduce in
+other orders). The measured differences are printed (`-s`)."""
 
 from __future__ import annotations
 
@@ -67,7 +69,11 @@ def logged_losses(run_dir: Path) -> dict[str, dict[int, float]]:
     return found
 
 
-def assert_finished_and_loadable(run_dir: Path, metrics: dict, reference: dict[str, torch.Tensor]) -> None:
+BITWISE_ON_THIS_MACHINE = not torch.cuda.is_available()  # gloo on CPU sums in the same order as DDP
+
+
+def assert_finished_and_loadable(run_dir: Path, metrics: dict, reference: dict[str, torch.Tensor],
+                                 exact: bool = False) -> None:
     from transformers import T5ForConditionalGeneration
 
     assert metrics["steps"] == STEPS and metrics["skipped_steps"] == 0 and metrics["strategy"] == "corrector"
@@ -75,9 +81,14 @@ def assert_finished_and_loadable(run_dir: Path, metrics: dict, reference: dict[s
     T5ForConditionalGeneration.from_pretrained(run_dir / "reader")  # a saved reader loads as plain T5
     saved = weights(run_dir)  # reader safetensors + DualEncoder.load of the retriever
     assert saved.keys() == reference.keys()
-    for key, value in saved.items():  # full (gathered) weights, close to the DDP run's
+    worst = max(float((value.double() - reference[key].double()).abs().max()) for key, value in saved.items())
+    print(f"{run_dir.name}: max |weight - DDP weight| = {worst:.3g}")
+    for key, value in saved.items():  # full (gathered) weights, equal or close to the DDP run's
         assert value.shape == reference[key].shape and torch.isfinite(value).all(), key
-        torch.testing.assert_close(value, reference[key], rtol=0, atol=1e-4, msg=key)
+        if exact:
+            assert torch.equal(value, reference[key]), key
+        else:
+            torch.testing.assert_close(value, reference[key], rtol=0, atol=1e-4, msg=key)
 
 
 @pytest.fixture(scope="module")
@@ -87,12 +98,18 @@ def ddp(recipe_toy_dir, tmp_path_factory):
     return out
 
 
-def assert_same_losses(run_dir: Path, reference_dir: Path) -> None:
+def assert_same_losses(run_dir: Path, reference_dir: Path, exact: bool = False) -> None:
     got, expected = logged_losses(run_dir), logged_losses(reference_dir)
+    worst = max(abs(got[name][step] - value) / max(abs(value), 1e-12)
+                for name in LOSSES for step, value in expected[name].items() if step in got[name])
+    print(f"{run_dir.name}: max relative |loss - DDP loss| = {worst:.3g}")
     for name in LOSSES:
-        assert sorted(got[name]) == list(range(1, STEPS + 1)), (name, sorted(got[name]))
+        assert sorted(got[name]) == sorted(expected[name]) == list(range(1, STEPS + 1)), (name, sorted(got[name]))
         for step, value in expected[name].items():
-            assert got[name][step] == pytest.approx(value, rel=1e-4, abs=1e-6), (name, step)
+            if exact:
+                assert got[name][step] == value, (name, step)
+            else:
+                assert got[name][step] == pytest.approx(value, rel=1e-4, abs=1e-6), (name, step)
 
 
 @pytest.mark.slow
@@ -100,8 +117,8 @@ def test_zero2_matches_ddp(recipe_toy_dir, tmp_path, ddp):
     out = tmp_path / "zero2"
     metrics = train(recipe_toy_dir, out, 2)
     assert (out / "checkpoints" / "step-00000004" / "pytorch_model").is_dir()  # DeepSpeed's own checkpoint
-    assert_finished_and_loadable(out, metrics, weights(ddp))
-    assert_same_losses(out, ddp)
+    assert_finished_and_loadable(out, metrics, weights(ddp), exact=BITWISE_ON_THIS_MACHINE)
+    assert_same_losses(out, ddp, exact=BITWISE_ON_THIS_MACHINE)
 
 
 @pytest.mark.slow

@@ -3,10 +3,8 @@ zero drift, training beats staleness, and bitwise determinism across runs and wo
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from dataclasses import replace
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,7 +15,6 @@ from rag_train.synthetic import (CorrectorSpec, Job, SyntheticConfig, corrector_
                                  make_corrector, make_data, mean_kl, parameter_count, quick_config, run_job,
                                  truncated_ce)
 
-ROOT = Path(__file__).resolve().parents[1]
 QUICK = quick_config()
 
 
@@ -28,13 +25,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location("synthetic_corrector", ROOT / "scripts" / "synthetic_corrector.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_truncated_ce_matches_corrector_ce_value_and_gradient():
@@ -127,8 +117,9 @@ def test_run_job_is_deterministic():
     assert run_job(QUICK, job) == run_job(QUICK, job)
 
 
-def test_script_outputs_and_same_results_with_one_or_two_workers(tmp_path):
-    script = _load_script()
+def test_grid_outputs_and_same_results_with_one_or_two_workers(tmp_path):
+    from rag_train import synthetic_report as script
+
     results = {}
     for workers in (1, 2):
         out = tmp_path / f"workers{workers}"
