@@ -29,13 +29,14 @@ from accelerate import Accelerator
 from safetensors.torch import load_file
 
 from rag_train.buffer.store import Buffer
-from rag_train.config import RLMConfig, load_config
+from rag_train.config import load_config
 from rag_train.data.corpus import Corpus
 from rag_train.data.qa import load_qa
 from rag_train.data.sources import resolve_data
 from rag_train.models.corrector import Corrector
 from rag_train.models.retriever import DualEncoder
 from rag_train.train.rlm import TOY_DEV_SETS, TOY_TRAIN_SETS
+from rag_train.train.schema import RLMConfig
 
 
 def final_corrector(run: Path, dim: int) -> Corrector | None:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from rag_train.launch import make_accelerator
 
-from rag_train.config import ConfigError, RLMConfig, load_config
+from rag_train.config import ConfigError, load_config
 from rag_train.data.corpus import Corpus
 from rag_train.data.qa import load_qa
 from rag_train.data.sources import dataset_name, resolve_data
@@ -23,7 +23,9 @@ from rag_train.io import atomic_write_json
 from rag_train.models.reader import FiDReader
 from rag_train.models.retriever import DualEncoder
 from rag_train.models.tokenizer import load_tokenizer
+from rag_train.strategies import REGISTRY
 from rag_train.train.rlm import TOY_DEV_SETS, TOY_TRAIN_SETS, write_predictions
+from rag_train.train.schema import RLMConfig
 
 
 def main() -> None:
@@ -56,7 +58,7 @@ def main() -> None:
         max_input_length=cfg.reader.max_input_length,
         max_answer_length=cfg.reader.max_answer_length,
         batch_size=args.batch_size or cfg.eval.batch_size,
-        closed_book=cfg.strategy.name == "closed_book",
+        closed_book=not REGISTRY[cfg.strategy.name].retrieves,
     )
     metrics, predictions = evaluate_qa(retriever, reader, tokenizer, corpus, sets, settings, accelerator,
                                        out_dir=run / "eval")

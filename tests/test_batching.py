@@ -17,11 +17,11 @@ import torch
 from accelerate import Accelerator
 from torch import nn
 
-from rag_train.config import BatchingConfig, BufferConfig, ConfigError, RetrieverConfig, StrategyConfig, TinyModelConfig
+from rag_train.config import BatchingConfig, BufferConfig, ConfigError, RetrieverConfig, TinyModelConfig
 from rag_train.data.corpus import Corpus
 from rag_train.data.supervised import load_retrieval
 from rag_train.models.retriever import DualEncoder, format_passage
-from rag_train.strategies import REGISTRY, StrategyContext
+from rag_train.strategies import REGISTRY, StrategyConfig, StrategyContext
 from rag_train.train.batching import OPTIONS, MicroBatch, StepParts, check_batching
 from rag_train.train.batching.cont_accum import Banks
 from rag_train.train.retriever import train_retriever

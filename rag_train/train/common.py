@@ -131,8 +131,7 @@ class TrainingRun:
         check_deepspeed_config(self.accelerator)
         self.agree(config=hashlib.sha256(to_yaml(cfg).encode()).hexdigest())
         set_seed(cfg.train.seed, device_specific=False)
-        strategy = getattr(cfg, "strategy", None)  # recipes without a strategy (generative) have no corrector
-        self.guard = NonFiniteGuard(cfg.train.max_bad_steps, strategy.corrector.max_loss if strategy else 0.0)
+        self.guard = NonFiniteGuard(cfg.train.max_bad_steps)  # the recipe sets aux_max_loss from its strategy
         self.model: Optional[torch.nn.Module] = None  # the prepared module (`prepare`)
         self.started = time.time()
         if self.accelerator.is_main_process:
@@ -171,9 +170,7 @@ class TrainingRun:
     def check_corpus(self, corpus: Any) -> None:
         """Before long work: the config fits this corpus (no k larger than it), and every process has it."""
         rows = len(corpus)
-        strategy, limits = self.cfg.strategy, [("strategy.top_k", self.cfg.strategy.top_k)]
-        if strategy.name == "negative_cache":
-            limits.append(("strategy.cache_size", strategy.cache_size))
+        limits = self.cfg.strategy.corpus_limits()  # declared by the strategy's config
         if getattr(self.cfg.eval, "num_passages", None):
             limits.append(("eval.num_passages", self.cfg.eval.num_passages))
         for key, value in limits:

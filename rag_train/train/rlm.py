@@ -25,7 +25,6 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from rag_train.config import RLMConfig
 from rag_train.data.collate import answer_labels, fid_inputs
 from rag_train.data.corpus import Corpus
 from rag_train.data.qa import load_qa
@@ -37,6 +36,7 @@ from rag_train.losses import perplexity_distillation, retrieval_scores
 from rag_train.models.reader import FiDReader
 from rag_train.models.tokenizer import load_tokenizer
 from rag_train.strategies import REGISTRY, StrategyContext, build_strategy
+from rag_train.train.schema import RLMConfig
 from rag_train.train.common import (TrainingRun, global_batch, linear_warmup, local_slice, optimizer_step,
                                     save_pretrained_atomic)
 from rag_train.train.trainable import Trainable, full_weights, save_parts
@@ -129,6 +129,7 @@ def train_rlm(cfg: RLMConfig) -> dict:
     buffer_dir = ensure_buffer(run, cfg.buffer, retriever, corpus) if strategy_cls.needs_buffer else None
     ctx = StrategyContext(acc, retriever, corpus, cfg.buffer, buffer_dir, cfg.train.temperature, cfg.train.seed)
     strategy = build_strategy(cfg.strategy, ctx)
+    run.guard.aux_max_loss = strategy.auxiliary_max_loss
     trains_retriever = strategy.trains_retriever
 
     # Everything trained is one module with one optimizer (DeepSpeed: one engine); groups keep their own lrs.

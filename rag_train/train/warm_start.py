@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 from transformers.optimization import Adafactor
 
 from rag_train.buffer.embed import embed_local_shard
-from rag_train.config import ConfigError, RLMConfig, RetrieverTrainConfig
+from rag_train.config import ConfigError
 from rag_train.data.collate import answer_labels, fid_inputs
 from rag_train.data.corpus import Corpus
 from rag_train.data.qa import QAExample
@@ -28,6 +28,7 @@ from rag_train.eval.retrieval import rank_passages
 from rag_train.io import atomic_directory, atomic_write_json
 from rag_train.models.retriever import DualEncoder
 from rag_train.train.common import TrainingRun, global_batch, linear_warmup
+from rag_train.train.schema import RLMConfig, RetrieverTrainConfig
 
 
 def stage_dir(cfg: RLMConfig, run: TrainingRun, name: str) -> Path:
