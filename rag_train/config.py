@@ -12,13 +12,10 @@ buffers, strategies or command line.
 
 from __future__ import annotations
 
-import os
-import sys
 import warnings
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional, TypeVar
+from typing import Any, Optional, TypeVar
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -146,9 +143,12 @@ class BufferConfig:
     dtype: str = "float16"  # on-disk dtype
     shard_rows: int = 1_000_000
     embed_batch_size: int = 256
-    search: str = "corrector_full"  # exact | corrector_full | corrector_rerank
+    # how a strategy with an index searches it: `full` scores every row (<q, b>, or <q, h(b)> through the
+    # corrector); `rerank` re-scores the same way only FAISS candidates, for a never-refreshed buffer that does not
+    # fit device memory (stale, frozen, corrector; each strategy declares what it supports)
+    search: str = "full"
     chunk_rows: int = 65536  # rows scored per chunk: peak extra memory O(chunk x (hidden + k))
-    faiss_index: str = "Flat"  # candidate index for corrector_rerank: Flat | IVF{n},Flat | HNSW{m} | any factory string
+    faiss_index: str = "Flat"  # candidate index for `rerank`: Flat | IVF{n},Flat | HNSW{m} | any factory string
     rerank_candidates: int = 1024
     device: str = "auto"  # where the buffer is searched: auto | cpu | cuda
     # before training, check every shard's sha256 against the manifest (each process hashes 1/N of them);
@@ -157,7 +157,7 @@ class BufferConfig:
 
     def __post_init__(self) -> None:
         check_choice("buffer", "dtype", self.dtype, ("float16", "bfloat16", "float32"))
-        check_choice("buffer", "search", self.search, ("exact", "corrector_full", "corrector_rerank"))
+        check_choice("buffer", "search", self.search, ("full", "rerank"))
         for key in ("shard_rows", "embed_batch_size", "chunk_rows", "rerank_candidates"):
             check_positive("buffer", key, getattr(self, key))
 
@@ -248,35 +248,6 @@ class EvalConfig:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Embedding schema (the training recipes' schemas, which hold the strategy section, are in rag_train.train.schema)
-# ---------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class EmbedConfig:
-    """scripts/embed_corpus.py: embed a corpus once into a stale buffer (multi-process, resumable).
-
-    The buffer goes to `output` (default `buffer.path`); rerunning the same command resumes a killed
-    build. Embeds with a saved DualEncoder (`model_dir`) or with `retriever` built from its config.
-    """
-
-    data: DataConfig = field(default_factory=DataConfig)
-    retriever: RetrieverConfig = field(default_factory=RetrieverConfig)
-    buffer: BufferConfig = field(default_factory=BufferConfig)
-    passages: Optional[str] = None  # corpus to embed; default data.passages or the toy world's
-    output: Optional[str] = None  # buffer directory; default buffer.path
-    model_dir: Optional[str] = None  # a DualEncoder.save folder (e.g. a trained retriever)
-    seed: int = 0  # init seed of `tiny` models: equal to the training run's so its buffer matches
-    overwrite: bool = False  # replace a complete buffer of another model / corpus in `output`
-    collective_timeout: int = 1800  # seconds a collective waits for the other processes (see train.collective_timeout)
-
-    def __post_init__(self) -> None:
-        check_positive("", "collective_timeout", self.collective_timeout)
-        if self.output is None and self.buffer.path is None:
-            raise ConfigError("embed: set output=DIR (or buffer.path=DIR) for the buffer")
-
-
-# ---------------------------------------------------------------------------------------------------
 # Loading
 # ---------------------------------------------------------------------------------------------------
 
@@ -344,53 +315,3 @@ def save_config(cfg: Any, path: str | Path) -> None:
     from rag_train.io import atomic_write_text
 
     atomic_write_text(Path(path), to_yaml(cfg))
-
-
-INPUT_FAULT_EXIT = 2  # bad config, data, buffer, checkpoint or model path
-NUMERICAL_FAULT_EXIT = 3  # the run stopped after too many non-finite / diverged steps
-PEER_FAULT_EXIT = 4  # a collective failed: another process died, or hung past the collective timeout
-_PEER_FAILURE = ("Timed out", "timed out", "Connection reset by peer", "Connection closed by peer", "Broken pipe")
-
-
-@contextmanager
-def exit_on_fault() -> Iterator[None]:
-    """For entry scripts: a known fault ends the process with `error: <message>` on stderr (the message names
-    the file, line, field or key) and a non-zero status, without a traceback; anything else propagates."""
-    from rag_train.buffer.store import BufferError
-    from rag_train.data.errors import DataError
-    from rag_train.io import CorruptFileError
-    from rag_train.models.reader import ReaderLoadError
-
-    prefix = f"[rank {os.environ['RANK']}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
-    try:
-        yield
-    except (ConfigError, DataError, BufferError, CorruptFileError, ReaderLoadError) as exc:
-        print(f"{prefix}error: {exc}", file=sys.stderr, flush=True)
-        raise SystemExit(INPUT_FAULT_EXIT) from exc
-    except FloatingPointError as exc:
-        print(f"{prefix}error: {exc}", file=sys.stderr, flush=True)
-        raise SystemExit(NUMERICAL_FAULT_EXIT) from exc
-    except RuntimeError as exc:  # torch.distributed reports a dead / hung peer as a RuntimeError from gloo / NCCL
-        text = str(exc)
-        if not any(marker in text for marker in _PEER_FAILURE):
-            raise
-        print(f"{prefix}error: a collective operation with the other processes failed: another process died, or hung "
-              f"longer than train.collective_timeout; stopping. The last checkpoint is intact (train.resume=true "
-              f"continues from it). Cause: {text.splitlines()[0][:300]}", file=sys.stderr, flush=True)
-        raise SystemExit(PEER_FAULT_EXIT) from exc
-
-
-def parse_cli(schema: type[T], argv: Optional[list[str]] = None, description: str = "",
-              default_config: Optional[str | Path] = None) -> T:
-    """`script.py [--config FILE] [key=value ...]`; on a bad config print the reason and exit 2."""
-    import argparse
-
-    parser = argparse.ArgumentParser(description=description or schema.__doc__)
-    parser.add_argument("--config", default=default_config, help=f"YAML config file (default: {default_config})")
-    parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
-    args = parser.parse_args(argv)
-    try:
-        return load_config(schema, args.config, args.overrides)
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        raise SystemExit(INPUT_FAULT_EXIT) from exc

@@ -119,7 +119,7 @@ def reading(run: Path, corpus: Corpus, files, cfg: RLMConfig, k: int, limit: int
     from rag_train.data.toy import ToyWorld
     from rag_train.eval.metrics import exact_match
     from rag_train.models.reader import FiDReader
-    from rag_train.models.tokenizer import load_tokenizer
+    from rag_train.data.tokenizer import load_tokenizer
 
     world = ToyWorld(cfg.data.toy_passages, cfg.data.toy_seed)
     reader = FiDReader.from_pretrained(run / "reader").eval()

@@ -22,7 +22,7 @@ from rag_train.eval.qa import QAEvalSettings, evaluate_qa
 from rag_train.io import atomic_write_json
 from rag_train.models.reader import FiDReader
 from rag_train.models.retriever import DualEncoder
-from rag_train.models.tokenizer import load_tokenizer
+from rag_train.data.tokenizer import load_tokenizer
 from rag_train.strategies import REGISTRY
 from rag_train.train.rlm import TOY_DEV_SETS, TOY_TRAIN_SETS, write_predictions
 from rag_train.train.schema import RLMConfig

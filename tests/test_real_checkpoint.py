@@ -102,7 +102,7 @@ def test_minilm_trains_builds_a_buffer_exports_and_serves(minilm, toy_dir, tmp_p
                  "train.batch_size": 2, "train.lr": 2e-5, "train.tracker": "null", "train.eval_every": 0,
                  "strategy.name": "stale", "strategy.top_k": 2,
                  "strategy.uniform_negatives": 1, "buffer.dtype": "float32", "buffer.embed_batch_size": 64,
-                 "buffer.search": "exact", "eval.batch_size": 64}
+                 "buffer.search": "full", "eval.batch_size": 64}
     cfg = load_config(RetrieverTrainConfig, ROOT / "configs" / "toy" / "retriever.yaml",
                       [f"{key}={value}" for key, value in overrides.items()])
     metrics = train_retriever(cfg)

@@ -173,6 +173,18 @@ def test_command_line_keys_of_another_strategy_are_warned_about():
         load_config(RetrieverTrainConfig, RETRIEVER_CONFIG, ["strategy.name=snm", "strategy.refresh_every=7"])
 
 
+def test_buffer_search_is_checked_against_the_strategy():
+    for name in ("stale", "corrector", "frozen"):
+        cfg = load_config(RLMConfig, RLM_CONFIG, [f"strategy.name={name}", "buffer.search=rerank"])
+        assert cfg.buffer.search == "rerank"
+    for name in ("exhaustive", "snm"):
+        with pytest.raises(ConfigError, match=rf"buffer.search='rerank': strategy '{name}' searches with \['full'\] only"):
+            load_config(RetrieverTrainConfig, RETRIEVER_CONFIG, [f"strategy.name={name}", "buffer.search=rerank"])
+    load_config(RetrieverTrainConfig, RETRIEVER_CONFIG, ["strategy.name=in_batch", "buffer.search=rerank"])  # no index
+    with pytest.raises(ConfigError, match=r"buffer.search='exact' is not one of \['full', 'rerank'\]"):
+        load_config(RetrieverTrainConfig, RETRIEVER_CONFIG, ["buffer.search=exact"])
+
+
 def test_recipes_take_the_strategies_that_declare_them():
     with pytest.raises(ConfigError, match=r"strategy.name='negative_cache' is not one of the strategies the RLM "
                                           r"recipe \(Algorithm 2\) takes: \['closed_book', 'corrector', 'exhaustive', "

@@ -392,7 +392,7 @@ def generate_toy_world(
 
 def _write_tokenizer(paths: dict[str, Path], vocab_size: int) -> None:
     """Train into a temporary folder and rename it into place, so a crash never leaves half a tokenizer."""
-    from rag_train.models.tokenizer import train_tokenizer
+    from rag_train.data.tokenizer import train_tokenizer
 
     final = paths["tokenizer"]
     staging = Path(tempfile.mkdtemp(prefix=".tokenizer.", dir=final.parent))

@@ -103,10 +103,17 @@ def require_algorithm(key: str, name: str, algorithm: int, recipe: str) -> None:
                           f"{list(usable)}")
 
 
+def require_search(name: str, search: str) -> None:
+    """ConfigError unless strategy `name` supports `buffer.search=search` (strategies without an index read none)."""
+    supported = REGISTRY[name].searches
+    if supported and search not in supported:
+        raise ConfigError(f"buffer.search={search!r}: strategy {name!r} searches with {sorted(supported)} only")
+
+
 def build_strategy(cfg: Any, ctx: StrategyContext) -> Strategy:
     """The strategy `cfg.name` (a `StrategyConfig`) with its own config."""
     return REGISTRY[cfg.name](cfg.selected(), ctx)
 
 
 __all__ = ["OWNERS", "REGISTRY", "BaseStrategyConfig", "Strategy", "StrategyConfig", "StrategyContext", "Subset",
-           "build_strategy", "register", "require_algorithm"]
+           "build_strategy", "register", "require_algorithm", "require_search"]

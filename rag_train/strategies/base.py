@@ -146,6 +146,7 @@ class Strategy:
     config: ClassVar[type[BaseStrategyConfig]] = BaseStrategyConfig  # its own keys: `self.cfg` is one of these
     algorithms: ClassVar[frozenset[int]] = frozenset({1, 2})  # recipes it runs in: Algorithm 1 and / or 2
     needs_buffer: ClassVar[bool] = False  # True: the recipe builds the stale buffer before step 0
+    searches: ClassVar[frozenset[str]] = frozenset()  # the `buffer.search` values it supports; none: it has no index
     retrieves: ClassVar[bool] = True  # False: the reader sees no passages (closed book)
     trains_retriever: ClassVar[bool] = True  # False: the retriever is frozen (RLM baseline)
 
@@ -257,15 +258,22 @@ class IndexedStrategy(Strategy):
     """
 
     config = IndexedConfig
+    searches = frozenset({"full"})
     corrector: Optional[nn.Module] = None
-    search_mode = "exact"
-    faiss_index = None  # candidate index over `vectors` (corrector_rerank only)
+    faiss_index = None  # candidate index over `vectors` (buffer.search=rerank only)
 
     def __init__(self, cfg: IndexedConfig, ctx: StrategyContext):
         super().__init__(cfg, ctx)
         self.vectors: torch.Tensor | np.ndarray = torch.zeros(0)
         self.index_rows: Optional[torch.Tensor] = None
         self.row_offset = 0
+
+    @property
+    def search_mode(self) -> str:
+        """`rag_train.buffer.search.search`'s mode for `buffer.search` (through the corrector when there is one)."""
+        if self.ctx.buffer_cfg.search == "rerank":
+            return "corrector_rerank"  # re-scores with <q, b> when there is no corrector
+        return "exact" if self.corrector is None else "corrector_full"
 
     def local_range(self, total: int) -> tuple[int, int]:
         return shard_range(total, self.ctx.accelerator.process_index, self.ctx.accelerator.num_processes)

@@ -55,7 +55,6 @@ class CorrectorStrategy(Stale):
     config = CorrectorStrategyConfig
 
     def __init__(self, cfg: CorrectorStrategyConfig, ctx: StrategyContext):
-        self.search_mode = ctx.buffer_cfg.search if ctx.buffer_cfg.search != "exact" else "corrector_full"
         super().__init__(cfg, ctx)
         self.corrector = Corrector(self.buffer.dim, cfg.corrector.hidden).to(search_device(ctx))
 

@@ -26,6 +26,7 @@ class ExhaustiveConfig(IndexedConfig):
 class Exhaustive(Stale):
     name = "exhaustive"
     config = ExhaustiveConfig
+    searches = frozenset({"full"})  # refreshed vectors: an index over the stale buffer would go out of date
 
     def after_step(self, step: int) -> None:
         super().after_step(step)

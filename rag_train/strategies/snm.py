@@ -27,6 +27,7 @@ class SNMConfig(IndexedConfig):
 class SNM(Stale):
     name = "snm"
     config = SNMConfig
+    searches = frozenset({"full"})  # re-sampled, re-embedded vectors: no index over the stale buffer
 
     def build_index(self) -> None:
         self.resample(reembed=False)

@@ -21,6 +21,7 @@ def search_device(ctx: StrategyContext) -> torch.device:
 class Stale(IndexedStrategy):
     name = "stale"
     needs_buffer = True
+    searches = frozenset({"full", "rerank"})  # the buffer never changes: a FAISS index over it stays valid
 
     def __init__(self, cfg: IndexedConfig, ctx: StrategyContext):
         super().__init__(cfg, ctx)
@@ -31,11 +32,11 @@ class Stale(IndexedStrategy):
 
     def build_index(self) -> None:
         """This process's rows of the stale buffer: fp32 in memory on CPU, the buffer dtype on an accelerator,
-        or — for corrector_rerank, meant for buffers that do not fit device memory — left memory-mapped
+        or — for buffer.search=rerank, meant for buffers that do not fit device memory — left memory-mapped
         behind a FAISS candidate index built once here."""
         start, end = self.local_range(self.buffer.rows)
         self.row_offset = start
-        if self.search_mode == "corrector_rerank":
+        if self.ctx.buffer_cfg.search == "rerank":
             self.vectors = self.buffer.shard(start, end)
             self.faiss_index = build_faiss_index(self.vectors, self.ctx.buffer_cfg.faiss_index, self.ctx.buffer_cfg.chunk_rows)
             return

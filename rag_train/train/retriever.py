@@ -37,7 +37,7 @@ from rag_train.train.schema import RetrieverTrainConfig
 from rag_train.train.common import TrainingRun, global_batch, linear_warmup, local_slice, optimizer_step
 from rag_train.train.memory import PeakMemory
 from rag_train.train.trainable import Trainable, deepspeed_stage, full_weights, save_parts
-from rag_train.train.stages import ensure_buffer
+from rag_train.train.passages import ensure_buffer
 
 
 def train_retriever(cfg: RetrieverTrainConfig) -> dict:

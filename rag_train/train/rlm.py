@@ -34,13 +34,13 @@ from rag_train.eval.qa import EMPTY_PASSAGE, QAEvalSettings, evaluate_qa
 from rag_train.io import atomic_write_text
 from rag_train.losses import perplexity_distillation, retrieval_scores
 from rag_train.models.reader import FiDReader
-from rag_train.models.tokenizer import load_tokenizer
+from rag_train.data.tokenizer import load_tokenizer
 from rag_train.strategies import REGISTRY, StrategyContext, build_strategy
 from rag_train.train.schema import RLMConfig
 from rag_train.train.common import (TrainingRun, global_batch, linear_warmup, local_slice, optimizer_step,
                                     save_pretrained_atomic)
 from rag_train.train.trainable import Trainable, full_weights, save_parts
-from rag_train.train.stages import ensure_buffer
+from rag_train.train.passages import ensure_buffer
 from rag_train.train.warm_start import warm_start_reader, warm_start_retriever
 
 TOY_TRAIN_SETS = ["nq-train", "tqa-train", "hotpotqa-train"]

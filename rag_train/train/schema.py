@@ -10,7 +10,7 @@ from typing import Optional
 
 from rag_train.config import (BatchingConfig, BufferConfig, ConfigError, DataConfig, EvalConfig, ReaderConfig, RetrieverConfig,
                               TrainConfig, check_choice, check_positive)
-from rag_train.strategies import StrategyConfig, require_algorithm
+from rag_train.strategies import StrategyConfig, require_algorithm, require_search
 
 
 @dataclass
@@ -27,6 +27,7 @@ class RetrieverTrainConfig:
 
     def __post_init__(self) -> None:
         require_algorithm("strategy.name", self.strategy.name, 1, "the retriever recipe")
+        require_search(self.strategy.name, self.buffer.search)
 
 
 @dataclass
@@ -106,3 +107,4 @@ class RLMConfig:
         if not 0 <= self.pdist_gate < 1:
             raise ConfigError(f"pdist_gate={self.pdist_gate} must be in [0, 1)")
         require_algorithm("strategy.name", self.strategy.name, 2, "the RLM recipe")
+        require_search(self.strategy.name, self.buffer.search)
