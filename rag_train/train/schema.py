@@ -53,7 +53,7 @@ class WarmStartConfig:
     reader_batch_size: int = 32
     retriever_steps: int = 0
     retriever_strategy: str = "in_batch"
-    retriever_lr: float = 1e-3
+    retriever_lr: float = 1e-3  # the warm-start stage's Algorithm 1 lr (the RLM's own is the top-level `retriever_lr`)
     retriever_batch_size: int = 32
     retriever_train: Optional[str] = None  # DPR-format file; default: the toy world's retrieval-train
     # reuse the warm-start outputs of an earlier run (its warm_start_retriever/ and warm_start_reader/), so
@@ -85,8 +85,8 @@ class RLMConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
     reader_temperature: float = 1.0  # temperature on reader log-likelihoods in P_a
-    # lr of the retriever's parameters (null = train.lr); Atlas keeps a separate retriever lr. Slower
-    # retriever drift is easier for the corrector to track from stale vectors.
+    # lr of the retriever's parameters in Algorithm 2 (null = train.lr; the warm start has warm_start.retriever_lr);
+    # Atlas keeps a separate retriever lr. Slower retriever drift is easier for the corrector to track.
     retriever_lr: Optional[float] = None
     retriever_start_step: int = 0  # retriever loss switched on no earlier than this step
     # ...and only once the reader's answer likelihoods discriminate between passages: the running mean of
