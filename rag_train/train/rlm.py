@@ -29,6 +29,7 @@ from rag_train.data.collate import answer_labels, fid_inputs
 from rag_train.data.corpus import Corpus
 from rag_train.data.qa import load_qa
 from rag_train.data.sources import dataset_name, resolve_data
+from rag_train.data.toy import TOY_DEV_SETS, TOY_TRAIN_SETS
 from rag_train.eval.metrics import has_answer
 from rag_train.eval.qa import EMPTY_PASSAGE, QAEvalSettings, evaluate_qa
 from rag_train.io import atomic_write_text
@@ -42,9 +43,6 @@ from rag_train.train.common import (TrainingRun, global_batch, linear_warmup, lo
 from rag_train.train.trainable import Trainable, full_weights, save_parts
 from rag_train.train.passages import ensure_buffer
 from rag_train.train.warm_start import warm_start_reader, warm_start_retriever
-
-TOY_TRAIN_SETS = ["nq-train", "tqa-train", "hotpotqa-train"]
-TOY_DEV_SETS = ["nq-dev", "tqa-dev", "hotpotqa-dev"]
 
 
 class RetrieverGate:
