@@ -1,14 +1,66 @@
-"""`rag-train` console script: `rag-train export ...` and `rag-train serve ...`."""
+"""The command line: `key=value` parsing and exit statuses for every entry script (`parse_cli`,
+`exit_on_fault`), and the `rag-train` console script (`rag-train export ...`, `rag-train serve ...`)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
-from typing import Optional
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator, Optional, TypeVar
 
-from rag_train.data.errors import DataError
-from rag_train.export import ExportError
+from rag_train.config import ConfigError, load_config
+
+T = TypeVar("T")
+INPUT_FAULT_EXIT = 2  # bad config, data, buffer, checkpoint, model path or export
+NUMERICAL_FAULT_EXIT = 3  # the run stopped after too many non-finite / diverged steps
+PEER_FAULT_EXIT = 4  # a collective failed: another process died, or hung past the collective timeout
+_PEER_FAILURE = ("Timed out", "timed out", "Connection reset by peer", "Connection closed by peer", "Broken pipe")
+
+
+@contextmanager
+def exit_on_fault() -> Iterator[None]:
+    """For entry scripts: a known fault ends the process with `error: <message>` on stderr (the message names
+    the file, line, field or key) and a non-zero status, without a traceback; anything else propagates."""
+    from rag_train.buffer.store import BufferError
+    from rag_train.data.errors import DataError
+    from rag_train.export import ExportError
+    from rag_train.io import CorruptFileError
+    from rag_train.models.reader import ReaderLoadError
+
+    prefix = f"[rank {os.environ['RANK']}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+    try:
+        yield
+    except (ConfigError, DataError, BufferError, CorruptFileError, ReaderLoadError, ExportError) as exc:
+        print(f"{prefix}error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(INPUT_FAULT_EXIT) from exc
+    except FloatingPointError as exc:
+        print(f"{prefix}error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(NUMERICAL_FAULT_EXIT) from exc
+    except RuntimeError as exc:  # torch.distributed reports a dead / hung peer as a RuntimeError from gloo / NCCL
+        text = str(exc)
+        if not any(marker in text for marker in _PEER_FAILURE):
+            raise
+        print(f"{prefix}error: a collective operation with the other processes failed: another process died, or hung "
+              f"longer than train.collective_timeout; stopping. The last checkpoint is intact (train.resume=true "
+              f"continues from it). Cause: {text.splitlines()[0][:300]}", file=sys.stderr, flush=True)
+        raise SystemExit(PEER_FAULT_EXIT) from exc
+
+
+def parse_cli(schema: type[T], argv: Optional[list[str]] = None, description: str = "",
+              default_config: Optional[str | Path] = None) -> T:
+    """`script.py [--config FILE] [key=value ...]`; on a bad config print the reason and exit 2."""
+    parser = argparse.ArgumentParser(description=description or schema.__doc__)
+    parser.add_argument("--config", default=default_config, help=f"YAML config file (default: {default_config})")
+    parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    args = parser.parse_args(argv)
+    try:
+        return load_config(schema, args.config, args.overrides)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(INPUT_FAULT_EXIT) from exc
 
 
 def _export_args(parser: argparse.ArgumentParser) -> None:
@@ -49,7 +101,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     _export_args(commands.add_parser("export", help="export a run's retriever (sentence-transformers, FAISS, ONNX)"))
     _serve_args(commands.add_parser("serve", help="serve an export over HTTP: POST /search, GET /health"))
     args = parser.parse_args(argv)
-    try:
+    with exit_on_fault():
         if args.command == "export":
             from rag_train.export import export_retriever
 
@@ -66,9 +118,6 @@ def main(argv: Optional[list[str]] = None) -> None:
             limits = ServeLimits(args.max_queries, args.max_query_chars, args.max_k, args.max_batch_queries,
                                  args.max_wait_ms)
             serve(args.export, args.host, args.port, limits, args.device, args.log_level)
-    except (ExportError, DataError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from exc
 
 
 if __name__ == "__main__":

@@ -6,24 +6,12 @@ from __future__ import annotations
 import json
 import statistics
 import subprocess
-import sys
 from pathlib import Path
 from typing import Optional
 
+from rag_train.launch import launch_command
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def launch_command(script: str | Path, config: Optional[str | Path], overrides: list[str], processes: int = 1,
-                   threads: Optional[int] = None) -> list[str]:
-    """`accelerate launch --num_processes N --cpu SCRIPT [--config FILE] key=value ...` (this interpreter);
-    `threads`: torch threads per process (default: accelerate's choice, all cores / processes)."""
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(processes), "--cpu"]
-    if threads is not None:
-        cmd += ["--num_cpu_threads_per_process", str(threads)]
-    cmd.append(str(script))
-    if config is not None:
-        cmd += ["--config", str(config)]
-    return cmd + list(overrides)
 
 
 def run_once(script: str | Path, config: Optional[str | Path], out: str | Path, overrides: list[str],
@@ -33,8 +21,9 @@ def run_once(script: str | Path, config: Optional[str | Path], out: str | Path, 
     out = Path(out)
     metrics = out / "metrics.json"
     if not metrics.is_file():
-        cmd = launch_command(script, config, [*overrides, f"train.output_dir={out}", "train.resume=true"], processes,
-                             threads)
+        config_args = [] if config is None else ["--config", config]
+        cmd = launch_command(script, *config_args, *overrides, f"train.output_dir={out}", "train.resume=true",
+                             processes=processes, threads=threads)
         print("+", " ".join(cmd), flush=True)
         subprocess.run(cmd, check=True)
     return json.loads(metrics.read_text())

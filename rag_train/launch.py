@@ -15,7 +15,11 @@ tests run ZeRO-2 / ZeRO-3 on CPU."""
 from __future__ import annotations
 
 import os
+import socket
+import sys
 from datetime import timedelta
+from pathlib import Path
+from typing import Optional
 
 import torch
 from accelerate import Accelerator, DistributedDataParallelKwargs, InitProcessGroupKwargs
@@ -54,3 +58,22 @@ def make_accelerator(timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S, find_unuse
 
         unset_hf_deepspeed_config()
     return accelerator
+
+
+def launch_command(script: str | Path, *args: object, processes: int = 1, threads: Optional[int] = None) -> list[str]:
+    """`accelerate launch SCRIPT ARGS...` (this interpreter) on CPU: one process with `--cpu`, or N > 1 processes
+    as a gloo group (`--multi_gpu --num_processes N`, which `make_accelerator` turns into a CPU group on a machine
+    without a GPU: `--cpu --num_processes N` starts ONE process in accelerate 1.x) on a free port, so that
+    back-to-back launches do not collide. `threads`: torch threads per process (default: accelerate's choice)."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(processes)]
+    if processes == 1:
+        cmd.append("--cpu")
+    else:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        cmd += ["--multi_gpu", "--num_machines", "1", "--main_process_port", str(port)]
+    cmd += ["--mixed_precision", "no", "--dynamo_backend", "no"]
+    if threads is not None:
+        cmd += ["--num_cpu_threads_per_process", str(threads)]
+    return cmd + [str(script), *map(str, args)]

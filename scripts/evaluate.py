@@ -14,7 +14,7 @@ from pathlib import Path
 
 from rag_train.launch import make_accelerator
 
-from rag_train.config import ConfigError, RLMConfig, load_config
+from rag_train.config import ConfigError, load_config
 from rag_train.data.corpus import Corpus
 from rag_train.data.errors import DataError
 from rag_train.data.qa import load_qa
@@ -23,9 +23,12 @@ from rag_train.eval.qa import QAEvalSettings, evaluate_qa
 from rag_train.io import atomic_write_json
 from rag_train.models.reader import FiDReader
 from rag_train.models.retriever import DualEncoder
-from rag_train.models.tokenizer import load_tokenizer
+from rag_train.data.tokenizer import load_tokenizer
+from rag_train.data.toy import TOY_DEV_SETS, TOY_TRAIN_SETS
 from rag_train.run_corpus import check_run_corpus
-from rag_train.train.rlm import TOY_DEV_SETS, TOY_TRAIN_SETS, write_predictions
+from rag_train.strategies import REGISTRY
+from rag_train.train.rlm import write_predictions
+from rag_train.train.schema import RLMConfig
 
 
 def main() -> None:
@@ -62,7 +65,7 @@ def main() -> None:
         max_input_length=cfg.reader.max_input_length,
         max_answer_length=cfg.reader.max_answer_length,
         batch_size=args.batch_size or cfg.eval.batch_size,
-        closed_book=cfg.strategy.name == "closed_book",
+        closed_book=not REGISTRY[cfg.strategy.name].retrieves,
     )
     metrics, predictions = evaluate_qa(retriever, reader, tokenizer, corpus, sets, settings, accelerator,
                                        out_dir=run / "eval")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from accelerate import PartialState
 
-from rag_train.config import exit_on_fault, parse_cli
+from rag_train.cli import exit_on_fault, parse_cli
 from rag_train.generative.config import GenerativeConfig
 from rag_train.train.generative import print_generative_table, train_generative
 

@@ -7,9 +7,10 @@ from pathlib import Path
 
 from accelerate import PartialState
 
-from rag_train.config import RetrieverTrainConfig, exit_on_fault, parse_cli
-from rag_train.train.report import print_retriever_table
+from rag_train.cli import exit_on_fault, parse_cli
+from rag_train.train.summary import print_retriever_table
 from rag_train.train.retriever import train_retriever
+from rag_train.train.schema import RetrieverTrainConfig
 
 DEFAULT = Path(__file__).resolve().parent.parent / "configs" / "toy" / "retriever.yaml"
 

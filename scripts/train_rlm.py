@@ -10,9 +10,10 @@ from pathlib import Path
 
 from accelerate import PartialState
 
-from rag_train.config import RLMConfig, exit_on_fault, parse_cli
-from rag_train.train.report import print_rlm_table
+from rag_train.cli import exit_on_fault, parse_cli
+from rag_train.train.summary import print_rlm_table
 from rag_train.train.rlm import train_rlm
+from rag_train.train.schema import RLMConfig
 
 DEFAULT = Path(__file__).resolve().parent.parent / "configs" / "toy" / "rlm.yaml"
 

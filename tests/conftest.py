@@ -3,7 +3,7 @@
 import pytest
 
 from rag_train.data.toy import generate_toy_world
-from rag_train.models.tokenizer import load_tokenizer
+from rag_train.data.tokenizer import load_tokenizer
 
 TOY_PASSAGES = 2000
 
@@ -31,17 +31,3 @@ def recipe_toy_dir(tmp_path_factory):
     directory = tmp_path_factory.mktemp("recipe-toy")
     ensure_toy_world(DataConfig(toy_dir=str(directory), toy_passages=RECIPE_TOY_PASSAGES))
     return directory
-
-
-def launch_command(script, *args) -> list[str]:
-    """`accelerate launch` of 2 CPU processes (gloo) on a free port: `--cpu --num_processes 2` starts ONE
-    process in accelerate 1.x, and back-to-back launches on the default port can collide."""
-    import socket
-    import sys
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-            "--main_process_port", str(port), str(script), *map(str, args)]

@@ -17,16 +17,16 @@ import torch
 from accelerate import Accelerator
 from torch import nn
 
-from rag_train.config import BatchingConfig, BufferConfig, ConfigError, RetrieverConfig, StrategyConfig, TinyModelConfig
+from rag_train.config import BatchingConfig, BufferConfig, ConfigError, RetrieverConfig, TinyModelConfig
 from rag_train.data.corpus import Corpus
 from rag_train.data.supervised import load_retrieval
 from rag_train.models.retriever import DualEncoder, format_passage
-from rag_train.strategies import REGISTRY, StrategyContext
+from rag_train.strategies import REGISTRY, StrategyConfig, StrategyContext
 from rag_train.train.batching import OPTIONS, MicroBatch, StepParts, check_batching
 from rag_train.train.batching.cont_accum import Banks
 from rag_train.train.retriever import train_retriever
 from rag_train.train.trainable import Trainable
-from conftest import launch_command
+from rag_train.launch import launch_command
 from test_train_retriever import CONFIG, ROOT, config, overrides, weights
 
 TEMPERATURE = 0.05  # sentence-transformers' scale 20
@@ -304,7 +304,7 @@ def test_two_processes_match_one_for_every_option(recipe_toy_dir, tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     runs = {name: overrides(recipe_toy_dir, tmp_path / f"two-{name}", "in_batch", **keys, **extra)
             for name, extra in OPTION_KEYS.items()}
-    cmd = launch_command(ROOT / "tests" / "dist" / "batching_options.py", str(CONFIG), json.dumps(runs))
+    cmd = launch_command(ROOT / "tests" / "dist" / "batching_options.py", str(CONFIG), json.dumps(runs), processes=2)
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     errors = [line for line in (proc.stdout + proc.stderr).splitlines() if "Error" in line]
     assert proc.returncode == 0, "\n".join(errors[:10]) + proc.stderr[-2000:]

@@ -19,8 +19,8 @@ from rag_train.config import RetrieverConfig, TinyModelConfig
 from rag_train.data.corpus import Corpus
 from rag_train.io import sha256_file
 from rag_train.models.retriever import DualEncoder, format_passage
-from rag_train.models.tokenizer import train_tokenizer
-from conftest import launch_command
+from rag_train.data.tokenizer import train_tokenizer
+from rag_train.launch import launch_command
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = TinyModelConfig(d_model=32, d_ff=64, d_kv=8, num_heads=4, num_layers=1, num_decoder_layers=1)
@@ -189,7 +189,7 @@ def test_two_process_build_equals_one_process(world, tmp_path):
     # `--cpu --num_processes 2` starts ONE process in accelerate 1.x; the torchrun launcher starts two
     command = launch_command(str(ROOT / "scripts/embed_corpus.py"), f"passages={world['corpus'].path}",
                f"model_dir={world['root'] / 'model'}", f"output={tmp_path / 'two'}",
-               f"buffer.shard_rows={SHARD_ROWS}", f"buffer.embed_batch_size={BATCH}")
+               f"buffer.shard_rows={SHARD_ROWS}", f"buffer.embed_batch_size={BATCH}", processes=2)
     proc = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("buffer:") == 1 and "2 process(es)" in proc.stdout  # two ranks, main prints once

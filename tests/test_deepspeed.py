@@ -23,7 +23,7 @@ import torch
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install -e '.[deepspeed]')")
 
-from conftest import launch_command  # noqa: E402
+from rag_train.launch import launch_command  # noqa: E402
 from test_train_rlm import CONFIG, ROOT, STEPS, TOP_K, overrides, weights  # noqa: E402
 
 SCRIPT = ROOT / "scripts" / "train_rlm.py"
@@ -51,7 +51,7 @@ def run(cmd: list[str]) -> None:
 
 def train(toy_dir: Path, out: Path, stage: int | None, steps: int = STEPS, **extra) -> dict:
     args = ["--config", CONFIG, *overrides(toy_dir, out, "corrector", steps=steps, **{**SAME, **extra})]
-    run(launch_command(SCRIPT, *args) if stage is None else deepspeed_command(stage, *args))
+    run(launch_command(SCRIPT, *args, processes=2) if stage is None else deepspeed_command(stage, *args))
     return json.loads((out / "metrics.json").read_text())
 
 
@@ -147,7 +147,8 @@ def test_zero3_without_gathered_saving_is_refused(tmp_path):
 FAULTY = '''
 import sys
 import rag_train.strategies.base as base
-from rag_train.config import RetrieverTrainConfig, parse_cli
+from rag_train.cli import parse_cli
+from rag_train.train.schema import RetrieverTrainConfig
 from rag_train.strategies.corrector import CorrectorStrategy
 from rag_train.train.retriever import train_retriever
 

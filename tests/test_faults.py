@@ -21,13 +21,14 @@ import pytest
 import torch
 
 from rag_train.buffer.store import BufferError
-from rag_train.config import ConfigError, RetrieverTrainConfig, load_config
+from rag_train.config import ConfigError, load_config
 from rag_train.data.errors import DataError
 from rag_train.io import CorruptFileError
 from rag_train.strategies.base import Strategy
 from rag_train.strategies.corrector import CorrectorStrategy
 from rag_train.train.retriever import train_retriever
-from conftest import launch_command
+from rag_train.train.schema import RetrieverTrainConfig
+from rag_train.launch import launch_command
 from test_train_retriever import CONFIG, STEPS, overrides, weights
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -172,13 +173,19 @@ def flip_byte(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
+def delete(path: Path) -> None:
+    path.unlink()
+
+
 @pytest.mark.parametrize("damage, file, error, message", [
     (truncate, "checkpoints/step-00000006/model.safetensors", CorruptFileError, "truncated"),
     (flip_byte, "checkpoints/step-00000006/optimizer.bin", CorruptFileError, "sha256 does not match"),
+    (delete, "checkpoints/step-00000006/checksums.json", CorruptFileError, "checksums.json is missing"),
     (truncate, "buffer/shard-00001.npy", BufferError, "truncated or corrupt"),
     (flip_byte, "buffer/shard-00002.npy", BufferError, "sha256 of .* does not match"),
     (truncate, "buffer/manifest.json", BufferError, "not valid JSON"),
-], ids=["checkpoint-truncated", "checkpoint-bitflip", "shard-truncated", "shard-bitflip", "manifest-truncated"])
+], ids=["checkpoint-truncated", "checkpoint-bitflip", "checksums-deleted", "shard-truncated", "shard-bitflip",
+        "manifest-truncated"])
 def test_damaged_file_is_named_and_nothing_is_loaded(recipe_toy_dir, tmp_path, reference, damage, file, error, message):
     out = damaged_copy(reference, tmp_path)
     damage(out / file)
@@ -465,7 +472,7 @@ def test_corrector_fault_leaves_the_encoder_update_bitwise_unchanged():
 def test_entry_scripts_map_faults_to_exit_status(capsys, error, status):
     """What scripts/train_*.py do with a fault raised inside training: one `error:` line and a status
     (2 input, 3 numerical stop, 4 dead / hung peer); anything else keeps its traceback."""
-    from rag_train.config import exit_on_fault
+    from rag_train.cli import exit_on_fault
 
     with pytest.raises(SystemExit if status else RuntimeError) as caught:
         with exit_on_fault():
@@ -481,7 +488,7 @@ def test_entry_scripts_map_faults_to_exit_status(capsys, error, status):
 
 def two_processes(toy_dir: Path, out: Path, fault: str, rank: int = 1, **extra) -> subprocess.CompletedProcess:
     args = overrides(toy_dir, out, "corrector", **{**EXTRA, "train.collective_timeout": 15, **extra})
-    cmd = launch_command(FAULTY, "--config", CONFIG, *args)
+    cmd = launch_command(FAULTY, "--config", CONFIG, *args, processes=2)
     return run_script(cmd, fault, timeout=300, FAULT_RANK=str(rank), OMP_NUM_THREADS="1")
 
 

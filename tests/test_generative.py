@@ -24,7 +24,7 @@ TINY = TinyModelConfig(d_model=32, d_ff=64, d_kv=8, num_heads=4, num_layers=1, n
 
 @pytest.fixture(scope="module")
 def world(recipe_toy_dir):
-    from rag_train.models.tokenizer import load_tokenizer
+    from rag_train.data.tokenizer import load_tokenizer
 
     corpus = Corpus.open(recipe_toy_dir / "passages.jsonl")
     tokenizer = load_tokenizer(recipe_toy_dir / "tokenizer")
@@ -280,10 +280,8 @@ def test_two_processes_rebuild_the_same_ce_and_rank_every_question(recipe_toy_di
     (`TrainingRun.agree`, else the run fails), and the dev questions, split unevenly, are all ranked once."""
     import os
     import subprocess
-    import sys
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from conftest import launch_command
+    from rag_train.launch import launch_command
 
     root = Path(__file__).resolve().parent.parent
     cmd = launch_command(root / "scripts" / "train_generative.py", f"data.toy_dir={recipe_toy_dir}",
@@ -292,7 +290,7 @@ def test_two_processes_rebuild_the_same_ce_and_rank_every_question(recipe_toy_di
                          "generator.tiny.num_layers=1", "generator.tiny.num_decoder_layers=1", "targets.context_length=24",
                          "np.variant=async", "np.rebuild_every_epochs=0.5", "train.steps=6", "train.batch_size=8",
                          "train.tracker=null", f"train.output_dir={tmp_path / 'two'}", "eval.num_beams=2",
-                         "eval.recall_at=[1]")
+                         "eval.recall_at=[1]", processes=2)
     env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]

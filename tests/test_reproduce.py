@@ -3,7 +3,8 @@ written from given metrics (tables, computed verdicts against the paper, PNG plo
 
 from __future__ import annotations
 
-from rag_train.config import RetrieverTrainConfig, load_config
+from rag_train.config import load_config
+from rag_train.train.schema import RetrieverTrainConfig
 from rag_train.reproduction.plan import FULL, QUICK, RETRIEVER_CONFIG, TABLE3, Plan
 from rag_train.reproduction.report import ANALYSIS, write_report
 

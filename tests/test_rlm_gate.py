@@ -6,8 +6,8 @@ import math
 import torch
 from accelerate import Accelerator
 
-from rag_train.config import RLMConfig
 from rag_train.train.gate import RetrieverGate
+from rag_train.train.schema import RLMConfig
 
 
 def gate(threshold: float, start: int = 0) -> RetrieverGate:

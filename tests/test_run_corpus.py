@@ -14,7 +14,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from rag_train.buffer.store import Buffer
-from rag_train.config import DataConfig, RLMConfig, save_config
+from rag_train.config import DataConfig, save_config
+from rag_train.train.schema import RLMConfig
 from rag_train.data.corpus import Corpus
 from rag_train.data.toy import toy_paths
 from rag_train.export import ExportError, export_retriever

@@ -41,9 +41,9 @@ def test_two_process_search_equals_single_process(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     # `--cpu --num_processes 2` starts ONE process in accelerate 1.x (multi-CPU needs mpirun); the
     # multi-process launcher plus PartialState(cpu=True) in the script gives two gloo processes.
-    from conftest import launch_command  # here: tests/dist/search_sharded.py imports this module
+    from rag_train.launch import launch_command  # here: tests/dist/search_sharded.py imports this module
 
-    cmd = launch_command(str(ROOT / "tests/dist/search_sharded.py"), str(tmp_path))
+    cmd = launch_command(str(ROOT / "tests/dist/search_sharded.py"), str(tmp_path), processes=2)
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     per_rank = [np.load(tmp_path / f"rank{rank}.npz") for rank in range(2)]

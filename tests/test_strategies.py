@@ -14,20 +14,22 @@ from scipy.stats import chisquare
 
 from rag_train.buffer.build import build_buffer
 from rag_train.buffer.store import Buffer
-from rag_train.config import BufferConfig, CorrectorConfig, RetrieverConfig, StrategyConfig, TinyModelConfig
+from rag_train.config import BufferConfig, RetrieverConfig, TinyModelConfig
 from rag_train.data.corpus import Corpus
 from rag_train.models.retriever import DualEncoder, format_passage
-from rag_train.models.tokenizer import train_tokenizer
-from rag_train.strategies import REGISTRY, StrategyContext, build_strategy
-from rag_train.strategies.buffered import SNM, Exhaustive, Stale
-from rag_train.strategies.corrector import CorrectorStrategy
+from rag_train.data.tokenizer import train_tokenizer
+from rag_train.strategies import REGISTRY, StrategyConfig, StrategyContext, build_strategy
+from rag_train.strategies.corrector import CorrectorConfig, CorrectorStrategy
+from rag_train.strategies.exhaustive import Exhaustive
+from rag_train.strategies.snm import SNM
+from rag_train.strategies.stale import Stale
 from rag_train.strategies.negative_cache import NegativeCache
 
 TINY = TinyModelConfig(d_model=32, d_ff=64, d_kv=8, num_heads=4, num_layers=1, num_decoder_layers=1)
 ROWS = 40
 WORDS = "river stone tower city founded painted green blue north old mentor violin born year harbour".split()
 QUESTIONS = ["who founded the city", "what colour is the tower", "where was the mentor born", "which violin"]
-ALGORITHM_1 = ["in_batch", "uniform", "stale", "exhaustive", "snm", "negative_cache", "corrector"]
+ALGORITHM_1 = [name for name, cls in REGISTRY.items() if 1 in cls.algorithms]
 
 
 @pytest.fixture(scope="module")
@@ -46,12 +48,12 @@ def world(tmp_path_factory):
     return {"corpus": corpus, "model": model, "buffer_dir": root / "buffer", "accelerator": Accelerator(cpu=True)}
 
 
-def make(world, name: str, temperature: float = 0.5, **changes):
+def make(world, name: str, temperature: float = 0.5, search: str = "full", **changes):
     """A strategy over a private copy of the model (tests change the encoder freely)."""
     model = copy.deepcopy(world["model"])
     cfg = StrategyConfig(name=name, **{"top_k": 5, "uniform_negatives": 0, **changes})
-    ctx = StrategyContext(world["accelerator"], model, world["corpus"], BufferConfig(chunk_rows=7, embed_batch_size=8),
-                          world["buffer_dir"], temperature, seed=3)
+    buffer = BufferConfig(chunk_rows=7, embed_batch_size=8, search=search, rerank_candidates=12)
+    ctx = StrategyContext(world["accelerator"], model, world["corpus"], buffer, world["buffer_dir"], temperature, seed=3)
     return build_strategy(cfg, ctx), model
 
 
@@ -112,6 +114,22 @@ def test_stale_is_brute_force_and_never_changes(world):
     assert not torch.allclose(fresh_embedding(model, world["corpus"], range(ROWS)), stale, atol=1e-3)
     assert [p.read_bytes() for p in sorted(world["buffer_dir"].glob("*.npy"))] == shard_bytes
     assert strategy.embedded == 0
+
+
+@pytest.mark.parametrize("name", ["stale", "corrector"])
+def test_rerank_search_is_brute_force_over_the_buffer(world, name):
+    """buffer.search=rerank: FAISS (Flat: exact) candidates re-scored with <q, b> (stale) or <q, h(b)> (corrector)."""
+    strategy, model = make(world, name, search="rerank", corrector=CorrectorConfig(hidden=12))
+    assert strategy.faiss_index is not None and strategy.search_mode == "corrector_rerank"
+    stale, queries = stale_matrix(world), queries_of(model)
+    if name == "corrector":
+        perturb(strategy.corrector, scale=0.5, seed=42)
+    with torch.no_grad():
+        target = strategy.corrector(stale) if name == "corrector" else stale
+    # Flat candidates are the true top-12 of <q, b>; with h the answer is brute force over those candidates
+    candidates = brute_topk(queries, stale, 12)
+    expected = torch.stack([c[brute_topk(q[None], target[c], 5)[0]] for q, c in zip(queries, candidates)])
+    assert torch.equal(strategy.retrieve(queries, 5), expected)
 
 
 def test_exhaustive_refreshes_every_r_steps_with_the_current_model(world):

@@ -12,11 +12,11 @@ import torch
 from transformers import AutoTokenizer, T5ForConditionalGeneration
 
 import rag_train.data.toy as toy
-import rag_train.models.tokenizer as tokenizer_module
+import rag_train.data.tokenizer as tokenizer_module
 from rag_train.config import DataConfig, TinyModelConfig
 from rag_train.data.toy import FAMILIES, ToyWorld, ensure_toy_world, generate_toy_world, toy_paths
 from rag_train.models.tiny import tiny_t5_config
-from rag_train.models.tokenizer import load_tokenizer, train_tokenizer
+from rag_train.data.tokenizer import load_tokenizer, train_tokenizer
 
 NAME = re.compile(r"[A-Z][a-z]+ [A-Z][a-z]+")
 

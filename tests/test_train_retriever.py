@@ -12,15 +12,17 @@ import numpy as np
 import pytest
 import torch
 
-from rag_train.config import RetrieverTrainConfig, load_config
+from rag_train.config import load_config
 from rag_train.models.retriever import DualEncoder
+from rag_train.strategies import REGISTRY
 from rag_train.strategies.base import Strategy
 from rag_train.train.retriever import train_retriever
-from conftest import launch_command
+from rag_train.train.schema import RetrieverTrainConfig
+from rag_train.launch import launch_command
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "toy" / "retriever.yaml"
-ALGORITHM_1 = ["in_batch", "uniform", "stale", "exhaustive", "snm", "negative_cache", "corrector"]
+ALGORITHM_1 = [name for name, cls in REGISTRY.items() if 1 in cls.algorithms]
 PASSAGES, STEPS, REFRESH, SNM_TARGETS, CACHE_REFRESH = 300, 6, 2, 50, 8
 
 
@@ -121,7 +123,7 @@ def test_two_processes_match_one(recipe_toy_dir, tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     # `--cpu --num_processes 2` starts one process in accelerate 1.x; the multi-process launcher on a machine
     # without GPUs gives two gloo processes (TrainingRun passes cpu=True there).
-    cmd = launch_command(str(ROOT / "scripts" / "train_retriever.py"), "--config", str(CONFIG), *args)
+    cmd = launch_command(str(ROOT / "scripts" / "train_retriever.py"), "--config", str(CONFIG), *args, processes=2)
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     errors = [line for line in (proc.stdout + proc.stderr).splitlines() if "Error" in line]  # the root cause
     assert proc.returncode == 0, "\n".join(errors[:10]) + proc.stderr[-2000:]

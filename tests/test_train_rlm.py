@@ -15,10 +15,11 @@ import torch
 from safetensors.torch import load_file
 
 import rag_train.train.rlm as rlm
-from rag_train.config import RLMConfig, TinyModelConfig, load_config
+from rag_train.train.schema import RLMConfig
+from rag_train.config import TinyModelConfig, load_config
 from rag_train.losses import perplexity_distillation
 from rag_train.models.retriever import DualEncoder
-from conftest import launch_command
+from rag_train.launch import launch_command
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "toy" / "rlm.yaml"
@@ -268,7 +269,7 @@ def test_pdist_gives_the_reader_no_gradient(recipe_toy_dir):
     from rag_train.config import ReaderConfig
     from rag_train.data.collate import answer_labels, fid_inputs
     from rag_train.models.reader import FiDReader
-    from rag_train.models.tokenizer import load_tokenizer
+    from rag_train.data.tokenizer import load_tokenizer
 
     toy_tokenizer = load_tokenizer(recipe_toy_dir / "tokenizer")
 
@@ -337,6 +338,9 @@ def test_a_finished_warm_start_stage_with_other_settings_is_refused(recipe_toy_d
         check_stage(reseeded, tmp_path / "warm_start_reader", "warm_start_reader")
     shared = config(recipe_toy_dir, tmp_path / "run", "corrector", **{"train.seed": 3, "warm_start.from_run": tmp_path})
     check_stage(shared, tmp_path / "warm_start_reader", "warm_start_reader")  # other seeds may share a warm start
+    (tmp_path / "unrecorded").mkdir()  # every stage records its settings: a folder without them is not one
+    with pytest.raises(ConfigError, match="without stage_settings.json"):
+        check_stage(made, tmp_path / "unrecorded", "warm_start_reader")
 
 
 def test_resume_continues_as_if_uninterrupted(recipe_toy_dir, tmp_path):
@@ -360,7 +364,8 @@ def test_two_processes_match_one(recipe_toy_dir, tmp_path):
         "warm_start.reader_steps": 3, "warm_start.reader_copy_steps": 1, "warm_start.reader_distractors": "retrieved"})
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     # a tracker: finishing the warm-start run's trackers must not end the process group
-    cmd = launch_command(str(ROOT / "scripts" / "train_rlm.py"), "--config", str(CONFIG), *args, "train.tracker=tensorboard")
+    cmd = launch_command(str(ROOT / "scripts" / "train_rlm.py"), "--config", str(CONFIG), *args, "train.tracker=tensorboard",
+                         processes=2)
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=500)
     errors = [line for line in (proc.stdout + proc.stderr).splitlines() if "Error" in line]  # the root cause
     assert proc.returncode == 0, "\n".join(errors[:10]) + proc.stderr[-2000:]
@@ -379,25 +384,3 @@ def test_two_processes_match_one(recipe_toy_dir, tmp_path):
     for key in a:
         torch.testing.assert_close(b[key], a[key], rtol=1e-4, atol=1e-5, msg=key)
 
-
-def test_checkpoint_from_before_one_module_is_named(recipe_toy_dir, tmp_path):
-    """Reader, retriever and corrector were once prepared as separate models (model.safetensors, model_1, ...,
-    unprefixed keys): such a checkpoint is refused by name instead of failing inside accelerate's load_state."""
-    from safetensors.torch import save_file
-
-    from rag_train.config import ConfigError
-    from rag_train.train.common import TrainingRun, linear_warmup
-    from rag_train.train.trainable import Trainable
-
-    run = TrainingRun(config(recipe_toy_dir, tmp_path / "run", "corrector", **{"train.resume": "true"}), "rlm")
-    model = Trainable(reader=torch.nn.Linear(2, 2), retriever=torch.nn.Linear(2, 2))
-    optimizer = torch.optim.AdamW(model.parameters())
-    run.prepare(model, optimizer, linear_warmup(optimizer, 1))
-    old = tmp_path / "run" / "checkpoints" / "step-00000002"
-    old.mkdir(parents=True)
-    (old / "step.json").write_text('{"step": 2}')
-    for files in (["model.safetensors"], ["model.safetensors", "model_1.safetensors"]):
-        for name in files:
-            save_file({"shared.weight": torch.zeros(2)}, str(old / name))
-        with pytest.raises(ConfigError, match="written before the recipes trained one module"):
-            run.resume()

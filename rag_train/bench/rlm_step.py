@@ -46,7 +46,8 @@ import torch
 import torch.nn.functional as F
 
 from rag_train.bench.machine import cpu_name, peak_rss_bytes, rss_kib, synchronize
-from rag_train.config import RetrieverConfig, RLMConfig, load_config
+from rag_train.config import RetrieverConfig, load_config
+from rag_train.train.schema import RLMConfig
 from rag_train.data.corpus import Corpus
 from rag_train.data.qa import QAExample
 from rag_train.models.reader import FiDReader

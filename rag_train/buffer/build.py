@@ -169,33 +169,3 @@ def build_buffer(model, corpus, out_dir: Union[str, Path], batch_size: int = 256
     if accelerator is not None:
         accelerator.wait_for_everyone()
     return Buffer.open(out_dir, model_fp, corpus_fp)
-
-
-def embed_corpus(cfg, accelerator=None) -> Buffer:
-    """The body of scripts/embed_corpus.py: resolve corpus and model from an EmbedConfig, build the buffer."""
-    from rag_train.launch import make_accelerator
-
-    from rag_train.config import ConfigError
-    from rag_train.data.corpus import Corpus
-    from rag_train.models.retriever import DualEncoder
-
-    accelerator = accelerator or make_accelerator()
-    passages, tokenizer = cfg.passages or cfg.data.passages, cfg.retriever.tokenizer
-    needs_toy_tokenizer = cfg.model_dir is None and cfg.retriever.model == "tiny" and tokenizer is None
-    if cfg.data.toy and (passages is None or needs_toy_tokenizer):
-        from rag_train.data.toy import ensure_toy_world
-
-        with accelerator.main_process_first():
-            files = ensure_toy_world(cfg.data)
-        passages, tokenizer = passages or str(files["passages"]), tokenizer or str(files["tokenizer"])
-    if passages is None:
-        raise ConfigError("embed: no corpus; set passages=FILE (or data.passages=FILE, or data.toy=true)")
-    with accelerator.main_process_first():  # the main process builds the corpus index once
-        corpus = Corpus.open(passages)
-    if cfg.model_dir is not None:
-        model = DualEncoder.load(cfg.model_dir)
-    else:
-        model = DualEncoder.from_config(cfg.retriever, tokenizer, seed=cfg.seed)
-    return build_buffer(model, corpus, cfg.output or cfg.buffer.path, batch_size=cfg.buffer.embed_batch_size,
-                        shard_rows=cfg.buffer.shard_rows, dtype=cfg.buffer.dtype, accelerator=accelerator,
-                        overwrite=cfg.overwrite)

@@ -124,8 +124,8 @@ def _validate(queries, rows, k, corrector, mode, chunk_rows, exclude, sampling, 
         raise ValueError("search: mode='corrector_full' needs a corrector")
     if corrector is not None and corrector.dim != queries.shape[1]:
         raise ValueError(f"search: corrector dim {corrector.dim} != query dim {queries.shape[1]}")
-    if corrector is not None and corrector.first.weight.device != queries.device:
-        raise ValueError(f"search: corrector is on {corrector.first.weight.device} but queries on {queries.device}")
+    if corrector is not None and corrector.device != queries.device:
+        raise ValueError(f"search: corrector is on {corrector.device} but queries on {queries.device}")
     if k <= 0 or chunk_rows <= 0 or row_offset < 0:
         raise ValueError(f"search: need k > 0, chunk_rows > 0, row_offset >= 0 (got {k}, {chunk_rows}, {row_offset})")
     if not temperature > 0:
@@ -288,7 +288,7 @@ def _scan_pass(queries, rows, k, corrector, exclude, noise, row_offset, chunk_ro
     folded = None
     if corrector is not None:
         q_hidden, q_bias = corrector.fold_queries(queries.float())
-        if corrector.first.weight.dtype != compute_dtype:  # convert the small net once, not per tile
+        if corrector.dtype != compute_dtype:  # convert the small net once, not per tile
             corrector = copy.deepcopy(corrector).to(compute_dtype)
         folded = (q_hidden.to(compute_dtype), q_bias.float())
     block_rows = min(chunk_rows, rows.shape[0])

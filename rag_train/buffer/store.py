@@ -78,10 +78,6 @@ class Buffer:
     def dtype(self) -> str:
         return self.manifest["dtype"]
 
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return TORCH_DTYPES[self.dtype]
-
     def __len__(self) -> int:
         return self.rows
 

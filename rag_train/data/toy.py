@@ -32,6 +32,8 @@ SECTIONS = 2  # passages per person: 0 = origins and work, 1 = music, taste and 
 DEV_EVERY = 10  # person e is a dev person iff e % DEV_EVERY == 0: dev facts are never asked in train
 CHUNK = 16384
 FAMILIES = ("nq", "tqa", "hotpotqa")
+TOY_TRAIN_SETS = [f"{family}-train" for family in FAMILIES]  # the QA files the RLM trains / evaluates on
+TOY_DEV_SETS = [f"{family}-dev" for family in FAMILIES]
 TOKENIZER_SAMPLE = 50_000  # passages (and questions per file) the tokenizer is trained on
 
 CONSONANTS = "bdfghklmnprstvz"
@@ -392,7 +394,7 @@ def generate_toy_world(
 
 def _write_tokenizer(paths: dict[str, Path], vocab_size: int) -> None:
     """Train into a temporary folder and rename it into place, so a crash never leaves half a tokenizer."""
-    from rag_train.models.tokenizer import train_tokenizer
+    from rag_train.data.tokenizer import train_tokenizer
 
     final = paths["tokenizer"]
     staging = Path(tempfile.mkdtemp(prefix=".tokenizer.", dir=final.parent))

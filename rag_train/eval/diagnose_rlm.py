@@ -29,7 +29,8 @@ from accelerate import Accelerator
 from safetensors.torch import load_file
 
 from rag_train.buffer.store import Buffer
-from rag_train.config import RLMConfig, load_config
+from rag_train.config import load_config
+from rag_train.train.schema import RLMConfig
 from rag_train.data.corpus import Corpus
 from rag_train.data.qa import load_qa
 from rag_train.data.sources import resolve_data
@@ -123,7 +124,7 @@ def reading(run: Path, corpus: Corpus, files, cfg: RLMConfig, k: int, limit: int
     from rag_train.data.toy import ToyWorld
     from rag_train.eval.metrics import exact_match
     from rag_train.models.reader import FiDReader
-    from rag_train.models.tokenizer import load_tokenizer
+    from rag_train.data.tokenizer import load_tokenizer
 
     world = ToyWorld(cfg.data.toy_passages, cfg.data.toy_seed)
     reader = FiDReader.from_pretrained(run / "reader").eval()

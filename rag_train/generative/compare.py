@@ -14,12 +14,13 @@ import yaml
 
 from rag_train.buffer.embed import embed_rows
 from rag_train.buffer.search import search
-from rag_train.config import RetrieverTrainConfig, load_config
+from rag_train.config import load_config
 from rag_train.data.corpus import Corpus
 from rag_train.data.sources import dataset_name, resolve_data
 from rag_train.data.supervised import load_retrieval
 from rag_train.generative.search import ranking_metrics
 from rag_train.io import read_json
+from rag_train.train.schema import RetrieverTrainConfig
 
 
 @torch.inference_mode()

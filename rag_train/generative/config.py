@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from rag_train.config import ConfigError, DataConfig, TinyModelConfig, TrainConfig, _choice, _positive
+from rag_train.config import ConfigError, DataConfig, TinyModelConfig, TrainConfig, check_choice, check_positive
 
 VARIANTS = ("base", "async", "contra")
 
@@ -25,7 +25,7 @@ class GeneratorConfig:
                                                                           num_heads=8))
 
     def __post_init__(self) -> None:
-        _positive("generator", "max_question_length", self.max_question_length)
+        check_positive("generator", "max_question_length", self.max_question_length)
 
 
 @dataclass
@@ -39,8 +39,8 @@ class TargetsConfig:
     context_length: int = 64
 
     def __post_init__(self) -> None:
-        _choice("targets", "identifier", self.identifier, ("title", "id"))
-        _positive("targets", "context_length", self.context_length)
+        check_choice("targets", "identifier", self.identifier, ("title", "id"))
+        check_positive("targets", "context_length", self.context_length)
 
 
 @dataclass
@@ -64,13 +64,13 @@ class NpConfig:
     build_batch_size: int = 128  # targets per CE-encoder batch
 
     def __post_init__(self) -> None:
-        _choice("np", "variant", self.variant, VARIANTS)
-        _choice("np", "decoder_inputs", self.decoder_inputs, ("vocab", "ce"))
-        _positive("np", "clusters_per_token", self.clusters_per_token, allow_zero=True)
-        _positive("np", "kmeans_iters", self.kmeans_iters)
-        _positive("np", "rebuild_every_epochs", self.rebuild_every_epochs)
-        _positive("np", "contrastive_steps", self.contrastive_steps, allow_zero=True)
-        _positive("np", "build_batch_size", self.build_batch_size)
+        check_choice("np", "variant", self.variant, VARIANTS)
+        check_choice("np", "decoder_inputs", self.decoder_inputs, ("vocab", "ce"))
+        check_positive("np", "clusters_per_token", self.clusters_per_token, allow_zero=True)
+        check_positive("np", "kmeans_iters", self.kmeans_iters)
+        check_positive("np", "rebuild_every_epochs", self.rebuild_every_epochs)
+        check_positive("np", "contrastive_steps", self.contrastive_steps, allow_zero=True)
+        check_positive("np", "build_batch_size", self.build_batch_size)
         if self.variant == "contra" and self.contrastive_steps == 0:
             raise ConfigError("np.variant=contra needs np.contrastive_steps > 0 (the contrastive stage)")
         if self.variant != "contra" and self.contrastive_steps:
@@ -86,10 +86,10 @@ class GenerativeEvalConfig:
     batch_size: int = 32
 
     def __post_init__(self) -> None:
-        _positive("eval", "num_beams", self.num_beams)
-        _positive("eval", "batch_size", self.batch_size)
+        check_positive("eval", "num_beams", self.num_beams)
+        check_positive("eval", "batch_size", self.batch_size)
         for k in self.recall_at:
-            _positive("eval", "recall_at", k)
+            check_positive("eval", "recall_at", k)
         if max(self.recall_at, default=0) > self.num_beams:
             raise ConfigError(f"eval.recall_at={self.recall_at} asks for more targets than eval.num_beams="
                               f"{self.num_beams} beams return")
@@ -108,6 +108,6 @@ class GenerativeConfig:
     optimizer: str = "adafactor"  # adafactor (T5's own, lr ~1e-3..1e-2) | adamw
 
     def __post_init__(self) -> None:
-        _choice("", "optimizer", self.optimizer, ("adafactor", "adamw"))
+        check_choice("", "optimizer", self.optimizer, ("adafactor", "adamw"))
         if not self.np.enabled and (self.np.variant != "base" or self.np.contrastive_steps):
             raise ConfigError(f"np.variant={self.np.variant!r} needs np.enabled=true (vanilla decoding has no CE)")

@@ -33,6 +33,14 @@ class Corrector(nn.Module):
         nn.init.zeros_(self.second.weight)
         nn.init.zeros_(self.second.bias)
 
+    @property
+    def device(self) -> torch.device:
+        return self.first.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.first.weight.dtype
+
     def forward(self, stale: torch.Tensor) -> torch.Tensor:
         return stale + self.second(torch.relu(self.first(stale)))
 

@@ -27,7 +27,7 @@ class ReaderLoadError(RuntimeError):
 
 def hub_offline() -> bool:
     """True when the Hugging Face Hub must not (offline env vars, read now) or cannot be reached."""
-    from rag_train.models.tokenizer import hub_reachable
+    from rag_train.data.tokenizer import hub_reachable
 
     for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
         if os.environ.get(var, "").strip().lower() in ("1", "true", "yes", "on"):
@@ -68,7 +68,7 @@ class FiDReader(T5ForConditionalGeneration):
         if tokenizer is None:
             if cfg.tokenizer is None:
                 raise ReaderLoadError("reader.model='tiny' needs a tokenizer: pass one or set reader.tokenizer")
-            from rag_train.models.tokenizer import load_tokenizer
+            from rag_train.data.tokenizer import load_tokenizer
 
             tokenizer = load_tokenizer(cfg.tokenizer)
         from rag_train.models.tiny import tiny_t5_config
@@ -117,7 +117,7 @@ class FiDReader(T5ForConditionalGeneration):
                 f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(input_ids.shape)}"
             )
 
-    def encode_passages(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def encode_pairs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Encoder states of every (question, passage) pair on its own: [B*P, L, d]."""
         self._check_fid_shapes(input_ids, attention_mask)
         batch, passages, length = input_ids.shape
@@ -152,7 +152,7 @@ class FiDReader(T5ForConditionalGeneration):
         if input_ids is not None and input_ids.dim() == 3:
             if encoder_outputs is not None:
                 raise ValueError("pass either FiD input_ids [B, P, L] or encoder_outputs, not both")
-            states = self.encode_passages(input_ids, attention_mask)
+            states = self.encode_pairs(input_ids, attention_mask)
             encoder_outputs, attention_mask = self.fuse(states, attention_mask)
             input_ids = None
         return super().forward(
@@ -182,7 +182,7 @@ class FiDReader(T5ForConditionalGeneration):
         if labels.dim() != 2 or labels.shape[0] != batch:
             raise ValueError(f"labels must be [batch={batch}, answer_length], got shape {tuple(labels.shape)}")
         if encoder_states is None:
-            encoder_states = self.encode_passages(input_ids, attention_mask)
+            encoder_states = self.encode_pairs(input_ids, attention_mask)
         encoder_states = encoder_states.reshape(batch * passages, length, -1)
         row_labels = labels.repeat_interleave(passages, dim=0)
         out = super().forward(
@@ -202,7 +202,7 @@ class FiDReader(T5ForConditionalGeneration):
         if max_new_tokens is not None:
             kwargs["max_new_tokens"] = max_new_tokens
         if input_ids is not None and input_ids.dim() == 3:
-            states = self.encode_passages(input_ids, attention_mask)
+            states = self.encode_pairs(input_ids, attention_mask)
             encoder_outputs, fused_mask = self.fuse(states, attention_mask)
             return super().generate(encoder_outputs=encoder_outputs, attention_mask=fused_mask, **kwargs)
         return super().generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)

@@ -54,7 +54,7 @@ def resolve_model_path(name_or_path: str) -> Path:
         return Path(snapshot_download(name_or_path, local_files_only=True))
     except Exception:
         pass
-    from rag_train.models.tokenizer import hub_reachable
+    from rag_train.data.tokenizer import hub_reachable
 
     if not hub_reachable():
         raise ConfigError(
@@ -92,7 +92,7 @@ def _build_tower(cfg: RetrieverConfig, tokenizer=None, seed: int = 0):
         if tokenizer is None and cfg.tokenizer is None:
             raise ConfigError("retriever.model=tiny needs a tokenizer: pass one or set retriever.tokenizer")
         if tokenizer is None or isinstance(tokenizer, (str, Path)):
-            from rag_train.models.tokenizer import load_tokenizer
+            from rag_train.data.tokenizer import load_tokenizer
 
             tokenizer = load_tokenizer(tokenizer or cfg.tokenizer)
         with tempfile.TemporaryDirectory(prefix="tiny-retriever-") as tmp:

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from rag_train.config import RetrieverTrainConfig, load_config
+from rag_train.config import load_config
+from rag_train.train.schema import RetrieverTrainConfig
 from rag_train.experiments import run_once
 from rag_train.io import atomic_write_json
 

@@ -5,6 +5,13 @@ shared by the whole global batch for Algorithm 1 (`subset`) — and (b) updates 
 optimizer step (`after_step`: refresh, FIFO, ...). It may add trainable modules (the corrector) and an
 auxiliary loss over the same subset. Training loops never look at a strategy's name.
 
+A strategy is one module in this package: a `Strategy` subclass decorated with `@register`, declaring its
+`name`, its own config dataclass (`config`, a `BaseStrategyConfig` subclass whose fields are the
+`strategy.<key>` keys it reads, validated in `__post_init__`), what it needs (`needs_buffer`), what it does
+(`retrieves`, `trains_retriever`, a corrector through `modules` / `auxiliary_loss`), which recipes can use it
+(`algorithms`) and the values that may not exceed the corpus (`config.corpus_limits`). `rag_train.strategies`
+imports every module of the package, so the registry and the config schema follow from these declarations.
+
 Sharding: with N processes each process holds rows [start, end) of the index. Queries are gathered so every
 process searches its rows for the whole global batch, and `rag_train.buffer.search` merges the per-process
 top-k, so every process sees the same answer as a single process would.
@@ -14,9 +21,9 @@ from __future__ import annotations
 
 import contextlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, is_dataclass
 from pathlib import Path
-from typing import Callable, ContextManager, Optional
+from typing import Callable, ClassVar, ContextManager, Optional
 
 import numpy as np
 import torch
@@ -28,10 +35,57 @@ from rag_train.buffer.distributed import shard_range
 from rag_train.buffer.embed import embed_rows
 from rag_train.buffer.store import Buffer
 from rag_train.buffer.search import search
-from rag_train.config import BufferConfig, StrategyConfig
+from rag_train.config import BufferConfig, check_choice, check_positive
 from rag_train.data.corpus import Corpus
 from rag_train.io import atomic_write_json
 from rag_train.losses import truncated_softmax_ce
+
+
+@dataclass
+class BaseStrategyConfig:
+    """The keys every strategy reads. A strategy's own config subclasses this; all fields are spelled
+    `strategy.<field>` in YAML files and `key=value` overrides."""
+
+    name: str = "corrector"  # which strategy: a registered name (rag_train.strategies.REGISTRY)
+    top_k: int = 64  # passages retrieved (Alg. 1: shared top-64; Alg. 2: per-question top-32)
+    uniform_negatives: int = 64  # Alg. 1 only: uniform targets added to the shared subset
+
+    def __post_init__(self) -> None:
+        check_positive("strategy", "top_k", self.top_k)
+        check_positive("strategy", "uniform_negatives", self.uniform_negatives, allow_zero=True)
+
+    def corpus_limits(self) -> list[tuple[str, int]]:
+        """(key, value) pairs that may not exceed the corpus size, checked before any long work."""
+        return [("strategy.top_k", self.top_k)]
+
+
+@dataclass
+class IndexedConfig(BaseStrategyConfig):
+    """Keys of strategies that search an index of passage vectors (`IndexedStrategy`)."""
+
+    sampling: str = "topk"  # topk | gumbel (Gumbel-max samples without replacement instead of top-k)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_choice("strategy", "sampling", self.sampling, ("topk", "gumbel"))
+
+
+REGISTRY: dict[str, type["Strategy"]] = {}
+
+
+def register(cls: type["Strategy"]) -> type["Strategy"]:
+    """Class decorator: adds a strategy to `REGISTRY` under `cls.name`, after checking its declarations."""
+    name = cls.__dict__.get("name")
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"{cls.__qualname__} must declare its own `name` to be registered")
+    if name in REGISTRY:
+        raise TypeError(f"strategy name {name!r} is registered twice: {REGISTRY[name].__module__} and {cls.__module__}")
+    if not (is_dataclass(cls.config) and issubclass(cls.config, BaseStrategyConfig)):
+        raise TypeError(f"{cls.__qualname__}.config must be a dataclass subclassing BaseStrategyConfig")
+    if not cls.algorithms or not set(cls.algorithms) <= {1, 2}:
+        raise TypeError(f"{cls.__qualname__}.algorithms must be a non-empty subset of {{1, 2}}")
+    REGISTRY[name] = cls
+    return cls
 
 
 def _no_gathering(*modules: nn.Module) -> ContextManager:
@@ -84,13 +138,19 @@ def my_part(global_rows: torch.Tensor, accelerator: Accelerator) -> torch.Tensor
 
 
 class Strategy:
-    """Default behaviour: no index, no state. Subclasses override `retrieve` and, if needed, the rest."""
+    """The interface, with default behaviour (no index, no state, no trainable modules). Not a strategy itself:
+    a registered subclass declares the class attributes below and overrides `retrieve_global` and, if
+    needed, the rest."""
 
-    needs_buffer = False  # True: the recipe builds the stale buffer before step 0
-    retrieves = True  # False: the reader sees no passages (closed book)
-    trains_retriever = True  # False: the retriever is frozen (RLM baseline)
+    name: ClassVar[str]  # the value of `strategy.name` that selects it
+    config: ClassVar[type[BaseStrategyConfig]] = BaseStrategyConfig  # its own keys: `self.cfg` is one of these
+    algorithms: ClassVar[frozenset[int]] = frozenset({1, 2})  # recipes it runs in: Algorithm 1 and / or 2
+    needs_buffer: ClassVar[bool] = False  # True: the recipe builds the stale buffer before step 0
+    searches: ClassVar[frozenset[str]] = frozenset()  # the `buffer.search` values it supports; none: it has no index
+    retrieves: ClassVar[bool] = True  # False: the reader sees no passages (closed book)
+    trains_retriever: ClassVar[bool] = True  # False: the retriever is frozen (RLM baseline)
 
-    def __init__(self, cfg: StrategyConfig, ctx: StrategyContext):
+    def __init__(self, cfg: BaseStrategyConfig, ctx: StrategyContext):
         self.cfg = cfg
         self.ctx = ctx
         self.embedded = 0  # passages embedded or re-embedded after the initial buffer build
@@ -110,10 +170,8 @@ class Strategy:
         return my_part(self.retrieve_global(queries, k), self.ctx.accelerator)
 
     def retrieve_global(self, queries: torch.Tensor, k: int) -> torch.Tensor:
-        """[B_global, k] rows for every question of the global batch, the same on every process.
-        The base strategy has no index (in-batch negatives only): it proposes nothing."""
-        batch = queries.shape[0] * self.ctx.accelerator.num_processes
-        return torch.zeros(batch, 0, dtype=torch.long)
+        """[B_global, k] rows for every question of the global batch, the same on every process."""
+        raise NotImplementedError(f"{type(self).__qualname__} proposes no passages")
 
     def uniform_rows(self, count: int) -> torch.Tensor:
         """Uniform targets, drawn identically on every process (shared generator state)."""
@@ -147,6 +205,12 @@ class Strategy:
         """Extra loss on the same passages (the corrector's). `rows` is [S] (shared subset) or [B, k];
         all inputs are detached, so it can only train the strategy's own modules. None: no extra loss."""
         return None
+
+    @property
+    def auxiliary_max_loss(self) -> float:
+        """A step whose auxiliary loss is above this skips the update of the `auxiliary` param groups
+        (0 = no limit; see train.common.NonFiniteGuard)."""
+        return 0.0
 
     def modules(self) -> dict[str, nn.Module]:
         """The strategy's trainable modules by name (none here). The recipe makes them parts of its one prepared
@@ -193,15 +257,23 @@ class IndexedStrategy(Strategy):
     Subclasses decide what fills them and when.
     """
 
+    config = IndexedConfig
+    searches = frozenset({"full"})
     corrector: Optional[nn.Module] = None
-    search_mode = "exact"
-    faiss_index = None  # candidate index over `vectors` (corrector_rerank only)
+    faiss_index = None  # candidate index over `vectors` (buffer.search=rerank only)
 
-    def __init__(self, cfg: StrategyConfig, ctx: StrategyContext):
+    def __init__(self, cfg: IndexedConfig, ctx: StrategyContext):
         super().__init__(cfg, ctx)
         self.vectors: torch.Tensor | np.ndarray = torch.zeros(0)
         self.index_rows: Optional[torch.Tensor] = None
         self.row_offset = 0
+
+    @property
+    def search_mode(self) -> str:
+        """`rag_train.buffer.search.search`'s mode for `buffer.search` (through the corrector when there is one)."""
+        if self.ctx.buffer_cfg.search == "rerank":
+            return "corrector_rerank"  # re-scores with <q, b> when there is no corrector
+        return "exact" if self.corrector is None else "corrector_full"
 
     def local_range(self, total: int) -> tuple[int, int]:
         return shard_range(total, self.ctx.accelerator.process_index, self.ctx.accelerator.num_processes)

@@ -3,25 +3,64 @@ on the same passages so that the corrected scores match the fresh ones."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
-from rag_train.config import StrategyConfig
+from rag_train.config import check_choice, check_positive
 from rag_train.losses import corrector_ce, corrector_mse, retrieval_scores
 from rag_train.models.corrector import Corrector
-from rag_train.strategies.base import StrategyContext
-from rag_train.strategies.buffered import Stale, search_device
+from rag_train.strategies.base import IndexedConfig, StrategyContext, register
+from rag_train.strategies.stale import Stale, search_device
 
 
+@dataclass
+class CorrectorConfig:
+    """h(b) = b + W2 relu(W1 b + c1) + c2, W2 = 0 at init (seed 000). Keys `strategy.corrector.<key>`."""
+
+    hidden: int = 8192
+    loss: str = "ce"  # ce (Eq. 6, preferred) | mse (Eq. 5)
+    weight: float = 10.0
+    lr: float = 1e-4
+    # Algorithm 2: h trains on the top-`candidates` of its own ranking (fresh g(y) for them, no gradient); the
+    # reader and perplexity distillation still read the top strategy.top_k. 0 = top_k (the paper, k = 32). A
+    # small k shows h too little of the ranking to learn which passages the moving retriever now ranks high.
+    candidates: int = 0
+    # divergence guard: a step whose (weighted) corrector loss is above this skips the corrector's update and
+    # keeps the encoder's (0 = off; a non-finite corrector loss or gradient always skips it). See
+    # train.common.optimizer_step; train.max_bad_steps such steps in a row stop the run.
+    max_loss: float = 0.0
+
+    def __post_init__(self) -> None:
+        check_positive("strategy.corrector", "hidden", self.hidden)
+        check_choice("strategy.corrector", "loss", self.loss, ("ce", "mse"))
+        check_positive("strategy.corrector", "weight", self.weight, allow_zero=True)
+        check_positive("strategy.corrector", "lr", self.lr)
+        check_positive("strategy.corrector", "max_loss", self.max_loss, allow_zero=True)
+        check_positive("strategy.corrector", "candidates", self.candidates, allow_zero=True)
+
+
+@dataclass
+class CorrectorStrategyConfig(IndexedConfig):
+    corrector: CorrectorConfig = field(default_factory=CorrectorConfig)
+
+
+@register
 class CorrectorStrategy(Stale):
     """Stale buffer + corrector h. Search uses h (no gradient); the corrector loss — CE(P~ || P~_h) or MSE —
     sees only detached encoder outputs, so it updates h alone, and the task loss never reaches h."""
 
-    def __init__(self, cfg: StrategyConfig, ctx: StrategyContext):
-        self.search_mode = ctx.buffer_cfg.search if ctx.buffer_cfg.search != "exact" else "corrector_full"
+    name = "corrector"
+    config = CorrectorStrategyConfig
+
+    def __init__(self, cfg: CorrectorStrategyConfig, ctx: StrategyContext):
         super().__init__(cfg, ctx)
         self.corrector = Corrector(self.buffer.dim, cfg.corrector.hidden).to(search_device(ctx))
+
+    @property
+    def auxiliary_max_loss(self) -> float:
+        return self.cfg.corrector.max_loss
 
     def modules(self) -> dict[str, torch.nn.Module]:
         return {"corrector": self.corrector}

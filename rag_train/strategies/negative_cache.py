@@ -10,6 +10,8 @@ uniform passages encoded with the updated encoder (each entry lives cache_size /
 
 J is drawn independently per question; the cache is replicated on every process, and J is drawn for the
 global batch with a generator shared by all processes, so 1 and N processes draw the same J.
+
+Algorithm 1 only: it replaces the shared subset and the task loss, and proposes no passages for a reader.
 """
 
 from __future__ import annotations
@@ -18,10 +20,25 @@ from dataclasses import dataclass
 
 import torch
 
-from rag_train.config import StrategyConfig
-from rag_train.losses import cache_ce, cache_positive_probability, cache_surrogate, sample_cache_negative
-from rag_train.strategies.base import Strategy, StrategyContext, Subset, gather_queries, read_rows
 from rag_train.buffer.store import Buffer
+from rag_train.config import check_positive
+from rag_train.losses import cache_ce, cache_positive_probability, cache_surrogate, sample_cache_negative
+from rag_train.strategies.base import (BaseStrategyConfig, Strategy, StrategyContext, Subset, gather_queries, read_rows,
+                                       register)
+
+
+@dataclass
+class NegativeCacheConfig(BaseStrategyConfig):
+    cache_size: int = 65536  # streaming cache size (alpha * m), at most the corpus
+    cache_refresh: int = 256  # entries evicted / inserted per step
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_positive("strategy", "cache_size", self.cache_size)
+        check_positive("strategy", "cache_refresh", self.cache_refresh)
+
+    def corpus_limits(self) -> list[tuple[str, int]]:
+        return [*super().corpus_limits(), ("strategy.cache_size", self.cache_size)]
 
 
 @dataclass
@@ -31,10 +48,14 @@ class CacheSubset(Subset):
     cache_is_positive: torch.Tensor  # [B_local, cache] copies of the question's positive (removed)
 
 
+@register
 class NegativeCache(Strategy):
+    name = "negative_cache"
+    config = NegativeCacheConfig
+    algorithms = frozenset({1})
     needs_buffer = True  # the first cache vectors come from the buffer (the initial encoder), not re-embedded
 
-    def __init__(self, cfg: StrategyConfig, ctx: StrategyContext):
+    def __init__(self, cfg: NegativeCacheConfig, ctx: StrategyContext):
         super().__init__(cfg, ctx)
         total = len(ctx.corpus)
         self.alpha = cfg.cache_size / total

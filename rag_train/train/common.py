@@ -111,8 +111,8 @@ class NonFiniteGuard:
 
     def load_state_dict(self, state: dict) -> None:
         self.in_a_row, self.skipped = int(state["in_a_row"]), int(state["skipped"])
-        self.aux_in_a_row, self.aux_skipped = int(state.get("aux_in_a_row", 0)), int(state.get("aux_skipped", 0))
-        self.calls = int(state.get("calls", 0))
+        self.aux_in_a_row, self.aux_skipped = int(state["aux_in_a_row"]), int(state["aux_skipped"])
+        self.calls = int(state["calls"])
 
 
 class TrainingRun:
@@ -131,8 +131,7 @@ class TrainingRun:
         check_deepspeed_config(self.accelerator)
         self.agree(config=hashlib.sha256(to_yaml(cfg).encode()).hexdigest())
         set_seed(cfg.train.seed, device_specific=False)
-        strategy = getattr(cfg, "strategy", None)  # recipes without a strategy (generative) have no corrector
-        self.guard = NonFiniteGuard(cfg.train.max_bad_steps, strategy.corrector.max_loss if strategy else 0.0)
+        self.guard = NonFiniteGuard(cfg.train.max_bad_steps)  # the recipe sets aux_max_loss from its strategy
         self.model: Optional[torch.nn.Module] = None  # the prepared module (`prepare`)
         self.started = time.time()
         if self.accelerator.is_main_process:
@@ -171,9 +170,7 @@ class TrainingRun:
     def check_corpus(self, corpus: Any) -> None:
         """Before long work: the config fits this corpus (no k larger than it), and every process has it."""
         rows = len(corpus)
-        strategy, limits = self.cfg.strategy, [("strategy.top_k", self.cfg.strategy.top_k)]
-        if strategy.name == "negative_cache":
-            limits.append(("strategy.cache_size", strategy.cache_size))
+        limits = self.cfg.strategy.corpus_limits()  # declared by the strategy's config
         if getattr(self.cfg.eval, "num_passages", None):
             limits.append(("eval.num_passages", self.cfg.eval.num_passages))
         for key, value in limits:
@@ -280,31 +277,15 @@ class TrainingRun:
     def verify_checkpoint(self, path: Path) -> None:
         """CorruptFileError naming the first file of checkpoint `path` that is missing, truncated or altered."""
         record = path / CHECKSUMS
-        if not record.is_file():  # written before checksums existed: nothing to compare against
-            self.accelerator.print(f"warning: {path} has no {CHECKSUMS}; loading it unverified")
-            return
         try:
+            if not record.is_file():  # every checkpoint gets one before its folder takes its step-* name
+                raise CorruptFileError(f"{record} is missing")
             verify_checksums(path, read_json(record)["files"], record)
         except CorruptFileError as exc:
             older = [p.name for p in self.checkpoints() if p != path]
             hint = (f"move {path} aside to resume from {older[-1]}" if older
                     else "no older checkpoint is left; restart without train.resume")
             raise CorruptFileError(f"checkpoint {path.name} is damaged: {exc}. Nothing was loaded; {hint}.") from None
-
-    def _check_model_files(self, path: Path) -> None:
-        """ConfigError naming a checkpoint whose weights are not those of the module prepared now: one written
-        before the recipes trained one `Trainable` (several model files, or unprefixed keys) cannot resume."""
-        files = sorted(path.glob("model*.safetensors"))
-        if self.model is None or not files:  # DeepSpeed writes its own layout (pytorch_model/)
-            return
-        from safetensors import safe_open
-
-        with safe_open(str(files[0]), "pt") as handle:
-            found = {key.split(".")[0] for key in handle.keys()}
-        parts = {name for name, _ in self.accelerator.unwrap_model(self.model).named_children()}
-        if len(files) > 1 or not found <= parts:
-            raise ConfigError(f"{path} was written before the recipes trained one module ({' + '.join(sorted(parts))}) "
-                              "and cannot be resumed by this version; start a new run (train.output_dir)")
 
     def resume(self) -> int:
         """Restore the latest checkpoint (models, optimizer, scheduler, registered objects, RNG, fault
@@ -316,10 +297,8 @@ class TrainingRun:
             self.accelerator.print(f"train.resume=true but {self.dir} has no checkpoint yet: starting at step 0")
             return 0
         self.verify_checkpoint(path)
-        self._check_model_files(path)
         self.accelerator.load_state(str(path))
-        if (path / TRAINER_STATE).is_file():
-            self.guard.load_state_dict(read_json(path / TRAINER_STATE)["guard"])
+        self.guard.load_state_dict(read_json(path / TRAINER_STATE)["guard"])
         step = int(read_json(path / STEP_FILE)["step"])
         self.guard.calls = step
         self.accelerator.print(f"resumed from {path} at step {step}")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from rag_train.config import RLMConfig
+from rag_train.train.schema import RLMConfig
 
 
 class RetrieverGate:

@@ -35,7 +35,7 @@ from rag_train.generative.search import rank_targets, ranking_metrics
 from rag_train.generative.targets import Targets, build_targets
 from rag_train.generative.trie import Trie
 from rag_train.io import atomic_write_json, read_json
-from rag_train.models.tokenizer import load_tokenizer
+from rag_train.data.tokenizer import load_tokenizer
 from rag_train.train.common import (TrainingRun, global_batch, linear_warmup, local_slice, optimizer_step,
                                     save_pretrained_atomic)
 from rag_train.train.trainable import Trainable

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from rag_train.config import ConfigError, RetrieverTrainConfig
+from rag_train.config import ConfigError
 from rag_train.data.corpus import Corpus
 from rag_train.data.sources import dataset_name, resolve_data
 from rag_train.data.supervised import load_retrieval
@@ -33,10 +33,11 @@ from rag_train.eval.retrieval import evaluate_retrieval, load_eval_set
 from rag_train.models.retriever import DualEncoder
 from rag_train.strategies import REGISTRY, StrategyContext, build_strategy
 from rag_train.train.batching import MicroBatch, StepParts, check_batching, tower_grad_norms
+from rag_train.train.schema import RetrieverTrainConfig
 from rag_train.train.common import TrainingRun, global_batch, linear_warmup, local_slice, optimizer_step
 from rag_train.train.memory import PeakMemory
 from rag_train.train.trainable import Trainable, deepspeed_stage, full_weights, save_parts
-from rag_train.train.stages import ensure_buffer
+from rag_train.train.passages import ensure_buffer
 
 
 def train_retriever(cfg: RetrieverTrainConfig) -> dict:
@@ -57,6 +58,7 @@ def train_retriever(cfg: RetrieverTrainConfig) -> dict:
     buffer_dir = ensure_buffer(run, cfg.buffer, model, corpus) if REGISTRY[cfg.strategy.name].needs_buffer else None
     ctx = StrategyContext(acc, model, corpus, cfg.buffer, buffer_dir, cfg.train.temperature, cfg.train.seed)
     strategy = build_strategy(cfg.strategy, ctx)
+    run.guard.aux_max_loss = strategy.auxiliary_max_loss
 
     params = [{"params": [p for p in model.parameters() if p.requires_grad], "lr": cfg.train.lr,
                "weight_decay": cfg.train.weight_decay}] + strategy.param_groups()

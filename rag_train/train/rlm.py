@@ -31,27 +31,25 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from rag_train.config import RLMConfig
 from rag_train.data.collate import answer_labels, fid_inputs
 from rag_train.data.corpus import Corpus
 from rag_train.data.qa import QAExample, load_qa
 from rag_train.data.sources import dataset_name, resolve_data
+from rag_train.data.toy import TOY_DEV_SETS, TOY_TRAIN_SETS
 from rag_train.eval.metrics import has_answer
 from rag_train.eval.qa import EMPTY_PASSAGE, QAEvalSettings, evaluate_qa
 from rag_train.io import atomic_write_text
 from rag_train.losses import perplexity_distillation, retrieval_scores
 from rag_train.models.reader import FiDReader
-from rag_train.models.tokenizer import load_tokenizer
+from rag_train.data.tokenizer import load_tokenizer
 from rag_train.strategies import REGISTRY, StrategyContext, build_strategy
+from rag_train.train.schema import RLMConfig
 from rag_train.train.common import (TrainingRun, global_batch, linear_warmup, local_slice, optimizer_step,
                                     save_pretrained_atomic)
 from rag_train.train.gate import RetrieverGate
 from rag_train.train.trainable import Trainable, full_weights, save_parts
-from rag_train.train.stages import ensure_buffer
+from rag_train.train.passages import ensure_buffer
 from rag_train.train.warm_start import warm_start_reader, warm_start_retriever
-
-TOY_TRAIN_SETS = ["nq-train", "tqa-train", "hotpotqa-train"]
-TOY_DEV_SETS = ["nq-dev", "tqa-dev", "hotpotqa-dev"]
 
 
 def answer_choice(batch: list, seed: int, step: int, accelerator) -> list[int]:
@@ -125,6 +123,7 @@ class RLMRecipe:
         buffer_dir = ensure_buffer(self.run, cfg.buffer, retriever, corpus) if strategy_cls.needs_buffer else None
         ctx = StrategyContext(acc, retriever, corpus, cfg.buffer, buffer_dir, cfg.train.temperature, cfg.train.seed)
         self.strategy = strategy = build_strategy(cfg.strategy, ctx)
+        self.run.guard.aux_max_loss = strategy.auxiliary_max_loss
 
         groups = [{"params": list(reader.parameters()), "lr": cfg.train.lr, "weight_decay": cfg.train.weight_decay}]
         if strategy.trains_retriever:

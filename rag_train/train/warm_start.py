@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 from transformers.optimization import Adafactor
 
 from rag_train.buffer.embed import embed_local_shard
-from rag_train.config import ConfigError, RLMConfig, RetrieverTrainConfig
+from rag_train.config import ConfigError
 from rag_train.data.collate import answer_labels, fid_inputs
 from rag_train.data.corpus import Corpus
 from rag_train.data.qa import QAExample
@@ -28,6 +28,7 @@ from rag_train.eval.retrieval import rank_passages
 from rag_train.io import atomic_directory, atomic_write_json
 from rag_train.models.retriever import DualEncoder
 from rag_train.train.common import TrainingRun, global_batch, linear_warmup
+from rag_train.train.schema import RLMConfig, RetrieverTrainConfig
 
 
 def stage_dir(cfg: RLMConfig, run: TrainingRun, name: str) -> Path:
@@ -58,11 +59,11 @@ def record_stage(cfg: RLMConfig, out: Path, name: str) -> None:
 
 def check_stage(cfg: RLMConfig, out: Path, name: str) -> None:
     """A finished stage is reused only if it was made with the current settings: a changed `warm_start.*` or
-    model key must not silently pick up the old result (the seed is not compared across `warm_start.from_run`).
-    Stages saved before settings were recorded are taken as they are."""
+    model key must not silently pick up the old result (the seed is not compared across `warm_start.from_run`)."""
     recorded = out / STAGE_SETTINGS
     if not recorded.is_file():
-        return
+        raise ConfigError(f"{out} is a finished {name} without {STAGE_SETTINGS} (the settings it was made with): "
+                          "delete it, or set another train.output_dir or warm_start.from_run")
     found, expected = _flatten(json.loads(recorded.read_text())), _flatten(stage_settings(cfg, name))
     if cfg.warm_start.from_run is not None:  # runs with other seeds may share one warm start on purpose
         found.pop("seed", None), expected.pop("seed", None)
@@ -85,11 +86,11 @@ def warm_start_retriever(cfg: RLMConfig, files: DataFiles, run: TrainingRun) -> 
     if warm.retriever_steps == 0:
         return DualEncoder.from_config(cfg.retriever, tokenizer=cfg.retriever.tokenizer or files.tokenizer)
     out = stage_dir(cfg, run, "warm_start_retriever")
-    finished = (out / "metrics.json").is_file()
+    finished, started = (out / "metrics.json").is_file(), (out / STAGE_SETTINGS).is_file()
     run.accelerator.wait_for_everyone()  # every process looks before the stage writes (see the reader stage)
-    if finished:
+    if finished or started:  # a finished stage, or a killed one that resumes: made with the current settings?
         check_stage(cfg, out, "warm_start_retriever")
-    else:
+    if not finished:
         from rag_train.train.retriever import train_retriever
 
         train = warm.retriever_train or str(Path(files.passages).parent / "retrieval-train.jsonl")
@@ -103,9 +104,10 @@ def warm_start_retriever(cfg: RLMConfig, files: DataFiles, run: TrainingRun) -> 
         )
         if not rcfg.data.toy or warm.retriever_train:
             rcfg.data.dev = [rcfg.data.train]
-        train_retriever(rcfg)
-        if run.accelerator.is_main_process:
+        if run.accelerator.is_main_process and not started:  # before training: a finished stage always has them
+            out.mkdir(parents=True, exist_ok=True)
             record_stage(cfg, out, "warm_start_retriever")
+        train_retriever(rcfg)
     run.accelerator.wait_for_everyone()
     recall = json.loads((out / "metrics.json").read_text()).get("recall", {})
     run.accelerator.print(f"warm-start retriever: {out} (dev recall {recall})")

@@ -6,8 +6,9 @@ import sys
 
 from accelerate import PartialState
 
-from rag_train.config import RetrieverTrainConfig, load_config
+from rag_train.config import load_config
 from rag_train.train.retriever import train_retriever
+from rag_train.train.schema import RetrieverTrainConfig
 
 if __name__ == "__main__":
     config, runs = sys.argv[1], json.loads(sys.argv[2])

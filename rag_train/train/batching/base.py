@@ -22,7 +22,7 @@ from rag_train.config import BatchingConfig, ConfigError
 from rag_train.io import atomic_write_json
 from rag_train.losses import retrieval_scores
 from rag_train.strategies.base import Strategy, Subset
-from rag_train.train.stages import gather_with_grad, my_share
+from rag_train.train.passages import gather_with_grad, my_share
 
 
 @dataclass

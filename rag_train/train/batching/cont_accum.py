@@ -27,7 +27,7 @@ from rag_train.losses import retrieval_scores, truncated_softmax_ce
 from rag_train.strategies.base import Strategy, Subset, gather_queries
 from rag_train.train.batching.base import (BatchingOption, MicroBatch, StepParts, StepResult, my_passages, propose,
                                            synced_on_last)
-from rag_train.train.stages import gather_with_grad
+from rag_train.train.passages import gather_with_grad
 
 
 class Banks:

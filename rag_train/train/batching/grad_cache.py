@@ -22,7 +22,7 @@ from rag_train.config import BatchingConfig, ConfigError
 from rag_train.losses import retrieval_scores
 from rag_train.strategies.base import Strategy
 from rag_train.train.batching.base import BatchingOption, MicroBatch, StepResult, propose, synced_on_last
-from rag_train.train.stages import gather_with_grad, my_share
+from rag_train.train.passages import gather_with_grad, my_share
 
 
 class RandContext:

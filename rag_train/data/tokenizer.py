@@ -153,6 +153,6 @@ def load_tokenizer(name_or_path: Union[str, Path]) -> PreTrainedTokenizerFast:
         raise OSError(
             f"cannot load tokenizer {str(name_or_path)!r}: no such local folder, not in the Hugging Face cache, and "
             f"{hub_constants.ENDPOINT} is unreachable. Offline, download it elsewhere and pass its folder (with "
-            "tokenizer.json / tokenizer_config.json), or train one with rag_train.models.tokenizer.train_tokenizer."
+            "tokenizer.json / tokenizer_config.json), or train one with rag_train.data.tokenizer.train_tokenizer."
         )
     return AutoTokenizer.from_pretrained(str(name_or_path))

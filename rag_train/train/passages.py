@@ -1,5 +1,6 @@
-"""Pieces of a training step shared by both recipes: the stale buffer at step 0, and sharding a passage
-set over processes with gradients flowing back through the gather."""
+"""The passages both recipes' steps work with: the stale buffer B built at step 0 (`ensure_buffer`), and a
+passage set sharded over processes with gradients flowing back through the gather (`my_share`,
+`gather_with_grad`)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,62 @@
+"""Embedding a corpus once into a stale buffer, the recipe behind scripts/embed_corpus.py: its config schema
+and the driver that resolves the corpus and the model and calls `rag_train.buffer.build.build_buffer`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from rag_train.buffer.build import build_buffer
+from rag_train.buffer.store import Buffer
+from rag_train.config import BufferConfig, ConfigError, DataConfig, RetrieverConfig, check_positive
+from rag_train.data.corpus import Corpus
+from rag_train.launch import make_accelerator
+from rag_train.models.retriever import DualEncoder
+
+
+@dataclass
+class EmbedConfig:
+    """scripts/embed_corpus.py: embed a corpus once into a stale buffer (multi-process, resumable).
+
+    The buffer goes to `output` (default `buffer.path`); rerunning the same command resumes a killed
+    build. Embeds with a saved DualEncoder (`model_dir`) or with `retriever` built from its config.
+    """
+
+    data: DataConfig = field(default_factory=DataConfig)
+    retriever: RetrieverConfig = field(default_factory=RetrieverConfig)
+    buffer: BufferConfig = field(default_factory=BufferConfig)
+    passages: Optional[str] = None  # corpus to embed; default data.passages or the toy world's
+    output: Optional[str] = None  # buffer directory; default buffer.path
+    model_dir: Optional[str] = None  # a DualEncoder.save folder (e.g. a trained retriever)
+    seed: int = 0  # init seed of `tiny` models: equal to the training run's so its buffer matches
+    overwrite: bool = False  # replace a complete buffer of another model / corpus in `output`
+    collective_timeout: int = 1800  # seconds a collective waits for the other processes (see train.collective_timeout)
+
+    def __post_init__(self) -> None:
+        check_positive("", "collective_timeout", self.collective_timeout)
+        if self.output is None and self.buffer.path is None:
+            raise ConfigError("embed: set output=DIR (or buffer.path=DIR) for the buffer")
+
+
+def embed_corpus(cfg: EmbedConfig, accelerator=None) -> Buffer:
+    """The body of scripts/embed_corpus.py: resolve corpus and model from an EmbedConfig, build the buffer."""
+    accelerator = accelerator or make_accelerator()
+    passages, tokenizer = cfg.passages or cfg.data.passages, cfg.retriever.tokenizer
+    needs_toy_tokenizer = cfg.model_dir is None and cfg.retriever.model == "tiny" and tokenizer is None
+    if cfg.data.toy and (passages is None or needs_toy_tokenizer):
+        from rag_train.data.toy import ensure_toy_world
+
+        with accelerator.main_process_first():
+            files = ensure_toy_world(cfg.data)
+        passages, tokenizer = passages or str(files["passages"]), tokenizer or str(files["tokenizer"])
+    if passages is None:
+        raise ConfigError("embed: no corpus; set passages=FILE (or data.passages=FILE, or data.toy=true)")
+    with accelerator.main_process_first():  # the main process builds the corpus index once
+        corpus = Corpus.open(passages)
+    if cfg.model_dir is not None:
+        model = DualEncoder.load(cfg.model_dir)
+    else:
+        model = DualEncoder.from_config(cfg.retriever, tokenizer, seed=cfg.seed)
+    return build_buffer(model, corpus, cfg.output or cfg.buffer.path, batch_size=cfg.buffer.embed_batch_size,
+                        shard_rows=cfg.buffer.shard_rows, dtype=cfg.buffer.dtype, accelerator=accelerator,
+                        overwrite=cfg.overwrite)
