@@ -36,7 +36,7 @@ from rag_train.data.qa import load_qa
 from rag_train.data.sources import resolve_data
 from rag_train.models.corrector import Corrector
 from rag_train.models.retriever import DualEncoder
-from rag_train.train.rlm import TOY_DEV_SETS, TOY_TRAIN_SETS
+from rag_train.data.toy import TOY_DEV_SETS, TOY_TRAIN_SETS
 
 
 def final_corrector(run: Path, dim: int) -> Corrector | None:
