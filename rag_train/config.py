@@ -10,6 +10,7 @@ The schema lives here, in one place: the sections below are shared by both recip
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import warnings
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional, TypeVar
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 
@@ -40,8 +41,28 @@ def _absolute(path: Optional[str]) -> Optional[str]:
 def _positive(section: str, key: str, value: Any, allow_zero: bool = False) -> None:
     if value is None:
         return
+    if isinstance(value, float) and not math.isfinite(value):  # NaN passes every comparison below
+        raise ConfigError(f"{section}.{key}={value!r} must be a finite number")
     if value < 0 or (value == 0 and not allow_zero):
         raise ConfigError(f"{section}.{key}={value!r} must be {'>= 0' if allow_zero else '> 0'}")
+
+
+def _device(section: str, key: str, value: str) -> None:
+    """`auto`, `cpu` or a CUDA device that exists here (checked before any work, not at the first search)."""
+    if value == "auto":
+        return
+    import torch
+
+    try:
+        device = torch.device(value)
+    except RuntimeError as exc:
+        raise ConfigError(f"{section}.{key}={value!r} is not a device (auto | cpu | cuda | cuda:N)") from exc
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"{section}.{key}={value!r} is not one of auto | cpu | cuda | cuda:N")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"{section}.{key}={value!r} but CUDA is not available on this machine; use auto or cpu")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ConfigError(f"{section}.{key}={value!r} but this machine has {torch.cuda.device_count()} CUDA device(s)")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -88,6 +109,7 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         _positive("data", "toy_passages", self.toy_passages)
+        _positive("data", "toy_seed", self.toy_seed, allow_zero=True)
         _positive("data", "max_train_examples", self.max_train_examples)
         _positive("data", "max_eval_examples", self.max_eval_examples)
         if not self.toy and (self.passages is None or self.train is None):
@@ -192,6 +214,7 @@ class BufferConfig:
         _choice("buffer", "search", self.search, ("exact", "corrector_full", "corrector_rerank"))
         for key in ("shard_rows", "embed_batch_size", "chunk_rows", "rerank_candidates"):
             _positive("buffer", key, getattr(self, key))
+        _device("buffer", "device", self.device)
 
 
 STRATEGIES = ("in_batch", "uniform", "stale", "exhaustive", "snm", "negative_cache", "corrector", "frozen", "closed_book")
@@ -248,7 +271,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         for key in ("steps", "batch_size", "lr", "temperature", "log_every", "max_bad_steps", "collective_timeout"):
             _positive("train", key, getattr(self, key))
-        for key in ("warmup_steps", "eval_every", "save_every", "weight_decay", "max_grad_norm"):
+        for key in ("warmup_steps", "eval_every", "save_every", "weight_decay", "max_grad_norm", "seed"):
             _positive("train", key, getattr(self, key), allow_zero=True)
         _choice("train", "mixed_precision", self.mixed_precision, ("no", "bf16", "fp16"))
 
@@ -446,6 +469,7 @@ class EmbedConfig:
 
     def __post_init__(self) -> None:
         _positive("", "collective_timeout", self.collective_timeout)
+        _positive("", "seed", self.seed, allow_zero=True)
         if self.output is None and self.buffer.path is None:
             raise ConfigError("embed: set output=DIR (or buffer.path=DIR) for the buffer")
 
@@ -476,6 +500,8 @@ def load_config(schema: type[T], path: Optional[str | Path] = None, overrides: O
             from_file = OmegaConf.load(path)
         except Exception as exc:  # yaml syntax errors carry line numbers in their text
             raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+        if not isinstance(from_file, DictConfig):  # a YAML list or scalar at the top level
+            raise ConfigError(f"{path}: the top level is a YAML list, not a mapping of sections (data:, train:, ...)")
         try:
             merged = OmegaConf.merge(merged, from_file)
         except OmegaConfBaseException as exc:

@@ -325,10 +325,24 @@ def test_bad_data_through_the_script_exits_non_zero_with_the_place(recipe_toy_di
     ("train.stepz=3", "unknown config key 'train.stepz'"),
     ("train.steps=many", "bad value for config key 'train.steps'"),
     ("strategy.corrector.max_loss=-1", "strategy.corrector.max_loss=-1.0 must be >= 0"),
+    ("train.lr=nan", "train.lr=nan must be a finite number"),
+    ("train.max_grad_norm=nan", "train.max_grad_norm=nan must be a finite number"),  # not "no clipping"
+    ("train.temperature=inf", "train.temperature=inf must be a finite number"),
+    ("train.seed=-1", r"train.seed=-1 must be >= 0"),
+    ("buffer.device=cuda" if not torch.cuda.is_available() else "buffer.device=cuda:999",
+     "buffer.device='cuda(:999)?' but"),
+    ("buffer.device=tpu", "buffer.device='tpu' is not a device"),
 ])
 def test_config_faults_are_named(override, message):
     with pytest.raises(ConfigError, match=message):
         load_config(RetrieverTrainConfig, CONFIG, [override])
+
+
+def test_a_config_file_that_is_a_list_is_named(tmp_path):
+    path = tmp_path / "config.yaml"
+    path.write_text("- train\n- data\n")
+    with pytest.raises(ConfigError, match=f"{path}: the top level is a YAML list, not a mapping"):
+        load_config(RetrieverTrainConfig, path)
 
 
 def test_bad_config_through_the_script_exits_non_zero_before_work(tmp_path):
