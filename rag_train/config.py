@@ -101,6 +101,9 @@ class DataConfig:
     toy_dir: str = "data/toy"
     toy_passages: int = 3000
     toy_seed: int = 0
+    # replace a complete toy world of other parameters (seed, passages, version) in toy_dir; without it that is
+    # refused, since runs, buffers and exports made from the old world would silently stop matching it
+    toy_regenerate: bool = False
     passages: Optional[str] = None  # JSONL {id,title,text}, DPR / MS MARCO TSV, parquet, or a datasets.save_to_disk folder
     train: Optional[str] = None  # training file (QA JSONL for the RLM, DPR JSON / JSONL for retrieval)
     dev: list[str] = field(default_factory=list)  # evaluation files; metrics are keyed by their stem
@@ -260,7 +263,13 @@ class TrainConfig:
     log_every: int = 10
     eval_every: int = 0  # 0 = only at the end
     save_every: int = 0  # 0 = only at the end
-    resume: bool = False  # continue from the newest complete checkpoint in output_dir (checksums verified)
+    # continue the run in output_dir from its newest complete checkpoint (checksums verified); refused if the
+    # config changes the computation (only train.steps, eval / log / save cadence, tracker, timeouts may change)
+    resume: bool = False
+    # replace a finished or partial run in output_dir (its config, checkpoints, metrics, saved models, logs and
+    # warm-start stages are deleted first; its buffer is reused only if it matches). Without resume or overwrite,
+    # a directory that already holds a run is refused.
+    overwrite: bool = False
     # steps skipped in a row (non-finite loss / gradient, or a diverged corrector) before the run stops
     max_bad_steps: int = 10
     # seconds any collective (all-reduce, barrier, gather) may wait for the other processes: a hung process
@@ -533,6 +542,7 @@ def save_config(cfg: Any, path: str | Path) -> None:
 INPUT_FAULT_EXIT = 2  # bad config, data, buffer, checkpoint or model path
 NUMERICAL_FAULT_EXIT = 3  # the run stopped after too many non-finite / diverged steps
 PEER_FAULT_EXIT = 4  # a collective failed: another process died, or hung past the collective timeout
+STORAGE_FAULT_EXIT = 5  # a write failed for lack of space (full disk, quota, file size limit)
 _PEER_FAILURE = ("Timed out", "timed out", "Connection reset by peer", "Connection closed by peer", "Broken pipe")
 
 
@@ -545,23 +555,46 @@ def exit_on_fault() -> Iterator[None]:
     from rag_train.io import CorruptFileError
     from rag_train.models.reader import ReaderLoadError
 
+    import errno
+
+    from rag_train.io import StorageError
+
     prefix = f"[rank {os.environ['RANK']}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
     try:
         yield
     except (ConfigError, DataError, BufferError, CorruptFileError, ReaderLoadError) as exc:
+        _end_progress_bars()
         print(f"{prefix}error: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(INPUT_FAULT_EXIT) from exc
     except FloatingPointError as exc:
+        _end_progress_bars()
         print(f"{prefix}error: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(NUMERICAL_FAULT_EXIT) from exc
+    except OSError as exc:
+        if not isinstance(exc, StorageError) and exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            raise
+        _end_progress_bars()
+        where = "" if isinstance(exc, StorageError) or not exc.filename else f"{exc.filename}: "
+        print(f"{prefix}error: {where}{exc}", file=sys.stderr, flush=True)
+        raise SystemExit(STORAGE_FAULT_EXIT) from exc
     except RuntimeError as exc:  # torch.distributed reports a dead / hung peer as a RuntimeError from gloo / NCCL
         text = str(exc)
         if not any(marker in text for marker in _PEER_FAILURE):
             raise
+        _end_progress_bars()
         print(f"{prefix}error: a collective operation with the other processes failed: another process died, or hung "
               f"longer than train.collective_timeout; stopping. The last checkpoint is intact (train.resume=true "
               f"continues from it). Cause: {text.splitlines()[0][:300]}", file=sys.stderr, flush=True)
         raise SystemExit(PEER_FAULT_EXIT) from exc
+
+
+def _end_progress_bars() -> None:
+    """Close the progress bars a fault interrupted, so that the `error:` line starts a line of its own instead
+    of being appended to a bar's last redraw."""
+    from tqdm import tqdm
+
+    for bar in list(getattr(tqdm, "_instances", ())):
+        bar.close()
 
 
 def parse_cli(schema: type[T], argv: Optional[list[str]] = None, description: str = "",

@@ -13,8 +13,9 @@ import math
 import os
 import shutil
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -22,8 +23,8 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 
 from rag_train.config import ConfigError, save_config, to_yaml
-from rag_train.io import (CorruptFileError, atomic_write_json, folder_checksums, fsync_tree, read_json, sha256_file,
-                          verify_checksums)
+from rag_train.io import (CorruptFileError, StorageError, atomic_write_json, folder_checksums, fsync_tree, read_json,
+                          remove_stale_temporaries, sha256_file, verify_checksums)
 from rag_train.launch import make_accelerator
 from rag_train.train.trainable import check_deepspeed_config, deepspeed_stage
 
@@ -31,7 +32,26 @@ CHECKPOINTS = "checkpoints"
 LATEST = "latest.json"  # informative pointer; the newest complete step-* folder is what resumes
 STEP_FILE = "step.json"
 CHECKSUMS = "checksums.json"  # sha256 + size of every other file of a checkpoint, written last
-TRAINER_STATE = "trainer_state.json"  # fault counters (NonFiniteGuard)
+TRAINER_STATE = "trainer_state.json"  # fault counters (NonFiniteGuard) and the evaluation history
+CONFIG_FILE = "config.yaml"
+LOGS = "logs"  # tracker output (<run>/logs/<recipe>/): never inside a folder that a saved model replaces
+# What a run leaves in its directory: any of them marks it as a run (finished or partial) that a new run must
+# not write into without train.resume=true (continue it) or train.overwrite=true (replace it).
+RUN_OUTPUTS = (CONFIG_FILE, "metrics.json", CHECKPOINTS, "retriever", "reader", "predictions",
+               "warm_start_retriever", "warm_start_reader")
+# Config keys a resumed run may change: they do not alter what is computed (bookkeeping, evaluation cadence,
+# and train.steps, which continues the same schedule; data order is a function of (seed, step)).
+RESUME_SAFE_KEYS = ("train.resume", "train.overwrite", "train.steps", "train.eval_every", "train.log_every",
+                    "train.save_every", "train.tracker", "train.collective_timeout", "train.max_bad_steps",
+                    "buffer.verify")
+
+
+def seed_stage(seed: int, stage: str) -> None:
+    """Seed python, numpy and torch (every device) for one stage of a recipe from (train.seed, stage name). Each
+    stage starts from its own seed, so its random draws (initial weights, dropout, sampling) are the same
+    whether the stages before it ran in this process or were reused from disk after a kill."""
+    digest = hashlib.sha256(f"{seed}:{stage}".encode()).digest()
+    set_seed(int.from_bytes(digest[:4], "little") % 2**31, device_specific=False)
 
 
 def global_batch(num_examples: int, batch_size: int, seed: int, step: int) -> np.ndarray:
@@ -123,7 +143,7 @@ class TrainingRun:
         self.cfg = cfg
         self.dir = Path(cfg.train.output_dir)
         self.accelerator = make_accelerator(
-            mixed_precision=cfg.train.mixed_precision, log_with=cfg.train.tracker, project_dir=str(self.dir),
+            mixed_precision=cfg.train.mixed_precision, log_with=cfg.train.tracker, project_dir=str(self.dir / LOGS),
             timeout_s=cfg.train.collective_timeout, find_unused_parameters=find_unused_parameters)
         world = self.accelerator.num_processes
         if cfg.train.batch_size % world:
@@ -133,20 +153,75 @@ class TrainingRun:
         set_seed(cfg.train.seed, device_specific=False)
         strategy = getattr(cfg, "strategy", None)  # recipes without a strategy (generative) have no corrector
         self.guard = NonFiniteGuard(cfg.train.max_bad_steps, strategy.corrector.max_loss if strategy else 0.0)
+        self.history: list[dict] = []  # evaluations during training; checkpointed, so resuming keeps it
         self.model: Optional[torch.nn.Module] = None  # the prepared module (`prepare`)
         self.started = time.time()
+        self._claim_directory()  # every process reads; nothing is written before all of them have looked
+        self.accelerator.wait_for_everyone()
         if self.accelerator.is_main_process:
+            if cfg.train.overwrite:
+                self._remove_previous_run()
             self._tidy_checkpoints()
-            if self.latest_checkpoint() is not None and not cfg.train.resume:
-                raise ConfigError(
-                    f"{self.dir} already holds checkpoints: pass train.resume=true to continue it, "
-                    "or choose another train.output_dir (nothing was overwritten)"
-                )
             self.dir.mkdir(parents=True, exist_ok=True)
-            save_config(cfg, self.dir / "config.yaml")
+            save_config(cfg, self.dir / CONFIG_FILE)
         self.accelerator.wait_for_everyone()
         if cfg.train.tracker:
             self.accelerator.init_trackers(project, config=_flat_config(cfg))
+
+    # -- the run directory is a unit ---------------------------------------------------------------
+
+    def _claim_directory(self) -> None:
+        """A directory holding a run (finished or partial) is only continued (`train.resume=true`, with the same
+        computation: `check_resumed_config`) or replaced (`train.overwrite=true`); otherwise ConfigError
+        before anything is written."""
+        train = self.cfg.train
+        if train.resume and train.overwrite:
+            raise ConfigError("train.resume=true and train.overwrite=true contradict each other: choose one")
+        found = [name for name in RUN_OUTPUTS if (self.dir / name).exists()]
+        if not found or train.overwrite:
+            return
+        if train.resume:
+            self.check_resumed_config()
+            return
+        raise ConfigError(
+            f"{self.dir} already holds a run ({', '.join(found)}): pass train.resume=true to continue it, "
+            "train.overwrite=true to replace it, or choose another train.output_dir (nothing was overwritten)")
+
+    def check_resumed_config(self) -> None:
+        """ConfigError naming every key whose value differs from the run's saved config.yaml, unless it is in
+        RESUME_SAFE_KEYS: a resumed run must compute what the uninterrupted one would have (an edited lr,
+        seed, batch size or shape is refused before config.yaml is rewritten). Keys the saved config does not
+        have (written by an older version) count as their defaults."""
+        from omegaconf import OmegaConf
+
+        saved_path = self.dir / CONFIG_FILE
+        if not saved_path.is_file():
+            return
+        try:
+            saved = OmegaConf.to_container(OmegaConf.load(saved_path))
+        except Exception as exc:
+            raise CorruptFileError(f"{saved_path}: not readable as YAML ({exc}); the run cannot be checked") from None
+        defaults = _flatten(OmegaConf.to_container(OmegaConf.structured(type(self.cfg))))
+        found = {**defaults, **_flatten(saved)}
+        wanted = _flatten(OmegaConf.to_container(OmegaConf.structured(self.cfg)))
+        changed = sorted(key for key in found.keys() | wanted.keys()
+                         if found.get(key) != wanted.get(key) and key not in RESUME_SAFE_KEYS)
+        if changed:
+            shown = "; ".join(f"{key}: {found.get(key)!r} -> {wanted.get(key)!r}" for key in changed)
+            raise ConfigError(
+                f"{saved_path}: train.resume=true with settings that change the computation ({shown}). Resume with "
+                f"the saved values, or start a new run (another train.output_dir, or train.overwrite=true). Only "
+                f"{', '.join(k for k in RESUME_SAFE_KEYS if k != 'train.resume')} may change on resume.")
+
+    def _remove_previous_run(self) -> None:
+        """train.overwrite=true: the previous run's outputs go before anything new is written (its own buffer is
+        kept: `ensure_buffer` reuses it only if it was built by this run's initial model and corpus)."""
+        for name in (*RUN_OUTPUTS, LOGS):
+            path = self.dir / name
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
 
     # -- agreement between processes ----------------------------------------------------------------
 
@@ -220,9 +295,11 @@ class TrainingRun:
 
     def _tidy_checkpoints(self) -> None:
         """Main process, at start: finish what a kill interrupted. A `.old-step-*` folder whose replacement
-        never arrived is put back; temporary folders of unfinished saves are removed."""
+        never arrived is put back; temporary folders of unfinished saves and temporary files are removed."""
         root = self.dir / CHECKPOINTS
         if not root.is_dir():
+            if self.dir.is_dir():
+                remove_stale_temporaries(self.dir)
             return
         for old in root.glob(".old-step-*"):
             final = root / old.name[len(".old-"):]
@@ -232,6 +309,8 @@ class TrainingRun:
                 os.replace(old, final)
         for tmp in root.glob(".tmp-step-*"):
             shutil.rmtree(tmp, ignore_errors=True)
+        remove_stale_temporaries(root)  # e.g. `.latest.json.*.tmp` of a write a kill interrupted
+        remove_stale_temporaries(self.dir)
 
     def checkpoints(self) -> list[Path]:
         """Finished checkpoints, oldest first. A folder only gets its `step-*` name once complete (it is
@@ -256,15 +335,17 @@ class TrainingRun:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         self.accelerator.wait_for_everyone()
-        self.accelerator.save_state(str(tmp))
-        if extra is not None:
-            extra(tmp)
+        with self._write_failure(final, tmp):
+            self.accelerator.save_state(str(tmp))
+            if extra is not None:
+                extra(tmp)
         self.accelerator.wait_for_everyone()
         if self.accelerator.is_main_process:
-            atomic_write_json(tmp / TRAINER_STATE, {"guard": self.guard.state_dict()})
-            atomic_write_json(tmp / STEP_FILE, {"step": step})
-            atomic_write_json(tmp / CHECKSUMS, {"step": step, "files": folder_checksums(tmp, exclude=(CHECKSUMS,))})
-            fsync_tree(tmp)
+            with self._write_failure(final, tmp):
+                atomic_write_json(tmp / TRAINER_STATE, {"guard": self.guard.state_dict(), "history": self.history})
+                atomic_write_json(tmp / STEP_FILE, {"step": step})
+                atomic_write_json(tmp / CHECKSUMS, {"step": step, "files": folder_checksums(tmp, exclude=(CHECKSUMS,))})
+                fsync_tree(tmp)
             old = root / f".old-{final.name}"
             if final.exists():  # re-saving a step (a resumed run that had finished): swap, never delete first
                 shutil.rmtree(old, ignore_errors=True)
@@ -276,6 +357,30 @@ class TrainingRun:
                 shutil.rmtree(stale, ignore_errors=True)
         self.accelerator.wait_for_everyone()
         return final
+
+    @contextmanager
+    def _write_failure(self, final: Path, tmp: Path) -> Iterator[None]:
+        """A write into checkpoint folder `tmp` that fails (a full disk or quota surfaces from torch as
+        `RuntimeError: [enforce fail at inline_container.cc]`, from safetensors as `SafetensorError`) becomes
+        a StorageError naming the folder, the filesystem and its free space; the half-written folder is
+        removed, the previous checkpoint is left as it was."""
+        try:
+            yield
+        except Exception as exc:
+            text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            written = isinstance(exc, OSError) or type(exc).__name__ == "SafetensorError" or (
+                isinstance(exc, RuntimeError) and any(m in str(exc) for m in ("inline_container", "PytorchStreamWriter",
+                                                                               "write failed", "No space left")))
+            if not written:
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+            free = shutil.disk_usage(self.dir).free
+            previous = self.latest_checkpoint()
+            raise StorageError(
+                f"writing checkpoint {final.name} into {tmp} failed: {text[:300]}. {free / 2**20:.1f} MiB are free on "
+                f"the filesystem of {self.dir} (a full disk or quota is the usual cause). The unfinished folder was "
+                f"removed; {'the previous checkpoint ' + str(previous) + ' is intact' if previous else 'no earlier checkpoint exists'} "
+                "(free space, then train.resume=true).") from exc
 
     def verify_checkpoint(self, path: Path) -> None:
         """CorruptFileError naming the first file of checkpoint `path` that is missing, truncated or altered."""
@@ -319,7 +424,9 @@ class TrainingRun:
         self._check_model_files(path)
         self.accelerator.load_state(str(path))
         if (path / TRAINER_STATE).is_file():
-            self.guard.load_state_dict(read_json(path / TRAINER_STATE)["guard"])
+            state = read_json(path / TRAINER_STATE)
+            self.guard.load_state_dict(state["guard"])
+            self.history[:] = state.get("history", [])
         step = int(read_json(path / STEP_FILE)["step"])
         self.guard.calls = step
         self.accelerator.print(f"resumed from {path} at step {step}")
@@ -343,6 +450,16 @@ class TrainingRun:
         recipe may run inside another (the RLM's retriever warm start); entry scripts destroy it at exit."""
         for tracker in self.accelerator.trackers:
             tracker.finish()
+
+
+def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
+    """{"train": {"lr": 1e-4}} -> {"train.lr": 1e-4} (lists are values)."""
+    if not isinstance(node, dict):
+        return {prefix: node}
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        out.update(_flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+    return out
 
 
 def _flat_config(cfg: Any) -> dict[str, Any]:

@@ -76,7 +76,7 @@ def train_retriever(cfg: RetrieverTrainConfig) -> dict:
         strategy.save(directory)
         batching.save(directory)
 
-    history = []
+    history = run.history  # restored by run.resume(), checkpointed by run.save()
 
     def evaluate() -> dict:
         """Metrics per dev set; each set's ranking also lands in `<run>/eval/step-<step>/<set>.trec`."""
