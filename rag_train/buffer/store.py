@@ -64,11 +64,19 @@ def vectors_fingerprint(model: Any) -> str:
         settings["max_seq_length"] = tower.max_seq_length
         settings["modules"] = [[type(module).__name__, module.get_config_dict() if hasattr(module, "get_config_dict")
                                 else {}] for module in tower]
-        tokenizer = tower.tokenizer
-        backend = getattr(tokenizer, "backend_tokenizer", None)
-        settings["tokenizer"] = hashlib.sha256((backend.to_str() if backend is not None else json.dumps(
-            sorted(tokenizer.get_vocab().items()))).encode()).hexdigest()
+        settings["tokenizer"] = _tokenizer_fingerprint(tower.tokenizer)
     return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _tokenizer_fingerprint(tokenizer: Any) -> str:
+    """sha256 of a tokenizer's definition (vocabulary, normaliser, pre-tokenizer, post-processor); not of the
+    truncation / padding state a fast tokenizer records from its last call."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        definition = sorted(tokenizer.get_vocab().items())
+    else:
+        definition = {k: v for k, v in json.loads(backend.to_str()).items() if k not in ("truncation", "padding")}
+    return hashlib.sha256(json.dumps(definition, sort_keys=True).encode()).hexdigest()
 
 
 def manifest_dict(rows: int, dim: int, dtype: str, shards: list[dict], model_fingerprint: Optional[str],

@@ -39,9 +39,10 @@ LOGS = "logs"  # tracker output (<run>/logs/<recipe>/): never inside a folder th
 # not write into without train.resume=true (continue it) or train.overwrite=true (replace it).
 RUN_OUTPUTS = (CONFIG_FILE, "metrics.json", CHECKPOINTS, "retriever", "reader", "predictions",
                "warm_start_retriever", "warm_start_reader")
-# Config keys a resumed run may change: they do not alter what is computed (bookkeeping, evaluation cadence,
-# and train.steps, which continues the same schedule; data order is a function of (seed, step)).
-RESUME_SAFE_KEYS = ("train.resume", "train.overwrite", "train.steps", "train.eval_every", "train.log_every",
+# Config keys a resumed run may change: they do not alter what is computed (where the run lives, bookkeeping,
+# evaluation cadence, and train.steps, which continues the same schedule: data order is a function of (seed, step)).
+RESUME_SAFE_KEYS = ("train.resume", "train.overwrite", "train.output_dir", "train.steps", "train.eval_every",
+                    "train.log_every",
                     "train.save_every", "train.tracker", "train.collective_timeout", "train.max_bad_steps",
                     "buffer.verify")
 

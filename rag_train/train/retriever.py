@@ -50,6 +50,9 @@ def train_retriever(cfg: RetrieverTrainConfig) -> dict:
     files = resolve_data(cfg.data, acc, ["retrieval-train"], ["retrieval-dev"])
     corpus = Corpus.open(files.passages)
     run.check_corpus(corpus)  # k <= corpus size, same corpus on every process: before any long work
+    for k in sorted(k for k in set(cfg.eval.recall_at) if k > len(corpus)):
+        acc.print(f"warning: eval.recall_at={k} is larger than the corpus {corpus.path} ({len(corpus)} passages): "
+                  f"recall@{k} is reported over the whole corpus (= recall@{len(corpus)})")
     train_set = [ex for path in files.train for ex in load_retrieval(path, corpus=corpus)][: cfg.data.max_train_examples]
     dev_sets = {dataset_name(p): load_eval_set(p, corpus, limit=cfg.data.max_eval_examples) for p in files.dev}
 
