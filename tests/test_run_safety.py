@@ -67,7 +67,7 @@ def test_a_finished_or_partial_run_is_never_overwritten(recipe_toy_dir, tmp_path
     out = copy_run(finished, tmp_path / "run")
     shutil.rmtree(out / "checkpoints")  # a routine disk clean-up
     before = snapshot(out)
-    with pytest.raises(ConfigError, match=r"already holds a run \(config.yaml, metrics.json, retriever\): pass "
+    with pytest.raises(ConfigError, match=r"already holds a run \(config.yaml, metrics.json, retriever, eval\): pass "
                                           r"train.resume=true to continue it, train.overwrite=true to replace it"):
         train_retriever(config(recipe_toy_dir, out, **{"train.lr": 0.5}))
     assert snapshot(out) == before
