@@ -38,7 +38,7 @@ SAVE_EVERY = 2
 # make the history in metrics.json part of what a resumed run must reproduce
 EXTRA = {"train.save_every": SAVE_EVERY, "strategy.sampling": "gumbel", "train.warmup_steps": 4,
          "train.eval_every": SAVE_EVERY}
-VOLATILE = ("wall_seconds", "steps_per_second")  # timings, not results
+VOLATILE = ("wall_seconds", "steps_per_second", "peak_memory_mib")  # measurements of this process, not results
 
 
 def config(toy_dir: Path, out: Path, **extra) -> RetrieverTrainConfig:

@@ -143,6 +143,7 @@ class TrainingRun:
         strategy = getattr(cfg, "strategy", None)  # recipes without a strategy (generative) have no corrector
         self.guard = NonFiniteGuard(cfg.train.max_bad_steps, strategy.corrector.max_loss if strategy else 0.0)
         self.history: list[dict] = []  # evaluations during training; checkpointed, so resuming keeps it
+        self.totals: dict[str, list[float]] = {}  # per-step values a recipe averages at the end; checkpointed too
         self.model: Optional[torch.nn.Module] = None  # the prepared module (`prepare`)
         self.started = time.time()
         claim_directory(cfg, self.dir)  # every process reads; nothing is written before all of them have looked
@@ -276,7 +277,8 @@ class TrainingRun:
         self.accelerator.wait_for_everyone()
         if self.accelerator.is_main_process:
             with self._write_failure(final, tmp):
-                atomic_write_json(tmp / TRAINER_STATE, {"guard": self.guard.state_dict(), "history": self.history})
+                atomic_write_json(tmp / TRAINER_STATE, {"guard": self.guard.state_dict(), "history": self.history,
+                                                        "totals": self.totals})
                 atomic_write_json(tmp / STEP_FILE, {"step": step})
                 atomic_write_json(tmp / CHECKSUMS, {"step": step, "files": folder_checksums(tmp, exclude=(CHECKSUMS,))})
                 fsync_tree(tmp)
@@ -361,6 +363,8 @@ class TrainingRun:
             state = read_json(path / TRAINER_STATE)
             self.guard.load_state_dict(state["guard"])
             self.history[:] = state.get("history", [])
+            for key, values in state.get("totals", {}).items():
+                self.totals.setdefault(key, [])[:] = values
         step = int(read_json(path / STEP_FILE)["step"])
         self.guard.calls = step
         self.accelerator.print(f"resumed from {path} at step {step}")

@@ -99,7 +99,8 @@ def train_retriever(cfg: RetrieverTrainConfig) -> dict:
     first_step, started, eval_seconds = step, time.time(), 0.0
     bar = tqdm(total=cfg.train.steps, initial=step, desc="retriever", disable=not acc.is_main_process)
     memory, micro = PeakMemory(acc.device, cfg.batching.memory_fraction), cfg.batching.micro_batches
-    peak_memory, grad_ratios = 0.0, []
+    peak_memory = 0.0
+    grad_ratios = run.totals.setdefault("grad_ratio_passage_query", [])  # checkpointed: resume keeps it
     while step < cfg.train.steps:
         memory.reset()
         indices = global_batch(len(train_set), cfg.train.batch_size, cfg.train.seed, step)
