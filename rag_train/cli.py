@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import sys
@@ -17,6 +18,7 @@ T = TypeVar("T")
 INPUT_FAULT_EXIT = 2  # bad config, data, buffer, checkpoint, model path or export
 NUMERICAL_FAULT_EXIT = 3  # the run stopped after too many non-finite / diverged steps
 PEER_FAULT_EXIT = 4  # a collective failed: another process died, or hung past the collective timeout
+STORAGE_FAULT_EXIT = 5  # a write failed for lack of space (full disk, quota, file size limit)
 _PEER_FAILURE = ("Timed out", "timed out", "Connection reset by peer", "Connection closed by peer", "Broken pipe")
 
 
@@ -27,26 +29,43 @@ def exit_on_fault() -> Iterator[None]:
     from rag_train.buffer.store import BufferError
     from rag_train.data.errors import DataError
     from rag_train.export import ExportError
-    from rag_train.io import CorruptFileError
+    from rag_train.io import CorruptFileError, StorageError
     from rag_train.models.reader import ReaderLoadError
 
     prefix = f"[rank {os.environ['RANK']}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+
+    def stop(message: str, status: int, exc: BaseException) -> None:
+        _end_progress_bars()
+        print(f"{prefix}error: {message}", file=sys.stderr, flush=True)
+        raise SystemExit(status) from exc
+
     try:
         yield
     except (ConfigError, DataError, BufferError, CorruptFileError, ReaderLoadError, ExportError) as exc:
-        print(f"{prefix}error: {exc}", file=sys.stderr, flush=True)
-        raise SystemExit(INPUT_FAULT_EXIT) from exc
+        stop(str(exc), INPUT_FAULT_EXIT, exc)
     except FloatingPointError as exc:
-        print(f"{prefix}error: {exc}", file=sys.stderr, flush=True)
-        raise SystemExit(NUMERICAL_FAULT_EXIT) from exc
+        stop(str(exc), NUMERICAL_FAULT_EXIT, exc)
+    except OSError as exc:
+        if not isinstance(exc, StorageError) and exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            raise
+        where = "" if isinstance(exc, StorageError) or not exc.filename else f"{exc.filename}: "
+        stop(f"{where}{exc}", STORAGE_FAULT_EXIT, exc)
     except RuntimeError as exc:  # torch.distributed reports a dead / hung peer as a RuntimeError from gloo / NCCL
         text = str(exc)
         if not any(marker in text for marker in _PEER_FAILURE):
             raise
-        print(f"{prefix}error: a collective operation with the other processes failed: another process died, or hung "
-              f"longer than train.collective_timeout; stopping. The last checkpoint is intact (train.resume=true "
-              f"continues from it). Cause: {text.splitlines()[0][:300]}", file=sys.stderr, flush=True)
-        raise SystemExit(PEER_FAULT_EXIT) from exc
+        stop("a collective operation with the other processes failed: another process died, or hung longer than "
+             "train.collective_timeout; stopping. The last checkpoint is intact (train.resume=true continues from "
+             f"it). Cause: {text.splitlines()[0][:300]}", PEER_FAULT_EXIT, exc)
+
+
+def _end_progress_bars() -> None:
+    """Close the progress bars a fault interrupted, so that the `error:` line starts a line of its own instead
+    of being appended to a bar's last redraw."""
+    from tqdm import tqdm
+
+    for bar in list(getattr(tqdm, "_instances", ())):
+        bar.close()
 
 
 def parse_cli(schema: type[T], argv: Optional[list[str]] = None, description: str = "",

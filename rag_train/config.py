@@ -12,12 +12,13 @@ buffers, strategies or command line.
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, TypeVar
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 
@@ -43,8 +44,28 @@ def absolute_path(path: Optional[str]) -> Optional[str]:
 def check_positive(section: str, key: str, value: Any, allow_zero: bool = False) -> None:
     if value is None:
         return
+    if isinstance(value, float) and not math.isfinite(value):  # NaN passes every comparison below
+        raise ConfigError(f"{section}.{key}={value!r} must be a finite number")
     if value < 0 or (value == 0 and not allow_zero):
         raise ConfigError(f"{section}.{key}={value!r} must be {'>= 0' if allow_zero else '> 0'}")
+
+
+def _device(section: str, key: str, value: str) -> None:
+    """`auto`, `cpu` or a CUDA device that exists here (checked before any work, not at the first search)."""
+    if value == "auto":
+        return
+    import torch
+
+    try:
+        device = torch.device(value)
+    except RuntimeError as exc:
+        raise ConfigError(f"{section}.{key}={value!r} is not a device (auto | cpu | cuda | cuda:N)") from exc
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"{section}.{key}={value!r} is not one of auto | cpu | cuda | cuda:N")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"{section}.{key}={value!r} but CUDA is not available on this machine; use auto or cpu")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ConfigError(f"{section}.{key}={value!r} but this machine has {torch.cuda.device_count()} CUDA device(s)")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -83,6 +104,9 @@ class DataConfig:
     toy_dir: str = "data/toy"
     toy_passages: int = 3000
     toy_seed: int = 0
+    # replace a complete toy world of other parameters (seed, passages, version) in toy_dir; without it that is
+    # refused, since runs, buffers and exports made from the old world would silently stop matching it
+    toy_regenerate: bool = False
     passages: Optional[str] = None  # JSONL {id,title,text}, DPR / MS MARCO TSV, parquet, or a datasets.save_to_disk folder
     train: Optional[str] = None  # training file (QA JSONL for the RLM, DPR JSON / JSONL for retrieval)
     dev: list[str] = field(default_factory=list)  # evaluation files; metrics are keyed by their stem
@@ -91,6 +115,7 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         check_positive("data", "toy_passages", self.toy_passages)
+        check_positive("data", "toy_seed", self.toy_seed, allow_zero=True)
         check_positive("data", "max_train_examples", self.max_train_examples)
         check_positive("data", "max_eval_examples", self.max_eval_examples)
         if not self.toy and (self.passages is None or self.train is None):
@@ -172,6 +197,7 @@ class BufferConfig:
         check_choice("buffer", "search", self.search, ("full", "rerank"))
         for key in ("shard_rows", "embed_batch_size", "chunk_rows", "rerank_candidates"):
             check_positive("buffer", key, getattr(self, key))
+        _device("buffer", "device", self.device)
 
 
 @dataclass
@@ -191,7 +217,13 @@ class TrainConfig:
     log_every: int = 10
     eval_every: int = 0  # 0 = only at the end
     save_every: int = 0  # 0 = only at the end
-    resume: bool = False  # continue from the newest complete checkpoint in output_dir (checksums verified)
+    # continue the run in output_dir from its newest complete checkpoint (checksums verified); refused if the
+    # config changes the computation (only train.steps, eval / log / save cadence, tracker, timeouts may change)
+    resume: bool = False
+    # replace a finished or partial run in output_dir (its config, checkpoints, metrics, saved models, logs and
+    # warm-start stages are deleted first; its buffer is reused only if it matches). Without resume or overwrite,
+    # a directory that already holds a run is refused.
+    overwrite: bool = False
     # steps skipped in a row (non-finite loss / gradient, or a diverged corrector) before the run stops
     max_bad_steps: int = 10
     # seconds any collective (all-reduce, barrier, gather) may wait for the other processes: a hung process
@@ -202,7 +234,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         for key in ("steps", "batch_size", "lr", "temperature", "log_every", "max_bad_steps", "collective_timeout"):
             check_positive("train", key, getattr(self, key))
-        for key in ("warmup_steps", "eval_every", "save_every", "weight_decay", "max_grad_norm"):
+        for key in ("warmup_steps", "eval_every", "save_every", "weight_decay", "max_grad_norm", "seed"):
             check_positive("train", key, getattr(self, key), allow_zero=True)
         check_choice("train", "mixed_precision", self.mixed_precision, ("no", "bf16", "fp16"))
 
@@ -285,6 +317,8 @@ def load_config(schema: type[T], path: Optional[str | Path] = None, overrides: O
             from_file = OmegaConf.load(path)
         except Exception as exc:  # yaml syntax errors carry line numbers in their text
             raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+        if not isinstance(from_file, DictConfig):  # a YAML list or scalar at the top level
+            raise ConfigError(f"{path}: the top level is a YAML list, not a mapping of sections (data:, train:, ...)")
         try:
             merged = OmegaConf.merge(merged, from_file)
         except OmegaConfBaseException as exc:

@@ -34,6 +34,7 @@ class EmbedConfig:
 
     def __post_init__(self) -> None:
         check_positive("", "collective_timeout", self.collective_timeout)
+        check_positive("", "seed", self.seed, allow_zero=True)
         if self.output is None and self.buffer.path is None:
             raise ConfigError("embed: set output=DIR (or buffer.path=DIR) for the buffer")
 

@@ -45,18 +45,42 @@ class CorruptFileError(ValueError):
     """A file written for later use that is missing, truncated or altered; the message names the file."""
 
 
+class StorageError(OSError):
+    """A write that failed for lack of space (or quota); the message names the file or folder and the disk."""
+
+
+TMP_DIR_SUFFIX = ".partial"  # `atomic_directory`'s folder being filled: `.NAME.XXXXXXXX.partial`
+
+
+def remove_stale_temporaries(directory: str | Path) -> None:
+    """Remove what killed writers left in `directory`: `atomic_open` files (`.NAME.XXXXXXXX.tmp`) and
+    `atomic_directory` folders (`.NAME.XXXXXXXX.partial`). Call it only where no other writer is active."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return
+    for path in directory.glob(".*.*"):
+        if path.is_file() and path.name.endswith(".tmp"):
+            path.unlink(missing_ok=True)
+        elif path.is_dir() and path.name.endswith(TMP_DIR_SUFFIX):
+            shutil.rmtree(path, ignore_errors=True)
+
+
 @contextmanager
 def atomic_directory(path: str | Path) -> Iterator[Path]:
     """Yield a temporary sibling folder to fill; on clean exit its files are fsynced and it replaces `path`
     (an existing folder is swapped out only once the new one is complete). On error the temporary folder is
     removed. A kill between the two renames leaves the previous folder as `.NAME.old`; the next call
-    puts it back first, so a finished folder is never lost."""
+    puts it back first, so a finished folder is never lost. A kill while filling leaves `.NAME.XXXXXXXX.partial`,
+    which the next call for the same `path` removes."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     old = path.with_name(f".{path.name}.old")
     if old.exists() and not path.exists():
         os.replace(old, path)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    for stale in path.parent.glob(f".{path.name}.*{TMP_DIR_SUFFIX}"):  # left by a killed writer of this folder
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=TMP_DIR_SUFFIX, dir=path.parent))
+    os.chmod(tmp, 0o777 & ~_UMASK)  # mkdtemp makes 0700 folders; a saved model gets the usual permissions
     try:
         yield tmp
         fsync_tree(tmp)

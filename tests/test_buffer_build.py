@@ -14,7 +14,7 @@ import torch
 
 from rag_train.buffer.build import build_buffer, plan_shards, shards_of_process
 from rag_train.buffer.embed import length_sorted_order
-from rag_train.buffer.store import Buffer, BufferError
+from rag_train.buffer.store import Buffer, BufferError, vectors_fingerprint
 from rag_train.config import RetrieverConfig, TinyModelConfig
 from rag_train.data.corpus import Corpus
 from rag_train.io import sha256_file
@@ -79,7 +79,7 @@ def test_build_equals_direct_encoding(world, tmp_path):
     buffer = build_buffer(model, corpus, tmp_path / "buf", batch_size=BATCH, shard_rows=SHARD_ROWS, dtype="float32")
     assert sum(calls) == ROWS and max(calls) == BATCH
     assert (buffer.rows, buffer.dim, len(buffer.manifest["shards"])) == (ROWS, 16, 4)
-    assert buffer.manifest["model_fingerprint"] == world["model"].fingerprint()
+    assert buffer.manifest["model_fingerprint"] == vectors_fingerprint(world["model"])
     assert buffer.manifest["corpus_fingerprint"] == corpus.fingerprint
     reference = direct(world["model"], corpus)  # one unsorted, fully padded batch
     # length-sorted batches of 4 give the same vectors as one padded batch in row order
@@ -147,8 +147,42 @@ def test_existing_buffer_is_reused_or_protected(world, tmp_path):
     with pytest.raises(BufferError, match="model_fingerprint.*not overwritten"):
         build_buffer(other, corpus, tmp_path / "buf", batch_size=BATCH, shard_rows=SHARD_ROWS)
     rebuilt = build_buffer(other, corpus, tmp_path / "buf", batch_size=BATCH, shard_rows=20, overwrite=True)
-    assert rebuilt.manifest["model_fingerprint"] == other.fingerprint()
+    assert rebuilt.manifest["model_fingerprint"] == vectors_fingerprint(other)
     assert sorted(p.name for p in rebuilt.path.glob("shard-*.npy")) == ["shard-00000.npy", "shard-00001.npy"]
+
+
+@pytest.mark.parametrize("change", ["pooling", "normalisation", "max-length", "tokenizer"])
+def test_a_buffer_of_the_same_weights_encoded_otherwise_is_not_reused(world, tmp_path, change):
+    """Same weights (`fingerprint()` equal), other vectors: another pooling, no normalisation, a shorter maximum
+    length or another tokenizer (lower-casing added) each change the buffer's fingerprint: not reused."""
+    import copy
+
+    from tokenizers import normalizers
+
+    corpus, tokenizer = world["corpus"], str(world["tokenizer"])
+    settings = dict(model="tiny", tiny=TINY, projection_dim=16)
+
+    def build(cfg: RetrieverConfig) -> DualEncoder:
+        torch.manual_seed(0)  # the projection is drawn from the global generator
+        return DualEncoder.from_config(cfg, tokenizer).eval()
+
+    made = build(RetrieverConfig(**settings))
+    build_buffer(made, corpus, tmp_path / "buf", batch_size=BATCH, shard_rows=SHARD_ROWS)
+    if change == "tokenizer":
+        other = copy.deepcopy(made)
+        other.passage_encoder.tokenizer.backend_tokenizer.normalizer = normalizers.Lowercase()
+    else:
+        edit = {"pooling": {"pooling": "cls"}, "normalisation": {"normalize": False},
+                "max-length": {"max_passage_length": 8}}[change]
+        other = build(RetrieverConfig(**settings, **edit))
+    assert other.fingerprint() == made.fingerprint()  # the weights alone cannot tell them apart
+    assert not torch.allclose(direct(other, corpus), direct(made, corpus))  # but their vectors differ
+    assert vectors_fingerprint(other) != vectors_fingerprint(made)
+    with pytest.raises(BufferError, match="model_fingerprint.*not overwritten"):
+        build_buffer(other, corpus, tmp_path / "buf", batch_size=BATCH, shard_rows=SHARD_ROWS)
+    again = build(RetrieverConfig(**settings))
+    assert vectors_fingerprint(again) == vectors_fingerprint(made)  # reproducible: a matching buffer is reused
+    assert build_buffer(again, corpus, tmp_path / "buf", batch_size=BATCH, shard_rows=SHARD_ROWS).rows == ROWS
 
 
 @pytest.mark.slow

@@ -9,6 +9,7 @@ docs/reliability.md.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -23,7 +24,7 @@ import torch
 from rag_train.buffer.store import BufferError
 from rag_train.config import ConfigError, load_config
 from rag_train.data.errors import DataError
-from rag_train.io import CorruptFileError
+from rag_train.io import CorruptFileError, StorageError
 from rag_train.strategies.base import Strategy
 from rag_train.strategies.corrector import CorrectorStrategy
 from rag_train.train.retriever import train_retriever
@@ -34,9 +35,11 @@ from test_train_retriever import CONFIG, STEPS, overrides, weights
 ROOT = Path(__file__).resolve().parents[1]
 FAULTY = ROOT / "tests" / "dist" / "train_faulty.py"
 SAVE_EVERY = 2
-# sampling and warm-up make the generator and scheduler state matter on resume
-EXTRA = {"train.save_every": SAVE_EVERY, "strategy.sampling": "gumbel", "train.warmup_steps": 4}
-VOLATILE = ("wall_seconds", "steps_per_second")  # timings, not results
+# sampling and warm-up make the generator and scheduler state matter on resume; evaluations during training
+# make the history in metrics.json part of what a resumed run must reproduce
+EXTRA = {"train.save_every": SAVE_EVERY, "strategy.sampling": "gumbel", "train.warmup_steps": 4,
+         "train.eval_every": SAVE_EVERY}
+VOLATILE = ("wall_seconds", "steps_per_second", "peak_memory_mib")  # measurements of this process, not results
 
 
 def config(toy_dir: Path, out: Path, **extra) -> RetrieverTrainConfig:
@@ -332,10 +335,24 @@ def test_bad_data_through_the_script_exits_non_zero_with_the_place(recipe_toy_di
     ("train.stepz=3", "unknown config key 'train.stepz'"),
     ("train.steps=many", "bad value for config key 'train.steps'"),
     ("strategy.corrector.max_loss=-1", "strategy.corrector.max_loss=-1.0 must be >= 0"),
+    ("train.lr=nan", "train.lr=nan must be a finite number"),
+    ("train.max_grad_norm=nan", "train.max_grad_norm=nan must be a finite number"),  # not "no clipping"
+    ("train.temperature=inf", "train.temperature=inf must be a finite number"),
+    ("train.seed=-1", r"train.seed=-1 must be >= 0"),
+    ("buffer.device=cuda" if not torch.cuda.is_available() else "buffer.device=cuda:999",
+     "buffer.device='cuda(:999)?' but"),
+    ("buffer.device=tpu", "buffer.device='tpu' is not a device"),
 ])
 def test_config_faults_are_named(override, message):
     with pytest.raises(ConfigError, match=message):
         load_config(RetrieverTrainConfig, CONFIG, [override])
+
+
+def test_a_config_file_that_is_a_list_is_named(tmp_path):
+    path = tmp_path / "config.yaml"
+    path.write_text("- train\n- data\n")
+    with pytest.raises(ConfigError, match=f"{path}: the top level is a YAML list, not a mapping"):
+        load_config(RetrieverTrainConfig, path)
 
 
 def test_bad_config_through_the_script_exits_non_zero_before_work(tmp_path):
@@ -468,13 +485,16 @@ def test_corrector_fault_leaves_the_encoder_update_bitwise_unchanged():
     (FloatingPointError("3 consecutive steps had a non-finite loss"), 3),
     (RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer"), 4),
     (RuntimeError("an unrelated bug"), None),
+    (StorageError("writing checkpoint step-00000002 into /run/checkpoints/.tmp-step-00000002 failed"), 5),
+    (OSError(errno.ENOSPC, "No space left on device", "/run/metrics.json"), 5),
+    (FileNotFoundError(errno.ENOENT, "No such file or directory", "/x"), None),
 ])
 def test_entry_scripts_map_faults_to_exit_status(capsys, error, status):
     """What scripts/train_*.py do with a fault raised inside training: one `error:` line and a status
-    (2 input, 3 numerical stop, 4 dead / hung peer); anything else keeps its traceback."""
+    (2 input, 3 numerical stop, 4 dead / hung peer, 5 no space); anything else keeps its traceback."""
     from rag_train.cli import exit_on_fault
 
-    with pytest.raises(SystemExit if status else RuntimeError) as caught:
+    with pytest.raises(SystemExit if status else type(error)) as caught:
         with exit_on_fault():
             raise error
     if status:

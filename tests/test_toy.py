@@ -13,7 +13,7 @@ from transformers import AutoTokenizer, T5ForConditionalGeneration
 
 import rag_train.data.toy as toy
 import rag_train.data.tokenizer as tokenizer_module
-from rag_train.config import DataConfig, TinyModelConfig
+from rag_train.config import ConfigError, DataConfig, TinyModelConfig
 from rag_train.data.toy import FAMILIES, ToyWorld, ensure_toy_world, generate_toy_world, toy_paths
 from rag_train.models.tiny import tiny_t5_config
 from rag_train.data.tokenizer import load_tokenizer, train_tokenizer
@@ -174,7 +174,7 @@ def test_name_bijection_inverts(toy_world):
     assert len(set(world.names(persons))) == world.persons
 
 
-def test_ensure_toy_world_builds_once_and_rebuilds_on_change(tmp_path):
+def test_ensure_toy_world_builds_once_and_refuses_to_replace_another_world(tmp_path):
     cfg = DataConfig(toy_dir=str(tmp_path / "toy"), toy_passages=400, toy_seed=1)
     paths = ensure_toy_world(cfg, tokenizer_vocab=500)
     assert paths == toy_paths(cfg.toy_dir) and (paths["tokenizer"] / "tokenizer.json").is_file()
@@ -186,7 +186,12 @@ def test_ensure_toy_world_builds_once_and_rebuilds_on_change(tmp_path):
     ensure_toy_world(cfg, tokenizer_vocab=500)
     assert sum(1 for _ in open(paths["nq-dev"])) == 100
     before = paths["passages"].read_bytes()
-    ensure_toy_world(DataConfig(toy_dir=cfg.toy_dir, toy_passages=400, toy_seed=2), tokenizer_vocab=500)
+    # another seed in the same folder would invalidate the runs and exports made from this world: refused
+    with pytest.raises(ConfigError, match=r"toy world of seed 1, 400 passages.*data.toy_seed=2.*data.toy_regenerate"):
+        ensure_toy_world(DataConfig(toy_dir=cfg.toy_dir, toy_passages=400, toy_seed=2), tokenizer_vocab=500)
+    assert paths["passages"].read_bytes() == before and json.loads(paths["manifest"].read_text())["seed"] == 1
+    ensure_toy_world(DataConfig(toy_dir=cfg.toy_dir, toy_passages=400, toy_seed=2, toy_regenerate=True),
+                     tokenizer_vocab=500)
     assert json.loads(paths["manifest"].read_text())["seed"] == 2 and paths["passages"].read_bytes() != before
 
 

@@ -18,7 +18,8 @@ import torch
 from tqdm.auto import tqdm
 
 from rag_train.buffer.store import (
-    MANIFEST, STORAGE_DTYPES, Buffer, BufferError, manifest_dict, shard_file_name, to_storage, write_shard,
+    MANIFEST, STORAGE_DTYPES, Buffer, BufferError, manifest_dict, shard_file_name, to_storage, vectors_fingerprint,
+    write_shard,
 )
 from rag_train.buffer.embed import embed_rows
 from rag_train.io import atomic_write_json, sha256_file
@@ -85,8 +86,11 @@ def _existing_buffer(out_dir: Path, model_fp: str, corpus_fp: str, dtype: str, o
     if mismatched and overwrite:
         return None
     if mismatched:
+        wanted = {"model_fingerprint": model_fp, "corpus_fingerprint": corpus_fp, "dtype": dtype}
+        shown = "; ".join(f"{key}: the buffer's {manifest.get(key)}, this model's {wanted[key]}" for key in mismatched)
         raise BufferError(f"{path}: field '{mismatched[0]}': {out_dir} already holds a complete buffer of another "
-                          f"{', '.join(mismatched)}; it is not overwritten - choose another output dir or delete it")
+                          f"{', '.join(mismatched)} ({shown}); it is not overwritten - choose another output dir or "
+                          "delete it")
     return Buffer.open(out_dir, model_fp, corpus_fp)
 
 
@@ -119,7 +123,7 @@ def build_buffer(model, corpus, out_dir: Union[str, Path], batch_size: int = 256
     is_main = rank == 0
     if accelerator is not None:
         model.to(accelerator.device)
-    model_fp, corpus_fp = model.fingerprint(), corpus.fingerprint
+    model_fp, corpus_fp = vectors_fingerprint(model), corpus.fingerprint
     existing = _existing_buffer(out_dir, model_fp, corpus_fp, dtype, overwrite)
     if accelerator is not None:  # nobody writes before every process has checked: they all decide alike
         accelerator.wait_for_everyone()

@@ -8,6 +8,7 @@ uint16 bit patterns (`tensor()` views them back as torch.bfloat16).
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -48,6 +49,34 @@ def write_shard(path: Path, array: np.ndarray) -> str:
     with atomic_open(path, "wb") as handle:
         np.save(handle, array, allow_pickle=False)
     return sha256_file(path)
+
+
+def vectors_fingerprint(model: Any) -> str:
+    """sha256 of everything a buffer's vectors depend on, the `model_fingerprint` of its manifest: the model's
+    weights (`model.fingerprint()`: names, shapes, dtypes, bytes) and, for a DualEncoder, how its passage tower
+    turns text into a vector: its modules and their settings (pooling, projection, normalisation, lower-casing),
+    maximum lengths and tokenizer. Two models that share weights but pool, normalise, truncate or tokenize
+    differently get different fingerprints, so neither reuses the other's buffer."""
+    settings: dict[str, Any] = {"weights": model.fingerprint()}
+    tower = getattr(model, "passage_encoder", None)
+    if tower is not None:
+        settings["max_passage_length"] = model.max_passage_length
+        settings["max_seq_length"] = tower.max_seq_length
+        settings["modules"] = [[type(module).__name__, module.get_config_dict() if hasattr(module, "get_config_dict")
+                                else {}] for module in tower]
+        settings["tokenizer"] = _tokenizer_fingerprint(tower.tokenizer)
+    return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _tokenizer_fingerprint(tokenizer: Any) -> str:
+    """sha256 of a tokenizer's definition (vocabulary, normaliser, pre-tokenizer, post-processor); not of the
+    truncation / padding state a fast tokenizer records from its last call."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        definition = sorted(tokenizer.get_vocab().items())
+    else:
+        definition = {k: v for k, v in json.loads(backend.to_str()).items() if k not in ("truncation", "padding")}
+    return hashlib.sha256(json.dumps(definition, sort_keys=True).encode()).hexdigest()
 
 
 def manifest_dict(rows: int, dim: int, dtype: str, shards: list[dict], model_fingerprint: Optional[str],
@@ -106,8 +135,8 @@ class Buffer:
             if expected is not None and manifest[key] != expected:
                 what = "retriever model" if key == "model_fingerprint" else "corpus"
                 raise BufferError(
-                    f"{path}: field '{key}': buffer was built from a different {what} ({manifest[key]} != {expected}); "
-                    f"rebuild it or point buffer.path elsewhere")
+                    f"{path}: field '{key}': buffer was built from a different {what} (the buffer's {manifest[key]}, "
+                    f"expected {expected}); rebuild it or point buffer.path elsewhere")
         arrays = cls._load_shards(directory, manifest, verify)
         return cls(directory, manifest, arrays)
 

@@ -24,7 +24,7 @@ from typing import Iterator, Optional
 import numpy as np
 from tqdm.auto import tqdm
 
-from rag_train.config import DataConfig
+from rag_train.config import ConfigError, DataConfig
 from rag_train.io import atomic_open, atomic_write_json
 
 TOY_VERSION = 2  # 2: tokenizer pieces from BPE (whole-word answers)
@@ -420,9 +420,30 @@ def _is_current(paths: dict[str, Path], expected: dict) -> bool:
     return expected["tokenizer_vocab"] is None or (paths["tokenizer"] / "tokenizer.json").is_file()
 
 
+def _refuse_to_replace(paths: dict[str, Path], expected: dict, data_cfg: DataConfig) -> None:
+    """ConfigError if `paths` hold a toy world (a readable manifest) made with other parameters than `expected`
+    and the config does not ask to regenerate it. A damaged world of the same parameters is rebuilt: it is the
+    same world."""
+    try:
+        found = json.loads(paths["manifest"].read_text())
+    except (OSError, ValueError):
+        return
+    differ = [key for key, value in expected.items() if found.get(key) != value]
+    if not differ or data_cfg.toy_regenerate:
+        return
+    asked = {"seed": f"data.toy_seed={expected['seed']}", "passages": f"data.toy_passages={expected['passages']}",
+             "version": f"toy world version {expected['version']}", "tokenizer_vocab": "another tokenizer vocabulary"}
+    raise ConfigError(
+        f"{paths['manifest'].parent} holds the toy world of seed {found.get('seed')}, {found.get('passages')} passages "
+        f"(version {found.get('version')}); {', '.join(asked.get(k, k) for k in differ)} would regenerate it in place, "
+        "and the runs, buffers and exports made from it would no longer match their data. Choose another "
+        "data.toy_dir, or set data.toy_regenerate=true to replace it.")
+
+
 def ensure_toy_world(data_cfg: DataConfig, tokenizer_vocab: int = 2000) -> dict[str, Path]:
-    """Paths of the toy world in `data_cfg.toy_dir`, generating it first if missing or built with other
-    parameters. A file lock makes concurrent callers (e.g. several ranks) generate it once."""
+    """Paths of the toy world in `data_cfg.toy_dir`, generating it first if missing or damaged. A complete world
+    of other parameters there is replaced only with `data.toy_regenerate=true`. A file lock makes concurrent
+    callers (e.g. several ranks) generate it once."""
     out_dir = Path(data_cfg.toy_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = toy_paths(out_dir)
@@ -431,6 +452,7 @@ def ensure_toy_world(data_cfg: DataConfig, tokenizer_vocab: int = 2000) -> dict[
     with open(out_dir / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not _is_current(paths, expected):
+            _refuse_to_replace(paths, expected, data_cfg)
             progress = os.environ.get("RANK", "0") == "0" and os.environ.get("LOCAL_RANK", "0") == "0"
             generate_toy_world(out_dir, data_cfg.toy_passages, data_cfg.toy_seed,
                                tokenizer_vocab=tokenizer_vocab, progress=progress)

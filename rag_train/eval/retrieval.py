@@ -89,9 +89,10 @@ def ranking_run(corpus: Corpus, qids: list[str], ranked: SearchResult) -> Run:
 def retrieval_metrics(corpus: Corpus, ranked: SearchResult, data: EvalSet, ks: list[int],
                       out_dir: Optional[Path] = None, name: str = "dev") -> dict:
     """recall@k, MRR@10, nDCG@10, MAP from the judgements (ir_measures) and DPR answer recall@k from the
-    answer strings, for whichever labels exist. With `out_dir`: `<name>.trec` (and `<name>.qrels`) there."""
-    depth = ranked.rows.shape[1]
-    ks = sorted(k for k in ks if k <= depth) or [depth]
+    answer strings, for whichever labels exist. With `out_dir`: `<name>.trec` (and `<name>.qrels`) there.
+    Each k is reported under its own key; a k above the ranking's depth (a corpus smaller than k) counts the
+    whole ranking, which is what top-k of a smaller corpus is (the recipe warns about it before training)."""
+    ks = sorted(set(ks))
     out: dict = {"questions": len(data.questions)}
     run = ranking_run(corpus, data.ids, ranked)
     qrels = {qid: grades for qid, grades in zip(data.ids, data.qrels) if grades}

@@ -13,8 +13,9 @@ import math
 import os
 import shutil
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -22,16 +23,24 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 
 from rag_train.config import ConfigError, save_config, to_yaml
-from rag_train.io import (CorruptFileError, atomic_write_json, folder_checksums, fsync_tree, read_json, sha256_file,
-                          verify_checksums)
+from rag_train.io import (CorruptFileError, StorageError, atomic_write_json, folder_checksums, fsync_tree, read_json,
+                          remove_stale_temporaries, sha256_file, verify_checksums)
 from rag_train.launch import make_accelerator
+from rag_train.train.run_dir import CHECKPOINTS, CONFIG_FILE, LOGS, claim_directory, remove_previous_run
 from rag_train.train.trainable import check_deepspeed_config, deepspeed_stage
 
-CHECKPOINTS = "checkpoints"
 LATEST = "latest.json"  # informative pointer; the newest complete step-* folder is what resumes
 STEP_FILE = "step.json"
 CHECKSUMS = "checksums.json"  # sha256 + size of every other file of a checkpoint, written last
-TRAINER_STATE = "trainer_state.json"  # fault counters (NonFiniteGuard)
+TRAINER_STATE = "trainer_state.json"  # fault counters (NonFiniteGuard) and the evaluation history
+
+
+def seed_stage(seed: int, stage: str) -> None:
+    """Seed python, numpy and torch (every device) for one stage of a recipe from (train.seed, stage name). Each
+    stage starts from its own seed, so its random draws (initial weights, dropout, sampling) are the same
+    whether the stages before it ran in this process or were reused from disk after a kill."""
+    digest = hashlib.sha256(f"{seed}:{stage}".encode()).digest()
+    set_seed(int.from_bytes(digest[:4], "little") % 2**31, device_specific=False)
 
 
 def global_batch(num_examples: int, batch_size: int, seed: int, step: int) -> np.ndarray:
@@ -123,7 +132,7 @@ class TrainingRun:
         self.cfg = cfg
         self.dir = Path(cfg.train.output_dir)
         self.accelerator = make_accelerator(
-            mixed_precision=cfg.train.mixed_precision, log_with=cfg.train.tracker, project_dir=str(self.dir),
+            mixed_precision=cfg.train.mixed_precision, log_with=cfg.train.tracker, project_dir=str(self.dir / LOGS),
             timeout_s=cfg.train.collective_timeout, find_unused_parameters=find_unused_parameters)
         world = self.accelerator.num_processes
         if cfg.train.batch_size % world:
@@ -132,17 +141,18 @@ class TrainingRun:
         self.agree(config=hashlib.sha256(to_yaml(cfg).encode()).hexdigest())
         set_seed(cfg.train.seed, device_specific=False)
         self.guard = NonFiniteGuard(cfg.train.max_bad_steps)  # the recipe sets aux_max_loss from its strategy
+        self.history: list[dict] = []  # evaluations during training; checkpointed, so resuming keeps it
+        self.totals: dict[str, list[float]] = {}  # per-step values a recipe averages at the end; checkpointed too
         self.model: Optional[torch.nn.Module] = None  # the prepared module (`prepare`)
         self.started = time.time()
+        claim_directory(cfg, self.dir)  # every process reads; nothing is written before all of them have looked
+        self.accelerator.wait_for_everyone()
         if self.accelerator.is_main_process:
+            if cfg.train.overwrite:
+                remove_previous_run(self.dir)
             self._tidy_checkpoints()
-            if self.latest_checkpoint() is not None and not cfg.train.resume:
-                raise ConfigError(
-                    f"{self.dir} already holds checkpoints: pass train.resume=true to continue it, "
-                    "or choose another train.output_dir (nothing was overwritten)"
-                )
             self.dir.mkdir(parents=True, exist_ok=True)
-            save_config(cfg, self.dir / "config.yaml")
+            save_config(cfg, self.dir / CONFIG_FILE)
         self.accelerator.wait_for_everyone()
         if cfg.train.tracker:
             self.accelerator.init_trackers(project, config=_flat_config(cfg))
@@ -217,9 +227,11 @@ class TrainingRun:
 
     def _tidy_checkpoints(self) -> None:
         """Main process, at start: finish what a kill interrupted. A `.old-step-*` folder whose replacement
-        never arrived is put back; temporary folders of unfinished saves are removed."""
+        never arrived is put back; temporary folders of unfinished saves and temporary files are removed."""
         root = self.dir / CHECKPOINTS
         if not root.is_dir():
+            if self.dir.is_dir():
+                remove_stale_temporaries(self.dir)
             return
         for old in root.glob(".old-step-*"):
             final = root / old.name[len(".old-"):]
@@ -229,6 +241,8 @@ class TrainingRun:
                 os.replace(old, final)
         for tmp in root.glob(".tmp-step-*"):
             shutil.rmtree(tmp, ignore_errors=True)
+        remove_stale_temporaries(root)  # e.g. `.latest.json.*.tmp` of a write a kill interrupted
+        remove_stale_temporaries(self.dir)
 
     def checkpoints(self) -> list[Path]:
         """Finished checkpoints, oldest first. A folder only gets its `step-*` name once complete (it is
@@ -253,15 +267,18 @@ class TrainingRun:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         self.accelerator.wait_for_everyone()
-        self.accelerator.save_state(str(tmp))
-        if extra is not None:
-            extra(tmp)
+        with self._write_failure(final, tmp):
+            self.accelerator.save_state(str(tmp))
+            if extra is not None:
+                extra(tmp)
         self.accelerator.wait_for_everyone()
         if self.accelerator.is_main_process:
-            atomic_write_json(tmp / TRAINER_STATE, {"guard": self.guard.state_dict()})
-            atomic_write_json(tmp / STEP_FILE, {"step": step})
-            atomic_write_json(tmp / CHECKSUMS, {"step": step, "files": folder_checksums(tmp, exclude=(CHECKSUMS,))})
-            fsync_tree(tmp)
+            with self._write_failure(final, tmp):
+                atomic_write_json(tmp / TRAINER_STATE, {"guard": self.guard.state_dict(), "history": self.history,
+                                                        "totals": self.totals})
+                atomic_write_json(tmp / STEP_FILE, {"step": step})
+                atomic_write_json(tmp / CHECKSUMS, {"step": step, "files": folder_checksums(tmp, exclude=(CHECKSUMS,))})
+                fsync_tree(tmp)
             old = root / f".old-{final.name}"
             if final.exists():  # re-saving a step (a resumed run that had finished): swap, never delete first
                 shutil.rmtree(old, ignore_errors=True)
@@ -273,6 +290,30 @@ class TrainingRun:
                 shutil.rmtree(stale, ignore_errors=True)
         self.accelerator.wait_for_everyone()
         return final
+
+    @contextmanager
+    def _write_failure(self, final: Path, tmp: Path) -> Iterator[None]:
+        """A write into checkpoint folder `tmp` that fails (a full disk or quota surfaces from torch as
+        `RuntimeError: [enforce fail at inline_container.cc]`, from safetensors as `SafetensorError`) becomes
+        a StorageError naming the folder, the filesystem and its free space; the half-written folder is
+        removed, the previous checkpoint is left as it was."""
+        try:
+            yield
+        except Exception as exc:
+            text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            written = isinstance(exc, OSError) or type(exc).__name__ == "SafetensorError" or (
+                isinstance(exc, RuntimeError) and any(m in str(exc) for m in ("inline_container", "PytorchStreamWriter",
+                                                                               "write failed", "No space left")))
+            if not written:
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+            free = shutil.disk_usage(self.dir).free
+            previous = self.latest_checkpoint()
+            raise StorageError(
+                f"writing checkpoint {final.name} into {tmp} failed: {text[:300]}. {free / 2**20:.1f} MiB are free on "
+                f"the filesystem of {self.dir} (a full disk or quota is the usual cause). The unfinished folder was "
+                f"removed; {'the previous checkpoint ' + str(previous) + ' is intact' if previous else 'no earlier checkpoint exists'} "
+                "(free space, then train.resume=true).") from exc
 
     def verify_checkpoint(self, path: Path) -> None:
         """CorruptFileError naming the first file of checkpoint `path` that is missing, truncated or altered."""
@@ -298,7 +339,11 @@ class TrainingRun:
             return 0
         self.verify_checkpoint(path)
         self.accelerator.load_state(str(path))
-        self.guard.load_state_dict(read_json(path / TRAINER_STATE)["guard"])
+        state = read_json(path / TRAINER_STATE)
+        self.guard.load_state_dict(state["guard"])
+        self.history[:] = state["history"]
+        for key, values in state["totals"].items():
+            self.totals.setdefault(key, [])[:] = values
         step = int(read_json(path / STEP_FILE)["step"])
         self.guard.calls = step
         self.accelerator.print(f"resumed from {path} at step {step}")

@@ -22,6 +22,13 @@ class RetrieverGate:
         self.opened_at = None
         self.collapsed_at = None
 
+    def state_dict(self) -> dict:
+        """Checkpointed (`accelerator.register_for_checkpointing`): a resumed run keeps when the gate opened."""
+        return {"lift": self.lift, "opened_at": self.opened_at, "collapsed_at": self.collapsed_at}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.lift, self.opened_at, self.collapsed_at = state["lift"], state["opened_at"], state["collapsed_at"]
+
     @property
     def open(self) -> bool:
         return self.opened_at is not None and self.collapsed_at is None

@@ -11,7 +11,7 @@ from accelerate import Accelerator
 from torch import nn
 
 from rag_train.buffer.build import build_buffer
-from rag_train.buffer.store import Buffer
+from rag_train.buffer.store import MANIFEST, Buffer, BufferError, vectors_fingerprint
 from rag_train.config import BufferConfig
 from rag_train.data.corpus import Corpus
 from rag_train.train.common import TrainingRun
@@ -20,14 +20,18 @@ from rag_train.train.common import TrainingRun
 def ensure_buffer(run: TrainingRun, cfg: BufferConfig, model: nn.Module, corpus: Corpus) -> Path:
     """The stale buffer B = g(Y; Theta_0): built with the initial model unless a complete one exists.
 
-    A buffer named by `buffer.path` must match this corpus (and, at a fresh start, this model); the run's
-    own buffer is reused as is when resuming (it was built from the run's initial model). Before the build
+    A buffer must match this corpus and this initial model (`vectors_fingerprint`: weights, pooling,
+    normalisation, lengths, tokenizer) and dtype, at a fresh start and when resuming alike (a `buffer.path`
+    of another model is refused, naming both fingerprints). Before the build
     every process must hold the same corpus and initial model; after it, the same manifest, and (with
     `buffer.verify`) every shard's sha256 is checked, each process hashing its share."""
     directory = Path(cfg.path) if cfg.path else run.dir / "buffer"
     acc = run.accelerator
-    if run.latest_checkpoint() is not None:  # resuming: the buffer of this run's initial model, as it is
-        buffer = Buffer.open(directory, corpus_fingerprint=corpus.fingerprint)
+    if run.latest_checkpoint() is not None:  # resuming: `model` is the initial model, the buffer must be its
+        buffer = Buffer.open(directory, model_fingerprint=vectors_fingerprint(model),
+                             corpus_fingerprint=corpus.fingerprint)
+        if buffer.dtype != cfg.dtype:
+            raise BufferError(f"{directory / MANIFEST}: field 'dtype': {buffer.dtype!r}, but buffer.dtype={cfg.dtype!r}")
     else:
         run.agree(corpus_fingerprint=corpus.fingerprint, initial_model=model.fingerprint())
         # A user-named buffer is reused when it matches and never overwritten; the run's own is rebuilt.

@@ -51,6 +51,9 @@ def train_retriever(cfg: RetrieverTrainConfig) -> dict:
     files = resolve_data(cfg.data, acc, ["retrieval-train"], ["retrieval-dev"])
     corpus = Corpus.open(files.passages)
     run.check_corpus(corpus)  # k <= corpus size, same corpus on every process: before any long work
+    for k in sorted(k for k in set(cfg.eval.recall_at) if k > len(corpus)):
+        acc.print(f"warning: eval.recall_at={k} is larger than the corpus {corpus.path} ({len(corpus)} passages): "
+                  f"recall@{k} is reported over the whole corpus (= recall@{len(corpus)})")
     train_set = [ex for path in files.train for ex in load_retrieval(path, corpus=corpus)][: cfg.data.max_train_examples]
     dev_sets = {dataset_name(p): load_eval_set(p, corpus, limit=cfg.data.max_eval_examples) for p in files.dev}
 
@@ -78,7 +81,7 @@ def train_retriever(cfg: RetrieverTrainConfig) -> dict:
         strategy.save(directory)
         batching.save(directory)
 
-    history = []
+    history = run.history  # restored by run.resume(), checkpointed by run.save()
 
     def evaluate() -> dict:
         """Metrics per dev set; each set's ranking also lands in `<run>/eval/step-<step>/<set>.trec`."""
@@ -98,7 +101,8 @@ def train_retriever(cfg: RetrieverTrainConfig) -> dict:
     first_step, started, eval_seconds = step, time.time(), 0.0
     bar = tqdm(total=cfg.train.steps, initial=step, desc="retriever", disable=not acc.is_main_process)
     memory, micro = PeakMemory(acc.device, cfg.batching.memory_fraction), cfg.batching.micro_batches
-    peak_memory, grad_ratios = 0.0, []
+    peak_memory = 0.0
+    grad_ratios = run.totals.setdefault("grad_ratio_passage_query", [])  # checkpointed: resume keeps it
     while step < cfg.train.steps:
         memory.reset()
         indices = global_batch(len(train_set), cfg.train.batch_size, cfg.train.seed, step)

@@ -45,7 +45,7 @@ from rag_train.data.tokenizer import load_tokenizer
 from rag_train.strategies import REGISTRY, StrategyContext, build_strategy
 from rag_train.train.schema import RLMConfig
 from rag_train.train.common import (TrainingRun, global_batch, linear_warmup, local_slice, optimizer_step,
-                                    save_pretrained_atomic)
+                                    save_pretrained_atomic, seed_stage)
 from rag_train.train.gate import RetrieverGate
 from rag_train.train.trainable import Trainable, full_weights, save_parts
 from rag_train.train.passages import ensure_buffer
@@ -90,7 +90,7 @@ class RLMRecipe:
         self.run = TrainingRun(cfg, "rlm", find_unused_parameters=True)  # the retriever has no gradient before its gate opens
         self.accelerator = self.run.accelerator
         self.step = 0
-        self.history: list[dict] = []
+        self.history = self.run.history  # restored by run.resume(), checkpointed by run.save()
 
     # -- setup -----------------------------------------------------------------------------------------
 
@@ -105,7 +105,10 @@ class RLMRecipe:
         self.dev_sets = {dataset_name(p): load_qa(p, corpus=corpus, limit=cfg.data.max_eval_examples) for p in files.dev}
         tokenizer = load_tokenizer(cfg.reader.tokenizer or files.tokenizer)
 
+        # Every stage draws from its own seed (seed_stage): a stage reused from disk after a kill leaves the next one
+        # exactly where a straight run would.
         retriever = warm_start_retriever(cfg, files, self.run)
+        seed_stage(cfg.train.seed, "reader_init")
         reader = FiDReader.from_config(cfg.reader, tokenizer)
         warm_start_reader(cfg, reader, tokenizer, corpus, self.train_set, self.run, retriever)
         self.setup_training(reader, retriever, tokenizer, corpus)
@@ -121,6 +124,7 @@ class RLMRecipe:
         self.tokenizer, self.corpus = tokenizer, corpus
         strategy_cls = REGISTRY[cfg.strategy.name]
         buffer_dir = ensure_buffer(self.run, cfg.buffer, retriever, corpus) if strategy_cls.needs_buffer else None
+        seed_stage(cfg.train.seed, "rlm")  # the corrector's initial weights, then training (a resume restores the RNG)
         ctx = StrategyContext(acc, retriever, corpus, cfg.buffer, buffer_dir, cfg.train.temperature, cfg.train.seed)
         self.strategy = strategy = build_strategy(cfg.strategy, ctx)
         self.run.guard.aux_max_loss = strategy.auxiliary_max_loss
@@ -143,6 +147,7 @@ class RLMRecipe:
         ctx.gather = lambda *modules: full_weights(acc, self.model, *modules)
         self.trained = [p for g in groups for p in g["params"]]
         self.gate = RetrieverGate(cfg, strategy.trains_retriever, acc)
+        acc.register_for_checkpointing(self.gate)  # a resumed run keeps when the gate opened
         self.eval_settings = QAEvalSettings(cfg.eval.num_passages or cfg.strategy.top_k, cfg.reader.max_input_length,
                                             cfg.reader.max_answer_length, cfg.eval.batch_size,
                                             closed_book=not strategy.retrieves)

@@ -27,7 +27,7 @@ from rag_train.data.sources import DataFiles
 from rag_train.eval.retrieval import rank_passages
 from rag_train.io import atomic_directory, atomic_write_json
 from rag_train.models.retriever import DualEncoder
-from rag_train.train.common import TrainingRun, global_batch, linear_warmup
+from rag_train.train.common import TrainingRun, global_batch, linear_warmup, seed_stage
 from rag_train.train.schema import RLMConfig, RetrieverTrainConfig
 
 
@@ -100,7 +100,8 @@ def warm_start_retriever(cfg: RLMConfig, files: DataFiles, run: TrainingRun) -> 
             buffer=dataclasses.replace(cfg.buffer, path=None),
             strategy=dataclasses.replace(cfg.strategy, name=warm.retriever_strategy, top_k=8, uniform_negatives=0),
             train=dataclasses.replace(cfg.train, output_dir=str(out), steps=warm.retriever_steps, lr=warm.retriever_lr,
-                                      batch_size=warm.retriever_batch_size, eval_every=0, save_every=0, resume=True),
+                                      batch_size=warm.retriever_batch_size, eval_every=0, save_every=0, resume=True,
+                                      overwrite=False),
         )
         if not rcfg.data.toy or warm.retriever_train:
             rcfg.data.dev = [rcfg.data.train]
@@ -147,6 +148,7 @@ def warm_start_reader(cfg: RLMConfig, reader: torch.nn.Module, tokenizer, corpus
         reader.load_state_dict(type(reader).from_pretrained(out).state_dict())
         run.accelerator.print(f"warm-start reader: {out}")
         return
+    seed_stage(cfg.train.seed, "warm_start_reader")
     device = run.accelerator.device
     reader.to(device).train()
     # T5's own pre-training optimizer: steps scaled by each weight's RMS. Under AdamW a random-init tiny T5

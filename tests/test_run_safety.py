@@ -1,0 +1,276 @@
+"""A run directory is a unit (issue 16): a finished or partial run is never overwritten without a flag, a resumed
+run computes what the uninterrupted one would (config edits refused by key, the evaluation history kept, a
+buffer of another model refused), tracker logs survive the saved model, a full disk during a checkpoint is
+named, leftovers of killed writers are removed, saved folders get the usual permissions, recall@k above the
+corpus size keeps its key, and an `error:` line never shares a line with a progress bar.
+
+Runs are the retriever recipe of tests/test_faults.py (300-passage toy world, 6 steps, checkpoints and
+evaluations every 2 steps); the table of faults and outcomes is docs/reliability.md."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rag_train.buffer.store import BufferError
+from rag_train.config import ConfigError
+from rag_train.io import StorageError
+from rag_train.train.retriever import train_retriever
+from test_faults import ROOT, assert_unfinished, config, env, results, weights
+
+import torch
+
+
+@pytest.fixture(scope="module")
+def finished(recipe_toy_dir, tmp_path_factory) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("finished") / "run"
+    return out, train_retriever(config(recipe_toy_dir, out))
+
+
+def copy_run(finished: tuple[Path, dict], to: Path, killed: bool = False) -> Path:
+    """A copy of the finished run; `killed`: without its outputs, as if killed after its last checkpoint."""
+    shutil.copytree(finished[0], to)
+    if killed:
+        (to / "metrics.json").unlink()
+        shutil.rmtree(to / "retriever")
+    return to
+
+
+def snapshot(directory: Path) -> dict[str, bytes]:
+    return {p.relative_to(directory).as_posix(): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def same_as(out: Path, metrics: dict, finished: tuple[Path, dict]) -> None:
+    assert results(metrics) == results(finished[1])
+    assert results(json.loads((out / "metrics.json").read_text())) == results(finished[1])
+    a, b = weights(finished[0]), weights(out)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ---------------------------------------------------------------------------------------------------
+# the run directory is a unit
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_a_finished_or_partial_run_is_never_overwritten(recipe_toy_dir, tmp_path, finished):
+    """A rerun into a finished run whose checkpoints/ were cleaned up, or into a partial run (config.yaml only),
+    is refused byte for byte; train.overwrite=true replaces it with exactly what a fresh run writes."""
+    out = copy_run(finished, tmp_path / "run")
+    shutil.rmtree(out / "checkpoints")  # a routine disk clean-up
+    before = snapshot(out)
+    with pytest.raises(ConfigError, match=r"already holds a run \(config.yaml, metrics.json, retriever, eval\): pass "
+                                          r"train.resume=true to continue it, train.overwrite=true to replace it"):
+        train_retriever(config(recipe_toy_dir, out, **{"train.lr": 0.5}))
+    assert snapshot(out) == before
+
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    (partial / "config.yaml").write_text("train: {}\n")
+    with pytest.raises(ConfigError, match=r"already holds a run \(config.yaml\)"):
+        train_retriever(config(recipe_toy_dir, partial))
+    assert (partial / "config.yaml").read_text() == "train: {}\n"
+
+    with pytest.raises(ConfigError, match="contradict"):
+        train_retriever(config(recipe_toy_dir, out, **{"train.resume": "true", "train.overwrite": "true"}))
+    metrics = train_retriever(config(recipe_toy_dir, out, **{"train.overwrite": "true"}))
+    same_as(out, metrics, finished)
+
+
+def test_resume_refuses_a_config_that_changes_the_computation(recipe_toy_dir, tmp_path, finished):
+    """lr, seed, top_k and a shape edited between a kill and train.resume=true: refused naming every key, old and
+    new value, before config.yaml is rewritten. Logging and save cadence may change: the run then ends as the
+    uninterrupted one."""
+    out = copy_run(finished, tmp_path / "run", killed=True)
+    saved = (out / "config.yaml").read_bytes()
+    edits = {"train.lr": 0.5, "train.seed": 3, "strategy.top_k": 5, "retriever.tiny.d_model": 48}
+    with pytest.raises(ConfigError) as caught:
+        train_retriever(config(recipe_toy_dir, out, **{"train.resume": "true", **edits}))
+    message = str(caught.value)
+    assert ("retriever.tiny.d_model: 32 -> 48; strategy.top_k: 4 -> 5; train.lr: 0.001 -> 0.5; train.seed: 0 -> 3"
+            in message), message
+    assert (out / "config.yaml").read_bytes() == saved
+    metrics = train_retriever(config(recipe_toy_dir, out, **{"train.resume": "true", "train.log_every": 3,
+                                                              "train.save_every": 3, "buffer.verify": "false"}))
+    same_as(out, metrics, finished)
+
+
+def test_resuming_keeps_the_evaluation_history(recipe_toy_dir, tmp_path, finished):
+    """The history (evaluations at steps 0, 2, 4) comes back from the checkpoint: a resumed finished run
+    rewrites metrics.json with the same history, not an empty one (the kill tests of test_faults.py compare
+    it after kills mid-run)."""
+    assert [entry["step"] for entry in finished[1]["history"]] == [0, 2, 4]
+    out = copy_run(finished, tmp_path / "run")
+    metrics = train_retriever(config(recipe_toy_dir, out, **{"train.resume": "true"}))
+    same_as(out, metrics, finished)
+
+
+def test_a_buffer_of_another_model_is_refused_on_resume(recipe_toy_dir, tmp_path, finished):
+    """Between the kill and the resume the run's buffer was rebuilt by a model with the same weights but cls
+    pooling: the resume stops naming both fingerprints instead of training against those vectors."""
+    from rag_train.buffer.build import build_buffer
+    from rag_train.buffer.store import vectors_fingerprint
+    from rag_train.data.corpus import Corpus
+    from rag_train.models.retriever import DualEncoder
+
+    out = copy_run(finished, tmp_path / "run", killed=True)
+    cfg = config(recipe_toy_dir, out, **{"train.resume": "true"})
+    own = DualEncoder.from_config(cfg.retriever, tokenizer=str(recipe_toy_dir / "tokenizer"))
+    cfg.retriever.pooling = "cls"
+    other = DualEncoder.from_config(cfg.retriever, tokenizer=str(recipe_toy_dir / "tokenizer"))
+    assert own.fingerprint() == other.fingerprint()  # same weights: only the pooling differs
+    build_buffer(other, Corpus.open(recipe_toy_dir / "passages.jsonl"), out / "buffer", batch_size=64,
+                 shard_rows=128, overwrite=True)
+    with pytest.raises(BufferError, match=f"model_fingerprint.*the buffer's {vectors_fingerprint(other)}, expected "
+                                          f"{vectors_fingerprint(own)}"):
+        train_retriever(config(recipe_toy_dir, out, **{"train.resume": "true"}))
+    assert_unfinished(out)
+
+
+def test_tracker_logs_are_not_replaced_by_the_saved_model(recipe_toy_dir, tmp_path):
+    out = tmp_path / "run"
+    train_retriever(config(recipe_toy_dir, out, **{"train.tracker": "tensorboard", "train.steps": 2}))
+    events = sorted(p.relative_to(out).as_posix() for p in out.rglob("events.out.tfevents*"))
+    assert events and all(name.startswith("logs/retriever/") for name in events), events
+
+
+# ---------------------------------------------------------------------------------------------------
+# a full disk, leftovers of killed writers, file modes
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_a_full_disk_during_a_checkpoint_is_named(recipe_toy_dir, tmp_path):
+    """RLIMIT_FSIZE (the kernel refuses to grow a file past 256 KiB: EFBIG, as a full disk gives ENOSPC) lets the
+    buffer be written but not the step-2 checkpoint's weights: the error names the checkpoint folder and the
+    filesystem's free space, and the half-written folder is gone."""
+    out = tmp_path / "run"
+    cfg = config(recipe_toy_dir, out)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (256 * 1024, hard))
+    try:
+        with pytest.raises(StorageError) as caught:
+            train_retriever(cfg)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, handler)
+    message = str(caught.value)
+    assert f"writing checkpoint step-00000002 into {out}/checkpoints/.tmp-step-00000002 failed" in message, message
+    assert f"MiB are free on the filesystem of {out}" in message and "no earlier checkpoint exists" in message
+    assert not (out / "checkpoints" / ".tmp-step-00000002").exists()
+    assert_unfinished(out)
+
+
+def test_leftovers_of_killed_writers_are_removed_on_resume(recipe_toy_dir, tmp_path, finished):
+    out = copy_run(finished, tmp_path / "run", killed=True)
+    leftovers = [out / "checkpoints" / ".latest.json.k2j3h4g5.tmp", out / ".metrics.json.a1b2c3d4.tmp"]
+    for path in leftovers:
+        path.write_text("{")
+    (out / ".retriever.x9y8z7w6.partial").mkdir()  # a saved model's folder being filled
+    metrics = train_retriever(config(recipe_toy_dir, out, **{"train.resume": "true"}))
+    same_as(out, metrics, finished)
+    assert not any(p.exists() for p in leftovers) and not (out / ".retriever.x9y8z7w6.partial").exists()
+
+
+def test_a_killed_export_is_cleaned_up_and_saved_folders_get_the_usual_modes(tmp_path, finished):
+    """An export SIGKILLed while its folder is filled leaves a hidden temporary folder; the next export to the same
+    place removes it. Saved models and exports get the umask's modes (mkdtemp's are 0700)."""
+    from rag_train.export import export_retriever
+
+    run = tmp_path / "run"
+    shutil.copytree(finished[0], run, ignore=shutil.ignore_patterns("checkpoints", "buffer"))
+    out = tmp_path / "exports" / "export"
+    killer = ("import os, sys, rag_train.export as e\n"
+              "towers = e._write_towers\n"
+              "def write_then_die(*a):\n"
+              "    towers(*a); os.kill(os.getpid(), 9)\n"
+              "e._write_towers = write_then_die\n"
+              "e.export_retriever(sys.argv[1], sys.argv[2])\n")
+    proc = subprocess.run([sys.executable, "-c", killer, str(run), str(out)], env=env(), capture_output=True,
+                          text=True, timeout=240)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    left = [p.name for p in out.parent.iterdir()]
+    assert len(left) == 1 and left[0].startswith(".export."), left  # what the kill left
+    export_retriever(run, out)
+    assert [p.name for p in out.parent.iterdir()] == ["export"]
+
+    umask = os.umask(0)
+    os.umask(umask)
+    for folder in (out, out / "query", finished[0] / "retriever", finished[0] / "checkpoints" / "step-00000006"):
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o777 & ~umask, folder
+
+
+# ---------------------------------------------------------------------------------------------------
+# reporting
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_recall_at_a_k_above_the_corpus_size_keeps_its_key():
+    """eval.recall_at=[1, 5000] on a 4-passage corpus: both keys are reported (recall through ir_measures, DPR
+    answer recall by hand), recall@5000 over the whole ranking: top-5000 of 4 passages is all of them."""
+    from rag_train.buffer.search import SearchResult
+    from rag_train.eval.retrieval import EvalSet, retrieval_metrics
+
+    class Corpus:
+        def id(self, row: int) -> str:
+            return f"p{row}"
+
+        def text(self, row: int) -> str:
+            return f"passage number {row}"
+
+    ranked = SearchResult(scores=torch.tensor([[4.0, 3.0, 2.0, 1.0]] * 2), rows=torch.tensor([[0, 1, 2, 3], [2, 3, 0, 1]]))
+    # q0: its judged passage p1 at rank 2, answer "1" in p1 (rank 2); q1: judged p0 at rank 3, answer "9" nowhere
+    data = EvalSet(["q0", "q1"], ["q0", "q1"], [{"p1": 1}, {"p0": 1}], [["1"], ["9"]])
+    metrics = retrieval_metrics(Corpus(), ranked, data, [5000, 1])
+    assert metrics["recall"] == {"1": 0.0, "5000": 1.0}
+    assert metrics["answer_recall"] == {"1": 0.0, "5000": 0.5}
+
+
+def test_the_error_line_starts_its_own_line_after_a_progress_bar(capsys):
+    from tqdm.auto import tqdm
+
+    from rag_train.cli import exit_on_fault
+    from rag_train.data.errors import DataError
+
+    bar = tqdm(total=10, desc="retriever")
+    bar.update(3)
+    with pytest.raises(SystemExit) as caught:
+        with exit_on_fault():
+            raise DataError("train.jsonl:3: field 'id': empty passage id")
+    err = capsys.readouterr().err
+    assert caught.value.code == 2 and "\nerror: train.jsonl:3: field 'id': empty passage id\n" in err, repr(err)
+
+
+def test_exit_statuses_under_accelerate_launch(tmp_path):
+    """What docs/reliability.md says users get from `accelerate launch` (one process): the script's `error:` line,
+    the launcher's status 1, and the script's own status in the launcher's last line."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines", "1",
+           "--mixed_precision", "no", "--dynamo_backend", "no", str(ROOT / "scripts" / "train_retriever.py"),
+           "train.stepz=3", f"train.output_dir={tmp_path / 'run'}"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert proc.stderr.startswith("error: override 'train.stepz=3': unknown config key 'train.stepz'\n")
+    assert proc.stderr.rstrip().endswith("returned non-zero exit status 2."), proc.stderr[-3000:]
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_exit_statuses_under_a_two_process_accelerate_launch(tmp_path):
+    """Two processes (torchrun): each rank prints the `error:` line, the launcher exits 1, and its report names
+    the failed rank's own status as the root cause."""
+    from conftest import launch_command
+
+    cmd = launch_command(ROOT / "scripts" / "train_retriever.py", "train.stepz=3", f"train.output_dir={tmp_path / 'run'}")
+    proc = subprocess.run(cmd, cwd=ROOT, env=env(OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "error: override 'train.stepz=3': unknown config key 'train.stepz'" in proc.stderr
+    root_cause = proc.stderr.split("Root Cause (first observed failure):")[1]
+    assert "exitcode  : 2" in root_cause, proc.stderr[-3000:]
