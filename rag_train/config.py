@@ -176,7 +176,12 @@ class BufferConfig:
     path: Optional[str] = None  # reuse this buffer dir (manifest decides if it matches); default: run_dir/buffer
     dtype: str = "float16"  # on-disk dtype
     shard_rows: int = 1_000_000
-    embed_batch_size: int = 256
+    # corpus embedding (buffer build, exhaustive refresh, evaluation, export: rag_train/buffer/embed.py)
+    embed_batch_size: int = 256  # passages per batch, at most
+    embed_batch_tokens: int = 0  # padded tokens per batch, at most (0: embed_batch_size x max_passage_length)
+    # DataLoader worker processes that read and tokenise passages while the model encodes (0: in the main
+    # process). On a GPU host give it several cores (e.g. 8); on a 2-core CPU host 1 (docs/embed_benchmark.md)
+    embed_workers: int = 1
     search: str = "corrector_full"  # exact | corrector_full | corrector_rerank
     chunk_rows: int = 65536  # rows scored per chunk: peak extra memory O(chunk x (hidden + k))
     faiss_index: str = "Flat"  # candidate index for corrector_rerank: Flat | IVF{n},Flat | HNSW{m} | any factory string
@@ -192,6 +197,8 @@ class BufferConfig:
         _choice("buffer", "search", self.search, ("exact", "corrector_full", "corrector_rerank"))
         for key in ("shard_rows", "embed_batch_size", "chunk_rows", "rerank_candidates"):
             _positive("buffer", key, getattr(self, key))
+        for key in ("embed_batch_tokens", "embed_workers"):
+            _positive("buffer", key, getattr(self, key), allow_zero=True)
 
 
 STRATEGIES = ("in_batch", "uniform", "stale", "exhaustive", "snm", "negative_cache", "corrector", "frozen", "closed_book")
@@ -298,9 +305,14 @@ class EvalConfig:
     batch_size: int = 64
     recall_at: list[int] = field(default_factory=lambda: [1, 5, 10, 20, 100])
     num_passages: Optional[int] = None  # RLM: passages given to the reader at eval (default strategy.top_k)
+    # Evaluations DURING training (train.eval_every) embed the corpus afresh only up to this many rows; a larger
+    # corpus is ranked over the stale buffer instead (no corpus pass; a strategy without a buffer embeds afresh).
+    # The final evaluation always embeds afresh (exact). 0: always over the buffer (docs/scale.md).
+    fresh_rows: int = 1_000_000
 
     def __post_init__(self) -> None:
         _positive("eval", "batch_size", self.batch_size)
+        _positive("eval", "fresh_rows", self.fresh_rows, allow_zero=True)
         for k in self.recall_at:
             _positive("eval", "recall_at", k)
 

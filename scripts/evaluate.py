@@ -63,6 +63,7 @@ def main() -> None:
         max_answer_length=cfg.reader.max_answer_length,
         batch_size=args.batch_size or cfg.eval.batch_size,
         closed_book=cfg.strategy.name == "closed_book",
+        embed_workers=cfg.buffer.embed_workers,
     )
     metrics, predictions = evaluate_qa(retriever, reader, tokenizer, corpus, sets, settings, accelerator,
                                        out_dir=run / "eval")

@@ -21,6 +21,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 
+from rag_train.buffer.embed import CorpusPasses
 from rag_train.config import ConfigError, save_config, to_yaml
 from rag_train.io import (CorruptFileError, atomic_write_json, folder_checksums, fsync_tree, read_json, sha256_file,
                           verify_checksums)
@@ -134,6 +135,7 @@ class TrainingRun:
         strategy = getattr(cfg, "strategy", None)  # recipes without a strategy (generative) have no corrector
         self.guard = NonFiniteGuard(cfg.train.max_bad_steps, strategy.corrector.max_loss if strategy else 0.0)
         self.model: Optional[torch.nn.Module] = None  # the prepared module (`prepare`)
+        self.passes = CorpusPasses(self.accelerator.print)  # whole-corpus embedding passes, for metrics.json
         self.started = time.time()
         if self.accelerator.is_main_process:
             self._tidy_checkpoints()
@@ -334,7 +336,8 @@ class TrainingRun:
     def write_metrics(self, metrics: dict) -> None:
         """metrics.json (atomically), the marker of a finished run. Adds the fault counters and the wall time to
         `metrics` (in place, so the recipe returns what was written)."""
-        metrics.update(self.guard.counts(), wall_seconds=round(time.time() - self.started, 2))
+        metrics.update(self.guard.counts(), wall_seconds=round(time.time() - self.started, 2),
+                       corpus_passes=self.passes.records)
         if self.accelerator.is_main_process:
             atomic_write_json(self.dir / "metrics.json", metrics)
 
