@@ -64,6 +64,7 @@ def main() -> None:
         batch_size=args.batch_size or cfg.eval.batch_size,
         closed_book=cfg.strategy.name == "closed_book",
         embed_workers=cfg.buffer.embed_workers,
+        embed_batch_size=cfg.buffer.embed_batch_size,
     )
     metrics, predictions = evaluate_qa(retriever, reader, tokenizer, corpus, sets, settings, accelerator,
                                        out_dir=run / "eval")

@@ -31,6 +31,7 @@ class QAEvalSettings:
     batch_size: int
     closed_book: bool = False
     embed_workers: int = 0  # buffer.embed_workers for the corpus pass
+    embed_batch_size: int = 256  # buffer.embed_batch_size for the corpus pass
 
 
 @torch.no_grad()
@@ -47,7 +48,7 @@ def evaluate_qa(retriever: nn.Module, reader: nn.Module, tokenizer, corpus: Corp
     k = settings.num_passages
     vectors = offset = None
     if not settings.closed_book:
-        vectors, offset = shard or embed_local_shard(retriever, corpus, accelerator, settings.batch_size,
+        vectors, offset = shard or embed_local_shard(retriever, corpus, accelerator, settings.embed_batch_size,
                                                      num_workers=settings.embed_workers)
     was_training = reader.training
     reader.eval()
