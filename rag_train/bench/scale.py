@@ -41,6 +41,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=20, help="Algorithm-2 steps through the corrector")
     parser.add_argument("--refresh-every", type=int, default=10, help="exhaustive run: steps, one refresh at the end")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--only", choices=["corrector", "exhaustive"], default=None,
+                        help="run one of the two runs (the exhaustive one needs the corrector run's buffer and warm "
+                             "starts finished: it can start while the corrector run trains)")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides for both runs")
     return parser.parse_args(argv)
 
@@ -176,11 +179,13 @@ def main(argv=None) -> None:
     first = root / "run-corrector"
     corrector = load_config(RLMConfig, config, common + [f"train.output_dir={first}", f"train.steps={args.steps}",
                                                          "strategy.name=corrector"])
-    stages.append(run_stage("corrector", corrector, probe))
+    if args.only != "exhaustive":
+        stages.append(run_stage("corrector", corrector, probe))
     exhaustive = load_config(RLMConfig, config, common + [
         f"train.output_dir={root / 'run-exhaustive'}", f"train.steps={args.refresh_every}",
         "strategy.name=exhaustive", f"strategy.refresh_every={args.refresh_every}",
         f"buffer.path={first / 'buffer'}", f"warm_start.from_run={first}"])
-    stages.append(run_stage("exhaustive", exhaustive, probe))
-    (root / "scale.json").write_text(json.dumps(stages, indent=1))
+    if args.only != "corrector":
+        stages.append(run_stage("exhaustive", exhaustive, probe))
+    (root / f"scale{'-' + args.only if args.only else ''}.json").write_text(json.dumps(stages, indent=1))
     print(json.dumps(stages, indent=1))
