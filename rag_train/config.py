@@ -178,7 +178,12 @@ class BufferConfig:
     path: Optional[str] = None  # reuse this buffer dir (manifest decides if it matches); default: run_dir/buffer
     dtype: str = "float16"  # on-disk dtype
     shard_rows: int = 1_000_000
-    embed_batch_size: int = 256
+    # corpus embedding (buffer build, exhaustive refresh, evaluation, export: rag_train/buffer/embed.py)
+    embed_batch_size: int = 256  # passages per batch, at most
+    embed_batch_tokens: int = 0  # padded tokens per batch, at most (0: embed_batch_size x max_passage_length)
+    # DataLoader worker processes that read and tokenise passages while the model encodes (0: in the main
+    # process). On a GPU host give it several cores (e.g. 8); on a 2-core CPU host 1 (docs/embed_benchmark.md)
+    embed_workers: int = 1
     # how a strategy with an index searches it: `full` scores every row (<q, b>, or <q, h(b)> through the
     # corrector); `rerank` re-scores the same way only FAISS candidates, for a never-refreshed buffer that does not
     # fit device memory (stale, frozen, corrector; each strategy declares what it supports)
@@ -198,6 +203,8 @@ class BufferConfig:
         for key in ("shard_rows", "embed_batch_size", "chunk_rows", "rerank_candidates"):
             check_positive("buffer", key, getattr(self, key))
         _device("buffer", "device", self.device)
+        for key in ("embed_batch_tokens", "embed_workers"):
+            check_positive("buffer", key, getattr(self, key), allow_zero=True)
 
 
 @dataclass
@@ -284,9 +291,14 @@ class EvalConfig:
     batch_size: int = 64
     recall_at: list[int] = field(default_factory=lambda: [1, 5, 10, 20, 100])
     num_passages: Optional[int] = None  # RLM: passages given to the reader at eval (default strategy.top_k)
+    # Evaluations DURING training (train.eval_every) embed the corpus afresh only up to this many rows; a larger
+    # corpus is ranked over the stale buffer instead (no corpus pass; a strategy without a buffer embeds afresh).
+    # The final evaluation always embeds afresh (exact). 0: always over the buffer (docs/scale.md).
+    fresh_rows: int = 1_000_000
 
     def __post_init__(self) -> None:
         check_positive("eval", "batch_size", self.batch_size)
+        check_positive("eval", "fresh_rows", self.fresh_rows, allow_zero=True)
         for k in self.recall_at:
             check_positive("eval", "recall_at", k)
 

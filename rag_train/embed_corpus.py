@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from rag_train.buffer.build import build_buffer
+from rag_train.buffer.embed import CorpusPasses
 from rag_train.buffer.store import Buffer
 from rag_train.config import BufferConfig, ConfigError, DataConfig, RetrieverConfig, check_positive
 from rag_train.data.corpus import Corpus
@@ -60,4 +61,5 @@ def embed_corpus(cfg: EmbedConfig, accelerator=None) -> Buffer:
         model = DualEncoder.from_config(cfg.retriever, tokenizer, seed=cfg.seed)
     return build_buffer(model, corpus, cfg.output or cfg.buffer.path, batch_size=cfg.buffer.embed_batch_size,
                         shard_rows=cfg.buffer.shard_rows, dtype=cfg.buffer.dtype, accelerator=accelerator,
-                        overwrite=cfg.overwrite)
+                        overwrite=cfg.overwrite, num_workers=cfg.buffer.embed_workers,
+                        batch_tokens=cfg.buffer.embed_batch_tokens, passes=CorpusPasses(accelerator.print))

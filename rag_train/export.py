@@ -174,18 +174,20 @@ def _write_towers(model: DualEncoder, out: Path, meta: dict, keys: dict, headlin
 
 
 def _embed_into_index(model: DualEncoder, corpus: Corpus, factory: str, batch_size: int, device: torch.device,
-                      train_rows: int = 262144, chunk_rows: int = 65536):
+                      train_rows: int = 262144, chunk_rows: int = 65536, num_workers: int = 1):
     """Inner-product FAISS index over every corpus row (in row order), embedded chunk by chunk."""
     import faiss
 
     index = faiss.index_factory(model.dim, factory, faiss.METRIC_INNER_PRODUCT)
     if not index.is_trained:
         sample = np.linspace(0, len(corpus) - 1, num=min(len(corpus), train_rows)).astype(np.int64)
-        index.train(embed_rows(model, corpus, sample, batch_size, torch.device("cpu"), progress=True).numpy())
+        index.train(embed_rows(model, corpus, sample, batch_size, torch.device("cpu"), progress=True,
+                               num_workers=num_workers).numpy())
     bar = tqdm(total=len(corpus), desc="index", unit="psg")
     for start in range(0, len(corpus), chunk_rows):
         rows = np.arange(start, min(start + chunk_rows, len(corpus)))
-        index.add(np.ascontiguousarray(embed_rows(model, corpus, rows, batch_size, torch.device("cpu")).numpy()))
+        vectors = embed_rows(model, corpus, rows, batch_size, torch.device("cpu"), num_workers=num_workers)
+        index.add(np.ascontiguousarray(vectors.numpy()))
         bar.update(len(rows))
     bar.close()
     return index
@@ -272,7 +274,9 @@ def export_retriever(run_dir: str | Path, out_dir: str | Path, faiss_factory: Op
         if faiss_factory is not None:
             import faiss
 
-            index = _embed_into_index(model, corpus_store, faiss_factory, batch_size, torch.device("cpu"))
+            workers = (config.get("buffer") or {}).get("embed_workers", 1)  # the run's own setting
+            index = _embed_into_index(model, corpus_store, faiss_factory, batch_size, torch.device("cpu"),
+                                      num_workers=workers)
             with atomic_open(tmp / FAISS_FILE) as handle:
                 handle.write(faiss.serialize_index(index).tobytes())
             ids = np.array([corpus_store.id(row) for row in range(len(corpus_store))], dtype=np.str_)

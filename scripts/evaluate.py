@@ -66,6 +66,8 @@ def main() -> None:
         max_answer_length=cfg.reader.max_answer_length,
         batch_size=args.batch_size or cfg.eval.batch_size,
         closed_book=not REGISTRY[cfg.strategy.name].retrieves,
+        embed_workers=cfg.buffer.embed_workers,
+        embed_batch_size=cfg.buffer.embed_batch_size,
     )
     metrics, predictions = evaluate_qa(retriever, reader, tokenizer, corpus, sets, settings, accelerator,
                                        out_dir=run / "eval")

@@ -46,14 +46,14 @@ def world(tmp_path_factory):
 
 
 def counting(model) -> list[int]:
-    """Record the batch sizes `model.encode_passages` is called with."""
-    calls, encode = [], model.encode_passages
+    """Record the batch sizes the embedding path encodes (`model.encode_passage_features`)."""
+    calls, encode = [], model.encode_passage_features
 
-    def wrapped(passages):
-        calls.append(len(passages))
-        return encode(passages)
+    def wrapped(features):
+        calls.append(len(features["input_ids"]))
+        return encode(features)
 
-    model.encode_passages = wrapped
+    model.encode_passage_features = wrapped
     return calls
 
 

@@ -92,8 +92,19 @@ def test_strategies_train_and_write_metrics(recipe_toy_dir, tmp_path, monkeypatc
         return perplexity_distillation(retriever_scores, reader_loglik, *args)
 
     monkeypatch.setattr(rlm, "perplexity_distillation", recording)
-    result = rlm.train_rlm(config(recipe_toy_dir, tmp_path / "run", name))
+    extra = {"buffer.dtype": "float32"}
+    if name == "stale":  # evaluations during training over the stale buffer: no corpus pass each
+        extra.update({"train.eval_every": 2, "eval.fresh_rows": 0})
+    result = rlm.train_rlm(config(recipe_toy_dir, tmp_path / "run", name, **extra))
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    passes = [(p["reason"], p["rows"]) for p in metrics["corpus_passes"]]
+    if name == "closed_book":  # no buffer, no retrieval at eval: the warm start's recall is the one pass
+        assert passes == [("warm-start retriever's dev recall (no stale buffer)", 300)]
+    else:  # the buffer once (it also gives the warm start's recall), the exact final evaluation once
+        assert passes == [("stale buffer build", 300), ("final evaluation", 300)]
+    if name == "stale":
+        assert [entry["step"] for entry in metrics["history"]] == [0, 2, STEPS]
+        check_warm_start_recall(recipe_toy_dir, tmp_path / "run", metrics["warm_start_retriever"])
     by_hand = hand_metrics(tmp_path / "run", recipe_toy_dir / "passages.jsonl")
     assert metrics["em"] == pytest.approx({name: m["em"] for name, m in by_hand.items()}, abs=1e-12)
     recall = metrics[f"answer_recall@{TOP_K}"]
@@ -135,6 +146,23 @@ def _check_run_file(run_dir: Path, toy_dir: Path, metrics: dict) -> None:
     final = metrics["history"][-1]["nq"]
     gold = [len(set(questions[q]["gold_ids"]) & set(docs)) / len(questions[q]["gold_ids"]) for q, docs in ranked.items()]
     assert final[f"recall@{TOP_K}"] == pytest.approx(sum(gold) / len(gold), abs=1e-12)
+
+
+def check_warm_start_recall(toy_dir: Path, run_dir: Path, over_buffer: dict) -> None:
+    """The warm start's dev recall read off the (float32) stale buffer equals a fresh corpus pass."""
+    from accelerate import Accelerator
+
+    from rag_train.data.corpus import Corpus
+    from rag_train.eval.retrieval import evaluate_retrieval
+    from rag_train.data.sources import dataset_name
+    from rag_train.eval.retrieval import load_eval_set
+
+    corpus = Corpus.open(toy_dir / "passages.jsonl")
+    path = toy_dir / "retrieval-dev.jsonl"
+    sets = {dataset_name(path): load_eval_set(path, corpus, limit=200)}
+    retriever = DualEncoder.load(run_dir / "warm_start_retriever" / "retriever")
+    fresh = evaluate_retrieval(retriever, corpus, sets, [1, 5, 10, 20, 100], Accelerator(cpu=True), 64)
+    assert over_buffer == json.loads(json.dumps(fresh)) and next(iter(fresh.values()))["recall"]["1"] > 0
 
 
 def test_corrector_trains_on_its_deeper_candidates(recipe_toy_dir, tmp_path, monkeypatch):
@@ -294,6 +322,7 @@ def test_retrieved_distractors_are_the_top_ranked_non_gold_rows(recipe_toy_dir):
 
     from accelerate import Accelerator
 
+    from rag_train.buffer.embed import CorpusPasses
     from rag_train.config import RetrieverConfig
     from rag_train.data.corpus import Corpus
     from rag_train.data.qa import load_qa
@@ -305,8 +334,8 @@ def test_retrieved_distractors_are_the_top_ranked_non_gold_rows(recipe_toy_dir):
     torch.manual_seed(0)
     retriever = DualEncoder.from_config(RetrieverConfig(tiny=TinyModelConfig(d_model=32, d_ff=64, d_kv=8)),
                                         tokenizer=str(recipe_toy_dir / "tokenizer")).eval()
-    found = retrieved_distractors(retriever, corpus, examples, 3, SimpleNamespace(accelerator=Accelerator(cpu=True)),
-                                  batch_size=64)
+    run = SimpleNamespace(accelerator=Accelerator(cpu=True), passes=CorpusPasses())
+    found = retrieved_distractors(retriever, corpus, examples, 3, run, None, batch_size=64)
     with torch.no_grad():
         passages = torch.cat([retriever.encode_passages(corpus.passages(range(s, min(s + 64, len(corpus)))))
                               for s in range(0, len(corpus), 64)])

@@ -8,6 +8,7 @@ main process writes the final `manifest.json` (complete: true) after all process
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from pathlib import Path
@@ -21,7 +22,7 @@ from rag_train.buffer.store import (
     MANIFEST, STORAGE_DTYPES, Buffer, BufferError, manifest_dict, shard_file_name, to_storage, vectors_fingerprint,
     write_shard,
 )
-from rag_train.buffer.embed import embed_rows
+from rag_train.buffer.embed import CorpusPasses, embed_rows
 from rag_train.io import atomic_write_json, sha256_file
 
 logger = logging.getLogger(__name__)
@@ -60,10 +61,11 @@ def _finished(out_dir: Path, index: int, expected: dict) -> Optional[dict]:
     return record if sha256_file(out_dir / expected["file"]) == record.get("sha256") else None
 
 
-def encode_rows(model, corpus, start: int, end: int, batch_size: int, on_batch=None) -> torch.Tensor:
-    """g(y) for corpus rows [start, end), encoded in length-sorted batches, returned in row order (fp32, CPU)."""
+def encode_rows(model, corpus, start: int, end: int, batch_size: int, on_batch=None, num_workers: int = 0,
+                batch_tokens: int = 0) -> torch.Tensor:
+    """g(y) for corpus rows [start, end), encoded in length-bucketed batches, returned in row order (fp32, CPU)."""
     return embed_rows(model, corpus, np.arange(start, end, dtype=np.int64), batch_size, torch.device("cpu"),
-                      on_batch=on_batch)
+                      on_batch=on_batch, num_workers=num_workers, batch_tokens=batch_tokens)
 
 
 def _existing_buffer(out_dir: Path, model_fp: str, corpus_fp: str, dtype: str, overwrite: bool) -> Optional[Buffer]:
@@ -103,13 +105,15 @@ def _remove_unplanned_shards(out_dir: Path, num_shards: int) -> None:
 
 
 def build_buffer(model, corpus, out_dir: Union[str, Path], batch_size: int = 256, shard_rows: int = 1_000_000,
-                 dtype: str = "float16", accelerator=None, overwrite: bool = False) -> Buffer:
+                 dtype: str = "float16", accelerator=None, overwrite: bool = False, num_workers: int = 0,
+                 batch_tokens: int = 0, passes: Optional[CorpusPasses] = None) -> Buffer:
     """Embed every corpus row with `model.encode_passages` into a buffer at `out_dir`; resumes a killed build.
 
     `model` is a DualEncoder (or anything with `encode_passages`, `dim`, `fingerprint()`); `corpus` a
     Corpus (`len`, `passages(rows)`, `byte_lengths()`, `fingerprint`). With an accelerate `Accelerator`, each process
     encodes its own block of shards; every process returns the same opened Buffer. A complete buffer
-    of another model / corpus in `out_dir` is an error unless `overwrite`.
+    of another model / corpus in `out_dir` is an error unless `overwrite`. `num_workers` / `batch_tokens`:
+    see `embed_rows`; `passes` records the encoding as a corpus pass (nothing when every shard is reused).
     """
     if dtype not in STORAGE_DTYPES:
         raise BufferError(f"dtype {dtype!r} is not one of {list(STORAGE_DTYPES)}")
@@ -145,11 +149,14 @@ def build_buffer(model, corpus, out_dir: Union[str, Path], batch_size: int = 256
                     desc=f"embedding corpus (rank 0 of {world})", disable=not is_main)
     was_training = model.training
     model.eval()
+    share = f" (rank 0's share of {world} processes)" if world > 1 else ""
+    timed = passes.timed(f"stale buffer build{share}", progress.total) if passes and todo else contextlib.nullcontext()
     try:
-        with torch.inference_mode():
+        with torch.inference_mode(), timed:
             for index in todo:
                 start, end = plan[index]
-                vectors = encode_rows(model, corpus, start, end, batch_size, on_batch=progress.update)
+                vectors = encode_rows(model, corpus, start, end, batch_size, on_batch=progress.update,
+                                      num_workers=num_workers, batch_tokens=batch_tokens)
                 record = dict(planned[index], sha256=write_shard(out_dir / planned[index]["file"],
                                                                  to_storage(vectors, dtype)))
                 atomic_write_json(_sidecar(out_dir, index), record)

@@ -1,18 +1,41 @@
-"""Embedding corpus rows with the current passage encoder, without gradient, sharded over processes."""
+"""The one path that embeds corpus passages g(y) without gradient: buffer build, exhaustive refresh,
+evaluation, the warm start's retrieval metrics and export all call `embed_rows`.
+
+The host side is built not to starve the device (issue 15: transformers' per-token list -> tensor
+conversion on the main thread kept an H100 at 6%):
+  * a torch `DataLoader` whose worker processes (`num_workers`, 0 = in this process) read passages and
+    tokenise them with the Rust tokenizer's batch API (`tokenizers.Tokenizer.encode_batch_fast`) straight
+    into integer arrays;
+  * rows are sorted by byte length, cut into chunks, and each chunk is split into batches of similar token
+    length under a row cap (`batch_size`) and a padded-token budget (`batch_tokens`);
+  * on CUDA: pinned host memory, asynchronous host-to-device copies, bf16 autocast, and device-to-host
+    copies of the vectors that are waited for a few batches later.
+The batch plan depends only on the rows and the tokenizer (not on worker timing), so the same rows give
+the same bytes whatever `num_workers` is.
+"""
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Optional
 
 import numpy as np
 import torch
 from accelerate import Accelerator
 from torch import nn
+from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
 from rag_train.buffer.distributed import shard_range
 from rag_train.data.corpus import Corpus
+
+CHUNK_BATCHES = 8  # rows a worker tokenises at once: this many row caps (amortises its per-call overhead)
+PENDING_COPIES = 4  # device -> host copies in flight before the oldest is waited for
 
 
 def autocast_for(device: torch.device):
@@ -27,34 +50,195 @@ def length_sorted_order(lengths: np.ndarray) -> np.ndarray:
     return np.argsort(lengths, kind="stable")
 
 
+class PassageTokenizer:
+    """The passage tower's tokenizer as a bare Rust `tokenizers.Tokenizer` (picklable, so it travels to
+    DataLoader workers), set up exactly as sentence-transformers calls it (special tokens added, truncation
+    'longest_first' at `max_length` on the tokenizer's truncation side) but returning numpy arrays."""
+
+    def __init__(self, hf_tokenizer, max_length: int):
+        from tokenizers import Tokenizer
+
+        backend = getattr(hf_tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            raise TypeError(f"{type(hf_tokenizer).__name__} has no Rust backend (a 'fast' tokenizer with "
+                            "tokenizer.json is needed to embed passages); save the model with a fast tokenizer")
+        self.backend = Tokenizer.from_str(backend.to_str())  # a copy: the tower's own settings stay untouched
+        self.backend.no_padding()
+        self.backend.enable_truncation(max_length, stride=0, strategy="longest_first",
+                                       direction=getattr(hf_tokenizer, "truncation_side", "right"))
+        self.pad_id = int(hf_tokenizer.pad_token_id if hf_tokenizer.pad_token_id is not None else 0)
+        self.type_ids = "token_type_ids" in getattr(hf_tokenizer, "model_input_names", ())
+        self.max_length = max_length
+
+    @classmethod
+    def for_passages(cls, model: nn.Module) -> "PassageTokenizer":
+        """The tokenizer of a DualEncoder's passage tower at its `max_passage_length`."""
+        return cls(model.passage_encoder[0].tokenizer, model.max_passage_length)
+
+    def encode(self, texts: list[str]) -> tuple[list[list[int]], np.ndarray]:
+        """(token ids of each text, int64 lengths); no padding. The ids come back from Rust as lists."""
+        encode = getattr(self.backend, "encode_batch_fast", self.backend.encode_batch)  # _fast: no offsets
+        ids = [encoding.ids for encoding in encode(texts, add_special_tokens=True)]
+        return ids, np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+
+    def features(self, ids: list[list[int]], lengths: np.ndarray) -> dict[str, torch.Tensor]:
+        """Right-padded input_ids / attention_mask (/ token_type_ids) of the texts with token ids `ids`."""
+        padded = np.full((len(ids), int(lengths.max())), self.pad_id, dtype=np.int64)
+        for row, (tokens, length) in enumerate(zip(ids, lengths)):
+            padded[row, :length] = tokens  # one C-level copy per text, no per-token Python
+        mask = np.arange(padded.shape[1]) < lengths[:, None]
+        out = {"input_ids": torch.from_numpy(padded), "attention_mask": torch.from_numpy(mask.astype(np.int64))}
+        if self.type_ids:  # single sequences: all segment 0, as the HF tokenizer returns them
+            out["token_type_ids"] = torch.zeros_like(out["input_ids"])
+        return out
+
+
+def plan_batches(lengths: np.ndarray, batch_size: int, batch_tokens: int) -> list[np.ndarray]:
+    """Positions of `lengths`, sorted by length, cut into batches of at most `batch_size` rows whose padded
+    size (rows x longest) stays within `batch_tokens` (a row longer than the budget is a batch of its own)."""
+    order = np.argsort(lengths, kind="stable")
+    batches, start = [], 0
+    while start < len(order):
+        end = start + 1
+        while end < len(order) and end - start < batch_size and (end + 1 - start) * lengths[order[end]] <= batch_tokens:
+            end += 1
+        batches.append(order[start:end])
+        start = end
+    return batches
+
+
+@dataclass
+class _Chunks(Dataset):
+    """Item i: the tokenised batches of chunk i of `rows` (in length-sorted order), each a dict of tensors
+    with `positions` (indices into `rows`, where its vectors go)."""
+
+    corpus: Corpus
+    rows: np.ndarray
+    chunks: list[np.ndarray]  # positions into `rows`, per chunk
+    tokenizer: PassageTokenizer
+    batch_size: int
+    batch_tokens: int
+
+    def __len__(self) -> int:
+        return len(self.chunks)
+
+    def __getitem__(self, index: int) -> list[dict[str, torch.Tensor]]:
+        from rag_train.models.retriever import format_passage
+
+        positions = self.chunks[index]
+        texts = [format_passage(p) for p in self.corpus.passages(self.rows[positions])]
+        ids, lengths = self.tokenizer.encode(texts)
+        batches = []
+        for picked in plan_batches(lengths, self.batch_size, self.batch_tokens):
+            batch = self.tokenizer.features([ids[i] for i in picked], lengths[picked])
+            batch["positions"] = torch.from_numpy(positions[picked])
+            batches.append(batch)
+        return batches
+
+
+def _quiet_worker(_: int) -> None:
+    """Workers tokenise on one thread each (the workers are the parallelism) and skip the fork warning."""
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    torch.set_num_threads(1)
+
+
+def passage_loader(corpus: Corpus, rows: np.ndarray, tokenizer: PassageTokenizer, batch_size: int,
+                   batch_tokens: int, num_workers: int, pin_memory: bool) -> DataLoader:
+    """A DataLoader over the tokenised, length-bucketed batches of `rows` (one item = one chunk's batches)."""
+    order = length_sorted_order(corpus.byte_lengths()[rows]) if len(rows) else np.zeros(0, dtype=np.int64)
+    step = batch_size * CHUNK_BATCHES
+    chunks = [order[start: start + step] for start in range(0, len(order), step)]
+    dataset = _Chunks(corpus, rows, chunks, tokenizer, batch_size, batch_tokens)
+    workers = min(num_workers, len(chunks))
+    # its own generator: iterating a DataLoader draws a seed, which must not move the global RNG of training
+    return DataLoader(dataset, batch_size=None, shuffle=False, num_workers=workers, pin_memory=pin_memory,
+                      worker_init_fn=_quiet_worker if workers else None, generator=torch.Generator(),
+                      prefetch_factor=4 if workers else None)
+
+
 @torch.inference_mode()
 def embed_rows(model: nn.Module, corpus: Corpus, rows: np.ndarray, batch_size: int, device: torch.device,
-               progress: bool = False, on_batch: Optional[Callable[[int], None]] = None) -> torch.Tensor:
-    """[len(rows), D] fp32 vectors of `corpus` rows from `model.encode_passages` (a DualEncoder), in eval
-    mode; batches are length-sorted (less padding) and scattered back to the order of `rows`."""
+               progress: bool = False, on_batch: Optional[Callable[[int], None]] = None, num_workers: int = 0,
+               batch_tokens: Optional[int] = None) -> torch.Tensor:
+    """[len(rows), D] fp32 vectors g(y) of `corpus` rows, in the order of `rows`, on `device`, from the passage
+    tower of `model` (a DualEncoder) in eval mode; the same vectors as `model.encode_passages` (to float
+    rounding: batches differ). `batch_tokens` defaults to `batch_size` x `max_passage_length` (no extra cap)."""
     rows = np.asarray(rows, dtype=np.int64)
     was_training = model.training
     model.eval()
     model_device = next(model.parameters()).device
+    on_cuda = model_device.type == "cuda"
+    tokenizer = PassageTokenizer.for_passages(model)
+    budget = batch_tokens or batch_size * tokenizer.max_length
+    loader = passage_loader(corpus, rows, tokenizer, batch_size, budget, num_workers, pin_memory=on_cuda)
     out = torch.empty(len(rows), model.dim, device=device)
-    order = length_sorted_order(corpus.byte_lengths()[rows]) if len(rows) else rows
+    pending: collections.deque = collections.deque()  # (positions, host vectors, copy-done event)
+
+    def land(positions, vectors, done=None) -> None:
+        if done is not None:
+            done.synchronize()
+        out[positions.to(out.device)] = vectors.to(out.device)
+
     bar = tqdm(total=len(rows), desc="embed", unit="psg", disable=not progress, leave=False)
-    for start in range(0, len(rows), batch_size):
-        picked = order[start : start + batch_size]
-        with autocast_for(model_device):
-            vectors = model.encode_passages(corpus.passages(rows[picked]))
-        out[torch.as_tensor(picked, device=device)] = vectors.float().to(device)
-        bar.update(len(picked))
-        if on_batch is not None:
-            on_batch(len(picked))
+    for chunk in loader:
+        for batch in chunk:
+            positions = batch.pop("positions")
+            features = {name: tensor.to(model_device, non_blocking=True) for name, tensor in batch.items()}
+            with autocast_for(model_device):
+                vectors = model.encode_passage_features(features).float()
+            if on_cuda and out.device.type == "cpu":  # copy back asynchronously, wait for it a few batches later
+                done = torch.cuda.Event()
+                pending.append((positions, vectors.to("cpu", non_blocking=True), done))
+                done.record()
+                if len(pending) > PENDING_COPIES:
+                    land(*pending.popleft())
+            else:
+                land(positions, vectors)
+            bar.update(len(positions))
+            if on_batch is not None:
+                on_batch(len(positions))
+    while pending:
+        land(*pending.popleft())
     bar.close()
     model.train(was_training)
     return out
 
 
-def embed_local_shard(model: nn.Module, corpus: Corpus, accelerator: Accelerator, batch_size: int) -> tuple[torch.Tensor, int]:
+def embed_local_shard(model: nn.Module, corpus: Corpus, accelerator: Accelerator, batch_size: int,
+                      num_workers: int = 0, batch_tokens: Optional[int] = None) -> tuple[torch.Tensor, int]:
     """This process's contiguous share of the whole corpus, embedded now: (vectors, first global row)."""
     start, end = shard_range(len(corpus), accelerator.process_index, accelerator.num_processes)
     vectors = embed_rows(model, corpus, np.arange(start, end), batch_size, accelerator.device,
-                         progress=accelerator.is_local_main_process)
+                         progress=accelerator.is_local_main_process, num_workers=num_workers,
+                         batch_tokens=batch_tokens)
     return vectors, start
+
+
+def buffer_local_shard(directory: Path, accelerator: Accelerator) -> tuple[torch.Tensor, int]:
+    """The same share as `embed_local_shard`, read from the stale buffer at `directory` instead of embedded:
+    (vectors, first global row); fp32 on CPU, the buffer's dtype on an accelerator (as the stale search)."""
+    from rag_train.buffer.store import Buffer
+
+    buffer = Buffer.open(directory)
+    start, end = shard_range(buffer.rows, accelerator.process_index, accelerator.num_processes)
+    rows = buffer.tensor(start, end)
+    device = accelerator.device
+    return rows.to(device, torch.float32 if device.type == "cpu" else rows.dtype), start
+
+
+class CorpusPasses:
+    """The whole-corpus embedding passes a run makes, each with why, rows and seconds: printed as they end
+    and kept for metrics.json, so a run's cost in corpus passes is visible (docs/scale.md)."""
+
+    def __init__(self, printer: Callable[[str], None] = print):
+        self.printer = printer
+        self.records: list[dict] = []
+
+    @contextlib.contextmanager
+    def timed(self, reason: str, rows: int):
+        started = time.perf_counter()
+        yield
+        seconds = time.perf_counter() - started
+        self.records.append({"reason": reason, "rows": rows, "seconds": round(seconds, 2)})
+        self.printer(f"corpus pass {len(self.records)}: {reason}: {rows} rows in {seconds:.1f} s "
+                     f"({rows / max(seconds, 1e-9):.0f} passages/s)")

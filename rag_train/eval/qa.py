@@ -30,20 +30,26 @@ class QAEvalSettings:
     max_answer_length: int
     batch_size: int
     closed_book: bool = False
+    embed_workers: int = 0  # buffer.embed_workers for the corpus pass
+    embed_batch_size: int = 256  # buffer.embed_batch_size for the corpus pass
 
 
 @torch.no_grad()
 def evaluate_qa(retriever: nn.Module, reader: nn.Module, tokenizer, corpus: Corpus, sets: dict[str, list[QAExample]],
                 settings: QAEvalSettings, accelerator: Accelerator,
-                out_dir: Optional[Path] = None) -> tuple[dict, dict[str, list[dict]]]:
+                out_dir: Optional[Path] = None,
+                shard: Optional[tuple[torch.Tensor, int]] = None) -> tuple[dict, dict[str, list[dict]]]:
     """Metrics per set ({"em", "answer_recall@k"}, and with gold passage ids "recall", "mrr@10", "ndcg@10",
-    "map@k") and predictions per set. Every process computes the retrieval share it owns; generation runs on
-    every process for all questions (cheap at toy scale, and it keeps the metrics identical on all processes).
-    With `out_dir`, the main process writes each set's ranking as `<set>.trec` (and `<set>.qrels`) there."""
+    "map@k") and predictions per set. Every process computes the retrieval share it owns, over the corpus
+    embedded now or over `shard` = (its passage vectors, first row) when given (the stale buffer: no corpus
+    pass); generation runs on every process for all questions (cheap at toy scale, and it keeps the metrics
+    identical on all processes). With `out_dir`, the main process writes each set's ranking as `<set>.trec`
+    (and `<set>.qrels`) there."""
     k = settings.num_passages
     vectors = offset = None
     if not settings.closed_book:
-        vectors, offset = embed_local_shard(retriever, corpus, accelerator, settings.batch_size)
+        vectors, offset = shard or embed_local_shard(retriever, corpus, accelerator, settings.embed_batch_size,
+                                                     num_workers=settings.embed_workers)
     was_training = reader.training
     reader.eval()
     metrics, predictions = {}, {}

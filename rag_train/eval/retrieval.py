@@ -1,4 +1,6 @@
-"""Retrieval evaluation, always over the corpus embedded by the current model (never a stale buffer).
+"""Retrieval evaluation: over the corpus embedded by the current model (exact), or over a given shard of
+passage vectors (the stale buffer: no corpus pass, used where the buffer IS the current model's embedding or
+where a bound is enough during training; docs/scale.md).
 
 Every evaluation can write its rankings as a TREC run file (and its judgements as qrels) so that the
 numbers can be checked, and extended, with ir_measures / pytrec_eval / trec_eval."""
@@ -114,10 +116,12 @@ def retrieval_metrics(corpus: Corpus, ranked: SearchResult, data: EvalSet, ks: l
 
 
 def evaluate_retrieval(model: nn.Module, corpus: Corpus, sets: dict[str, EvalSet], ks: list[int],
-                       accelerator: Accelerator, batch_size: int, out_dir: Optional[Path] = None) -> dict[str, dict]:
-    """Embed the whole corpus with `model` now (each process its share), rank every set, compute metrics;
-    the main process writes each set's run (and qrels) file into `out_dir` when given."""
-    vectors, offset = embed_local_shard(model, corpus, accelerator, batch_size)
+                       accelerator: Accelerator, batch_size: int, out_dir: Optional[Path] = None,
+                       embed_workers: int = 0, shard: Optional[tuple[torch.Tensor, int]] = None) -> dict[str, dict]:
+    """Rank every set and compute metrics, over the whole corpus embedded with `model` now (each process its
+    share), or over `shard` = (this process's passage vectors, first row) when given (no corpus pass); the
+    main process writes each set's run (and qrels) file into `out_dir` when given."""
+    vectors, offset = shard or embed_local_shard(model, corpus, accelerator, batch_size, num_workers=embed_workers)
     k = min(max([*ks, MRR_DEPTH]), len(corpus))
     write_to = out_dir if accelerator.is_main_process else None
     return {name: retrieval_metrics(corpus, rank_passages(model, vectors, offset, data.questions, k, batch_size),

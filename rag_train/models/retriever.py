@@ -188,6 +188,11 @@ class DualEncoder(nn.Module):
         with torch.no_grad():
             return self._encode(self.passage_encoder, texts, self.max_passage_length)
 
+    def encode_passage_features(self, features: dict[str, torch.Tensor]) -> torch.Tensor:
+        """g(y) for passages already tokenised (input_ids, attention_mask, ... on the tower's device): the
+        forward of `encode_passages` without its tokenisation (buffer.embed tokenises in worker processes)."""
+        return self.passage_encoder(dict(features, modality="text"))["sentence_embedding"]
+
     def forward(self, queries: Sequence[str], passages: Sequence[Passage]) -> tuple[torch.Tensor, torch.Tensor]:
         """(f(x) [B, D], g(y) [P, D]) in ONE call, so that a DDP-wrapped encoder sees one forward per step."""
         return self.encode_queries(queries), self.encode_passages(passages)

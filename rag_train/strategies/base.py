@@ -160,8 +160,9 @@ class Strategy:
     def embed(self, rows: np.ndarray) -> torch.Tensor:
         """Current passage-encoder vectors for corpus rows (no gradient). Callers count `embedded`."""
         with self.ctx.gather(self.ctx.model):  # each process embeds its own rows: not in lockstep
-            return embed_rows(self.ctx.model, self.ctx.corpus, rows, self.ctx.buffer_cfg.embed_batch_size,
-                              self.ctx.accelerator.device)
+            cfg = self.ctx.buffer_cfg
+            return embed_rows(self.ctx.model, self.ctx.corpus, rows, cfg.embed_batch_size, self.ctx.accelerator.device,
+                              num_workers=cfg.embed_workers, batch_tokens=cfg.embed_batch_tokens)
 
     # -- proposals ---------------------------------------------------------------------------------
 

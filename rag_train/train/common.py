@@ -22,6 +22,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 
+from rag_train.buffer.embed import CorpusPasses
 from rag_train.config import ConfigError, save_config, to_yaml
 from rag_train.io import (CorruptFileError, StorageError, atomic_write_json, folder_checksums, fsync_tree, read_json,
                           remove_stale_temporaries, sha256_file, verify_checksums)
@@ -144,6 +145,7 @@ class TrainingRun:
         self.history: list[dict] = []  # evaluations during training; checkpointed, so resuming keeps it
         self.totals: dict[str, list[float]] = {}  # per-step values a recipe averages at the end; checkpointed too
         self.model: Optional[torch.nn.Module] = None  # the prepared module (`prepare`)
+        self.passes = CorpusPasses(self.accelerator.print)  # whole-corpus embedding passes, for metrics.json
         self.started = time.time()
         claim_directory(cfg, self.dir)  # every process reads; nothing is written before all of them have looked
         self.accelerator.wait_for_everyone()
@@ -358,7 +360,8 @@ class TrainingRun:
     def write_metrics(self, metrics: dict) -> None:
         """metrics.json (atomically), the marker of a finished run. Adds the fault counters and the wall time to
         `metrics` (in place, so the recipe returns what was written)."""
-        metrics.update(self.guard.counts(), wall_seconds=round(time.time() - self.started, 2))
+        metrics.update(self.guard.counts(), wall_seconds=round(time.time() - self.started, 2),
+                       corpus_passes=self.passes.records)
         if self.accelerator.is_main_process:
             atomic_write_json(self.dir / "metrics.json", metrics)
 

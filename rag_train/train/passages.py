@@ -36,7 +36,8 @@ def ensure_buffer(run: TrainingRun, cfg: BufferConfig, model: nn.Module, corpus:
         run.agree(corpus_fingerprint=corpus.fingerprint, initial_model=model.fingerprint())
         # A user-named buffer is reused when it matches and never overwritten; the run's own is rebuilt.
         buffer = build_buffer(model, corpus, directory, batch_size=cfg.embed_batch_size, shard_rows=cfg.shard_rows,
-                              dtype=cfg.dtype, accelerator=acc, overwrite=cfg.path is None)
+                              dtype=cfg.dtype, accelerator=acc, overwrite=cfg.path is None,
+                              num_workers=cfg.embed_workers, batch_tokens=cfg.embed_batch_tokens, passes=run.passes)
     run.check_buffer(directory)
     if cfg.verify:
         buffer.verify(acc.process_index, acc.num_processes)

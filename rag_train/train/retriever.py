@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from rag_train.buffer.embed import buffer_local_shard
 from rag_train.config import ConfigError
 from rag_train.data.corpus import Corpus
 from rag_train.data.sources import dataset_name, resolve_data
@@ -40,7 +41,9 @@ from rag_train.train.trainable import Trainable, deepspeed_stage, full_weights, 
 from rag_train.train.passages import ensure_buffer
 
 
-def train_retriever(cfg: RetrieverTrainConfig) -> dict:
+def train_retriever(cfg: RetrieverTrainConfig, final_eval: bool = True) -> dict:
+    """Algorithm 1. `final_eval=False` skips the closing corpus pass (the RLM's warm start: its dev recall
+    comes from the stale buffer, which is this retriever's embedding of the corpus)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     option = check_batching(cfg.batching, REGISTRY[cfg.strategy.name], cfg.train.batch_size, world)  # before any work
     run = TrainingRun(cfg, "retriever")
@@ -83,16 +86,24 @@ def train_retriever(cfg: RetrieverTrainConfig) -> dict:
 
     history = run.history  # restored by run.resume(), checkpointed by run.save()
 
-    def evaluate() -> dict:
-        """Metrics per dev set; each set's ranking also lands in `<run>/eval/step-<step>/<set>.trec`."""
+    def evaluate(final: bool) -> dict:
+        """Exact, over the corpus embedded now: at the end, and during training up to `eval.fresh_rows` rows;
+        beyond that, over the stale buffer (no corpus pass) when the strategy has one. Each set's ranking also
+        lands in `<run>/eval/step-<step>/<set>.trec`."""
+        over_buffer = not final and buffer_dir is not None and len(corpus) > cfg.eval.fresh_rows
+        out_dir = run.dir / "eval" / f"step-{step}"
         with full_weights(acc, trainable, model):  # each process embeds its share of the corpus: not in lockstep
-            return evaluate_retrieval(model, corpus, dev_sets, cfg.eval.recall_at, acc, cfg.eval.batch_size,
-                                      out_dir=run.dir / "eval" / f"step-{step}")
+            if over_buffer:
+                return evaluate_retrieval(model, corpus, dev_sets, cfg.eval.recall_at, acc, cfg.eval.batch_size,
+                                          out_dir=out_dir, shard=buffer_local_shard(buffer_dir, acc))
+            with run.passes.timed("final evaluation" if final else f"evaluation at step {step}", len(corpus)):
+                return evaluate_retrieval(model, corpus, dev_sets, cfg.eval.recall_at, acc, cfg.eval.batch_size,
+                                          out_dir=out_dir, embed_workers=cfg.buffer.embed_workers)
 
     def record_eval() -> float:
         """Evaluate into `history` (curves start at step 0, the initial model); returns the seconds it took."""
         eval_started = time.time()
-        history.append({"step": step, **evaluate()})
+        history.append({"step": step, **evaluate(final=False)})
         run.log(flat_metrics(history[-1]), step)
         return time.time() - eval_started
 
@@ -143,10 +154,10 @@ def train_retriever(cfg: RetrieverTrainConfig) -> dict:
     bar.close()
     train_seconds = time.time() - started - eval_seconds  # training steps only: evaluations left out
 
-    final = evaluate()
+    final = evaluate(final=True) if final_eval else {}
     run.save(step, extra=save_state)
     save_parts(acc, trainable, {"retriever": lambda m: m.save(run.dir / "retriever")})
-    main_set = next(iter(final.values()))
+    main_set = next(iter(final.values()), {})
     metrics = {
         "recall": main_set.get("recall", {}),
         "mrr@10": main_set.get("mrr@10"),

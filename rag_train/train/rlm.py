@@ -37,6 +37,7 @@ from rag_train.data.qa import QAExample, load_qa
 from rag_train.data.sources import dataset_name, resolve_data
 from rag_train.data.toy import TOY_DEV_SETS, TOY_TRAIN_SETS
 from rag_train.eval.metrics import has_answer
+from rag_train.buffer.embed import buffer_local_shard
 from rag_train.eval.qa import EMPTY_PASSAGE, QAEvalSettings, evaluate_qa
 from rag_train.io import atomic_write_text
 from rag_train.losses import perplexity_distillation, retrieval_scores
@@ -49,7 +50,7 @@ from rag_train.train.common import (TrainingRun, global_batch, linear_warmup, lo
 from rag_train.train.gate import RetrieverGate
 from rag_train.train.trainable import Trainable, full_weights, save_parts
 from rag_train.train.passages import ensure_buffer
-from rag_train.train.warm_start import warm_start_reader, warm_start_retriever
+from rag_train.train.warm_start import warm_start_reader, warm_start_recall, warm_start_retriever
 
 
 def answer_choice(batch: list, seed: int, step: int, accelerator) -> list[int]:
@@ -91,6 +92,7 @@ class RLMRecipe:
         self.accelerator = self.run.accelerator
         self.step = 0
         self.history = self.run.history  # restored by run.resume(), checkpointed by run.save()
+        self.warm_recall: dict = {}  # the warm-started retriever's dev metrics (`warm_start_recall`)
 
     # -- setup -----------------------------------------------------------------------------------------
 
@@ -105,25 +107,32 @@ class RLMRecipe:
         self.dev_sets = {dataset_name(p): load_qa(p, corpus=corpus, limit=cfg.data.max_eval_examples) for p in files.dev}
         tokenizer = load_tokenizer(cfg.reader.tokenizer or files.tokenizer)
 
+        # The stale buffer is the warm-started retriever's embedding of the corpus: built once, it also gives that
+        # retriever's dev recall (and the reader's retrieved distractors) without another corpus pass.
+        retriever = warm_start_retriever(cfg, files, self.run)
+        needs_buffer = REGISTRY[cfg.strategy.name].needs_buffer
+        buffer_dir = ensure_buffer(self.run, cfg.buffer, retriever, corpus) if needs_buffer else None
+        self.warm_recall = warm_start_recall(cfg, files, self.run, retriever, corpus, buffer_dir)
         # Every stage draws from its own seed (seed_stage): a stage reused from disk after a kill leaves the next one
         # exactly where a straight run would.
-        retriever = warm_start_retriever(cfg, files, self.run)
         seed_stage(cfg.train.seed, "reader_init")
         reader = FiDReader.from_config(cfg.reader, tokenizer)
-        warm_start_reader(cfg, reader, tokenizer, corpus, self.train_set, self.run, retriever)
-        self.setup_training(reader, retriever, tokenizer, corpus)
+        warm_start_reader(cfg, reader, tokenizer, corpus, self.train_set, self.run, retriever, buffer_dir)
+        self.setup_training(reader, retriever, tokenizer, corpus, buffer_dir)
         self.step = self.run.resume()
         if self.step:
             self.strategy.load(self.run.latest_checkpoint())
 
-    def setup_training(self, reader: FiDReader, retriever, tokenizer, corpus: Corpus) -> None:
-        """The strategy (and its stale buffer, built from `retriever` as it is now), one AdamW over everything
+    def setup_training(self, reader: FiDReader, retriever, tokenizer, corpus: Corpus,
+                       buffer_dir: Optional[Path] = None) -> None:
+        """The strategy (and its stale buffer `buffer_dir`, else built from `retriever` as it is now), one AdamW over everything
         trained, the prepared module and the gate. Everything trained is one module with one optimizer
         (DeepSpeed: one engine); the parameter groups keep their own learning rates."""
         cfg, acc = self.cfg, self.accelerator
         self.tokenizer, self.corpus = tokenizer, corpus
-        strategy_cls = REGISTRY[cfg.strategy.name]
-        buffer_dir = ensure_buffer(self.run, cfg.buffer, retriever, corpus) if strategy_cls.needs_buffer else None
+        if buffer_dir is None and REGISTRY[cfg.strategy.name].needs_buffer:
+            buffer_dir = ensure_buffer(self.run, cfg.buffer, retriever, corpus)
+        self.buffer_dir = buffer_dir
         seed_stage(cfg.train.seed, "rlm")  # the corrector's initial weights, then training (a resume restores the RNG)
         ctx = StrategyContext(acc, retriever, corpus, cfg.buffer, buffer_dir, cfg.train.temperature, cfg.train.seed)
         self.strategy = strategy = build_strategy(cfg.strategy, ctx)
@@ -150,7 +159,8 @@ class RLMRecipe:
         acc.register_for_checkpointing(self.gate)  # a resumed run keeps when the gate opened
         self.eval_settings = QAEvalSettings(cfg.eval.num_passages or cfg.strategy.top_k, cfg.reader.max_input_length,
                                             cfg.reader.max_answer_length, cfg.eval.batch_size,
-                                            closed_book=not strategy.retrieves)
+                                            closed_book=not strategy.retrieves, embed_workers=cfg.buffer.embed_workers,
+                                            embed_batch_size=cfg.buffer.embed_batch_size)
 
     # -- one step of Algorithm 2 -----------------------------------------------------------------------
 
@@ -274,18 +284,26 @@ class RLMRecipe:
         bar.close()
         self.train_seconds = time.time() - started - eval_seconds  # training steps only: evaluations left out
 
-    def evaluate(self) -> tuple[dict, dict]:
-        """Every process embeds its share of the corpus and generates for all questions: not in lockstep.
-        Each set's ranking also lands in `<run>/eval/step-<step>/<set>.trec`."""
-        with full_weights(self.accelerator, self.model, self.reader, self.retriever):
-            return evaluate_qa(self.retriever, self.reader, self.tokenizer, self.corpus, self.dev_sets,
-                               self.eval_settings, self.accelerator,
-                               out_dir=self.run.dir / "eval" / f"step-{self.step}")
+    def evaluate(self, final: bool) -> tuple[dict, dict]:
+        """Every process ranks over its share of the corpus and generates for all questions: not in lockstep.
+        Exact (the corpus embedded now) at the end, and during training up to `eval.fresh_rows` rows; beyond
+        that over the stale buffer (no corpus pass) when the run has one. Each set's ranking also lands in
+        `<run>/eval/step-<step>/<set>.trec`."""
+        acc, corpus, settings = self.accelerator, self.corpus, self.eval_settings
+        over_buffer = not final and self.buffer_dir is not None and len(corpus) > self.cfg.eval.fresh_rows
+        out_dir = self.run.dir / "eval" / f"step-{self.step}"
+        args = (self.retriever, self.reader, self.tokenizer, corpus, self.dev_sets, settings, acc)
+        with full_weights(acc, self.model, self.reader, self.retriever):
+            if over_buffer or settings.closed_book:
+                shard = buffer_local_shard(self.buffer_dir, acc) if over_buffer else None
+                return evaluate_qa(*args, out_dir=out_dir, shard=shard)
+            with self.run.passes.timed("final evaluation" if final else f"evaluation at step {self.step}", len(corpus)):
+                return evaluate_qa(*args, out_dir=out_dir)
 
     def record_eval(self) -> float:
         """Evaluate into `history`; returns its seconds."""
         eval_started = time.time()
-        metrics, _ = self.evaluate()
+        metrics, _ = self.evaluate(final=False)
         self.history.append({"step": self.step, **metrics})
         self.run.log({f"eval/{n}/{k}": v for n, m in metrics.items() for k, v in m.items()}, self.step)
         return time.time() - eval_started
@@ -295,7 +313,7 @@ class RLMRecipe:
         metrics.json (returned)."""
         run, acc, step = self.run, self.accelerator, self.step
         run.save(step, extra=self.strategy.save)
-        metrics, predictions = self.evaluate()
+        metrics, predictions = self.evaluate(final=True)
         self.history.append({"step": step, **metrics})
         save_parts(acc, self.model, {"retriever": lambda m: m.save(run.dir / "retriever"),
                                      "reader": lambda m: save_pretrained_atomic(run.dir / "reader", m, self.tokenizer)})
@@ -313,6 +331,7 @@ class RLMRecipe:
             "steps_per_second": (step - self.first_step) / self.train_seconds if step > self.first_step else None,
             "strategy": self.cfg.strategy.name,
             "history": self.history,
+            "warm_start_retriever": self.warm_recall,
         }
         run.write_metrics(result)
         run.end()

@@ -13,12 +13,13 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import Optional
 
 import torch
 from tqdm.auto import tqdm
 from transformers.optimization import Adafactor
 
-from rag_train.buffer.embed import embed_local_shard
+from rag_train.buffer.embed import buffer_local_shard, embed_local_shard
 from rag_train.config import ConfigError
 from rag_train.data.collate import answer_labels, fid_inputs
 from rag_train.data.corpus import Corpus
@@ -80,8 +81,27 @@ def _flatten(settings: dict) -> dict:
             for key, value in (values.items() if isinstance(values, dict) else [("", values)])}
 
 
+def _retriever_stage_config(cfg: RLMConfig, files: DataFiles, out: Path) -> RetrieverTrainConfig:
+    """The supervised (Algorithm 1) run that stands in for GTR pre-training."""
+    warm = cfg.warm_start
+    train = warm.retriever_train or str(Path(files.passages).parent / "retrieval-train.jsonl")
+    rcfg = RetrieverTrainConfig(
+        data=dataclasses.replace(cfg.data, train=train, dev=[], max_eval_examples=200),
+        retriever=cfg.retriever,
+        buffer=dataclasses.replace(cfg.buffer, path=None),
+        strategy=dataclasses.replace(cfg.strategy, name=warm.retriever_strategy, top_k=8, uniform_negatives=0),
+        train=dataclasses.replace(cfg.train, output_dir=str(out), steps=warm.retriever_steps, lr=warm.retriever_lr,
+                                  batch_size=warm.retriever_batch_size, eval_every=0, save_every=0, resume=True,
+                                  overwrite=False),
+    )
+    if not rcfg.data.toy or warm.retriever_train:
+        rcfg.data.dev = [rcfg.data.train]
+    return rcfg
+
+
 def warm_start_retriever(cfg: RLMConfig, files: DataFiles, run: TrainingRun) -> DualEncoder:
-    """The RLM's initial retriever: from config, or from a supervised warm-start run (reused if finished)."""
+    """The RLM's initial retriever: from config, or from a supervised warm-start run (reused if finished).
+    The stage makes no corpus pass: its dev recall is measured by `warm_start_recall`, over the stale buffer."""
     warm = cfg.warm_start
     if warm.retriever_steps == 0:
         return DualEncoder.from_config(cfg.retriever, tokenizer=cfg.retriever.tokenizer or files.tokenizer)
@@ -93,34 +113,57 @@ def warm_start_retriever(cfg: RLMConfig, files: DataFiles, run: TrainingRun) -> 
     if not finished:
         from rag_train.train.retriever import train_retriever
 
-        train = warm.retriever_train or str(Path(files.passages).parent / "retrieval-train.jsonl")
-        rcfg = RetrieverTrainConfig(
-            data=dataclasses.replace(cfg.data, train=train, dev=[], max_eval_examples=200),
-            retriever=cfg.retriever,
-            buffer=dataclasses.replace(cfg.buffer, path=None),
-            strategy=dataclasses.replace(cfg.strategy, name=warm.retriever_strategy, top_k=8, uniform_negatives=0),
-            train=dataclasses.replace(cfg.train, output_dir=str(out), steps=warm.retriever_steps, lr=warm.retriever_lr,
-                                      batch_size=warm.retriever_batch_size, eval_every=0, save_every=0, resume=True,
-                                      overwrite=False),
-        )
-        if not rcfg.data.toy or warm.retriever_train:
-            rcfg.data.dev = [rcfg.data.train]
+        rcfg = _retriever_stage_config(cfg, files, out)
         if run.accelerator.is_main_process and not started:  # before training: a finished stage always has them
             out.mkdir(parents=True, exist_ok=True)
             record_stage(cfg, out, "warm_start_retriever")
-        train_retriever(rcfg)
+        train_retriever(rcfg, final_eval=False)
     run.accelerator.wait_for_everyone()
-    recall = json.loads((out / "metrics.json").read_text()).get("recall", {})
-    run.accelerator.print(f"warm-start retriever: {out} (dev recall {recall})")
     return DualEncoder.load(out / "retriever")
 
 
-def retrieved_distractors(retriever: DualEncoder, corpus: Corpus, examples: list[QAExample], k: int,
-                          run: TrainingRun, batch_size: int = 256) -> list[list[int]]:
-    """Per example, the retriever's top-k rows that are not gold: the passages a reader must learn to tell
-    from the gold one (for the toy, people sharing a first or family name with the one asked about)."""
+def warm_start_recall(cfg: RLMConfig, files: DataFiles, run: TrainingRun, retriever: DualEncoder, corpus: Corpus,
+                      buffer_dir: Optional[Path]) -> dict:
+    """Dev retrieval metrics of the warm-started retriever (printed; the run keeps them in metrics.json). Over
+    the stale buffer when the run has one - it IS this retriever's embedding of the corpus, so no second
+    pass (stored in buffer.dtype: near-ties may rank differently from fp32) - else over the corpus embedded now."""
+    if cfg.warm_start.retriever_steps == 0:
+        return {}
+    from rag_train.data.sources import resolve_data
+    from rag_train.data.sources import dataset_name
+    from rag_train.eval.retrieval import evaluate_retrieval, load_eval_set
+
+    out = stage_dir(cfg, run, "warm_start_retriever")
+    rcfg = _retriever_stage_config(cfg, files, out)
+    dev = resolve_data(rcfg.data, run.accelerator, ["retrieval-train"], ["retrieval-dev"]).dev
+    sets = {dataset_name(p): load_eval_set(p, corpus, limit=rcfg.data.max_eval_examples) for p in dev}
     retriever.to(run.accelerator.device)
-    vectors, offset = embed_local_shard(retriever, corpus, run.accelerator, batch_size)
+    if buffer_dir is not None:
+        metrics = evaluate_retrieval(retriever, corpus, sets, rcfg.eval.recall_at, run.accelerator,
+                                     rcfg.eval.batch_size, shard=buffer_local_shard(buffer_dir, run.accelerator))
+    else:
+        with run.passes.timed("warm-start retriever's dev recall (no stale buffer)", len(corpus)):
+            metrics = evaluate_retrieval(retriever, corpus, sets, rcfg.eval.recall_at, run.accelerator,
+                                         rcfg.eval.batch_size, embed_workers=cfg.buffer.embed_workers)
+    recall = next(iter(metrics.values()), {}).get("recall", {})
+    run.accelerator.print(f"warm-start retriever: {out} (dev recall {recall}"
+                          f"{', over the stale buffer' if buffer_dir is not None else ''})")
+    return metrics
+
+
+def retrieved_distractors(retriever: DualEncoder, corpus: Corpus, examples: list[QAExample], k: int,
+                          run: TrainingRun, buffer_dir: Optional[Path], batch_size: int = 256,
+                          embed_workers: int = 0) -> list[list[int]]:
+    """Per example, the retriever's top-k rows that are not gold: the passages a reader must learn to tell
+    from the gold one (for the toy, people sharing a first or family name with the one asked about). Ranked
+    over the stale buffer when there is one (the same retriever's vectors), else over a fresh corpus pass."""
+    retriever.to(run.accelerator.device)
+    if buffer_dir is not None:
+        vectors, offset = buffer_local_shard(buffer_dir, run.accelerator)
+    else:
+        with run.passes.timed("reader warm start's retrieved distractors (no stale buffer)", len(corpus)):
+            vectors, offset = embed_local_shard(retriever, corpus, run.accelerator, batch_size,
+                                                num_workers=embed_workers)
     most = max(len(ex.gold_ids) for ex in examples)
     ranked = rank_passages(retriever, vectors, offset, [ex.question for ex in examples],
                            min(k + most, len(corpus)), batch_size).rows
@@ -132,7 +175,8 @@ def retrieved_distractors(retriever: DualEncoder, corpus: Corpus, examples: list
 
 
 def warm_start_reader(cfg: RLMConfig, reader: torch.nn.Module, tokenizer, corpus: Corpus,
-                      train_set: list[QAExample], run: TrainingRun, retriever: DualEncoder) -> None:
+                      train_set: list[QAExample], run: TrainingRun, retriever: DualEncoder,
+                      buffer_dir: Optional[Path] = None) -> None:
     """Train the reader for `warm_start.reader_steps` on gold passages + distractors (in place): random
     passages, or the warm-started retriever's top-ranked non-gold ones (`warm_start.reader_distractors`)."""
     steps = cfg.warm_start.reader_steps
@@ -164,7 +208,8 @@ def warm_start_reader(cfg: RLMConfig, reader: torch.nn.Module, tokenizer, corpus
     k_many = cfg.warm_start.reader_passages
     hard = None
     if cfg.warm_start.reader_distractors == "retrieved" and steps > cfg.warm_start.reader_copy_steps:
-        hard = retrieved_distractors(retriever, corpus, labelled, k_many, run)  # aligned with `labelled`
+        hard = retrieved_distractors(retriever, corpus, labelled, k_many, run, buffer_dir,  # aligned with `labelled`
+                                     embed_workers=cfg.buffer.embed_workers)
     bar = tqdm(range(steps), desc="warm-start reader", disable=not run.accelerator.is_main_process)
     for step in bar:
         copying = step < cfg.warm_start.reader_copy_steps

@@ -14,16 +14,16 @@ from rag_train.models.retriever import DualEncoder
 
 model_dir, passages, out_dir, shard_rows, batch_size = sys.argv[1:6]
 model = DualEncoder.load(model_dir)
-encode = model.encode_passages
+encode = model.encode_passage_features
 
 
-def encode_then_die_after_first_shard(batch):
+def encode_then_die_after_first_shard(features):
     if (Path(out_dir) / "shard-00000.json").is_file():  # shard 0 finished: die mid-way through shard 1
         os.kill(os.getpid(), signal.SIGKILL)
-    return encode(batch)
+    return encode(features)
 
 
-model.encode_passages = encode_then_die_after_first_shard
+model.encode_passage_features = encode_then_die_after_first_shard
 build_buffer(model, Corpus.open(passages), out_dir, batch_size=int(batch_size), shard_rows=int(shard_rows),
              dtype="float16")
 raise SystemExit("the build finished; it should have been killed after its first shard")
