@@ -24,6 +24,7 @@ import torch
 pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install -e '.[deepspeed]')")
 
 from rag_train.launch import launch_command  # noqa: E402
+from rag_train.train.run_dir import LOGS  # noqa: E402
 from test_train_rlm import CONFIG, ROOT, STEPS, TOP_K, overrides, weights  # noqa: E402
 
 SCRIPT = ROOT / "scripts" / "train_rlm.py"
@@ -60,7 +61,7 @@ def logged_losses(run_dir: Path) -> dict[str, dict[int, float]]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     found = {name: {} for name in LOSSES}
-    for events in sorted((run_dir / "rlm").glob("events.out.tfevents.*")):
+    for events in sorted((run_dir / LOGS / "rlm").glob("events.out.tfevents.*")):
         accumulator = EventAccumulator(str(events))
         accumulator.Reload()
         for name in LOSSES:

@@ -39,7 +39,9 @@ SAVE_EVERY = 2
 # make the history in metrics.json part of what a resumed run must reproduce
 EXTRA = {"train.save_every": SAVE_EVERY, "strategy.sampling": "gumbel", "train.warmup_steps": 4,
          "train.eval_every": SAVE_EVERY}
-VOLATILE = ("wall_seconds", "steps_per_second", "peak_memory_mib")  # measurements of this process, not results
+# measurements of this process, not results; `corpus_passes` lists the passes this process made (a run resumed
+# after its buffer was built makes no build pass) with their durations
+VOLATILE = ("wall_seconds", "steps_per_second", "peak_memory_mib", "corpus_passes")
 
 
 def config(toy_dir: Path, out: Path, **extra) -> RetrieverTrainConfig:
