@@ -266,9 +266,10 @@ def test_exit_statuses_under_accelerate_launch(tmp_path):
 def test_exit_statuses_under_a_two_process_accelerate_launch(tmp_path):
     """Two processes (torchrun): each rank prints the `error:` line, the launcher exits 1, and its report names
     the failed rank's own status as the root cause."""
-    from conftest import launch_command
+    from rag_train.launch import launch_command
 
-    cmd = launch_command(ROOT / "scripts" / "train_retriever.py", "train.stepz=3", f"train.output_dir={tmp_path / 'run'}")
+    cmd = launch_command(ROOT / "scripts" / "train_retriever.py", "train.stepz=3", f"train.output_dir={tmp_path / 'run'}",
+                         processes=2)
     proc = subprocess.run(cmd, cwd=ROOT, env=env(OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "error: override 'train.stepz=3': unknown config key 'train.stepz'" in proc.stderr

@@ -9,23 +9,16 @@ usage: python rlm_faulty.py --config FILE key=value ...
 """
 
 import os
-import signal
 import sys
 from pathlib import Path
 
-import rag_train.buffer.build as build
 import rag_train.train.retriever as retriever
 import rag_train.train.rlm as rlm
 import rag_train.train.warm_start as warm_start
+from kill import die, die_after_first_shard
 
 ROOT = Path(__file__).resolve().parents[2]
 fault = os.environ.get("FAULT", "").split(":")
-
-
-def die() -> None:
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def die_after(function, at: int):
@@ -60,14 +53,7 @@ elif where == "warm_reader":
 
     warm_start.Adafactor = DyingAdafactor
 elif where == "buffer":
-    write_json = build.atomic_write_json
-
-    def write_then_die(path, obj):
-        write_json(path, obj)
-        if Path(path).name == "shard-00000.json":
-            die()
-
-    build.atomic_write_json = write_then_die
+    die_after_first_shard()
 elif where == "step":
     rlm.optimizer_step = die_after(rlm.optimizer_step, at)
 else:

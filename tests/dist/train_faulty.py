@@ -15,17 +15,16 @@ usage: [accelerate launch ...] python train_faulty.py --config FILE key=value ..
 """
 
 import os
-import signal
 import sys
 import time
 from pathlib import Path
 
 import accelerate
 
-import rag_train.buffer.build as build
 import rag_train.data.corpus as corpus_module
 import rag_train.train.common as common
 import rag_train.train.retriever as retriever
+from kill import die, die_after_first_shard
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -35,24 +34,11 @@ rank = int(os.environ.get("RANK", "0"))
 targeted = os.environ.get("FAULT_RANK") in (None, str(rank))
 
 
-def die() -> None:
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
 if targeted and fault[0] in ("kill", "hang"):
     where = fault[1]
     at = int(fault[2]) if len(fault) > 2 else None
     if where == "buffer":
-        write_json = build.atomic_write_json
-
-        def write_then_die(path, obj):
-            write_json(path, obj)
-            if Path(path).name == "shard-00000.json":
-                die()
-
-        build.atomic_write_json = write_then_die
+        die_after_first_shard()
     elif where == "step":
         step_once, done = retriever.optimizer_step, [0]
 
