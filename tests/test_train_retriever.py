@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "toy" / "retriever.yaml"
 ALGORITHM_1 = [name for name, cls in REGISTRY.items() if 1 in cls.algorithms]
 PASSAGES, STEPS, REFRESH, SNM_TARGETS, CACHE_REFRESH = 300, 6, 2, 50, 8
+LANDMARKS, NYSTROM_SAMPLES = 8, 32  # dynnibal: re-encodes both every REFRESH steps
 
 
 def overrides(toy_dir: Path, out: Path, name: str, steps: int = STEPS, **extra) -> list[str]:
@@ -35,7 +36,8 @@ def overrides(toy_dir: Path, out: Path, name: str, steps: int = STEPS, **extra) 
         "train.tracker": "null", "train.eval_every": 0, "train.log_every": 1, "strategy.name": name,
         "strategy.top_k": 4, "strategy.uniform_negatives": 2, "strategy.refresh_every": REFRESH,
         "strategy.snm_targets": SNM_TARGETS, "strategy.cache_size": 32, "strategy.cache_refresh": CACHE_REFRESH,
-        "strategy.corrector.hidden": 16, "buffer.shard_rows": 128, "buffer.embed_batch_size": 64,
+        "strategy.landmarks": LANDMARKS, "strategy.nystrom_samples": NYSTROM_SAMPLES, "strategy.trees": 2,
+        "strategy.mh_chains": 8, "strategy.corrector.hidden": 16, "buffer.shard_rows": 128, "buffer.embed_batch_size": 64,
         "eval.batch_size": 64, **extra,
     }
     return [f"{key}={value}" for key, value in values.items()]
@@ -52,7 +54,7 @@ def weights(run_dir: Path) -> dict[str, torch.Tensor]:
 def expected_reembedded(name: str) -> int:
     refreshes = STEPS // REFRESH
     return {"exhaustive": refreshes * PASSAGES, "snm": refreshes * SNM_TARGETS,
-            "negative_cache": STEPS * CACHE_REFRESH}.get(name, 0)
+            "negative_cache": STEPS * CACHE_REFRESH, "dynnibal": refreshes * (LANDMARKS + NYSTROM_SAMPLES)}.get(name, 0)
 
 
 @pytest.mark.parametrize("name", ALGORITHM_1)
