@@ -120,8 +120,9 @@ def test_resume_reaches_the_uninterrupted_run(recipe_toy_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_two_processes_match_one(recipe_toy_dir, tmp_path):
-    args = overrides(recipe_toy_dir, tmp_path / "two", "corrector")
+@pytest.mark.parametrize("name", ["corrector", "dynnibal"])  # dynnibal: the same MH samples on every process
+def test_two_processes_match_one(recipe_toy_dir, tmp_path, name):
+    args = overrides(recipe_toy_dir, tmp_path / "two", name)
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     # `--cpu --num_processes 2` starts one process in accelerate 1.x; the multi-process launcher on a machine
     # without GPUs gives two gloo processes (TrainingRun passes cpu=True there).
@@ -130,7 +131,7 @@ def test_two_processes_match_one(recipe_toy_dir, tmp_path):
     errors = [line for line in (proc.stdout + proc.stderr).splitlines() if "Error" in line]  # the root cause
     assert proc.returncode == 0, "\n".join(errors[:10]) + proc.stderr[-2000:]
     two = json.loads((tmp_path / "two" / "metrics.json").read_text())
-    one = train_retriever(config(recipe_toy_dir, tmp_path / "one", "corrector"))
+    one = train_retriever(config(recipe_toy_dir, tmp_path / "one", name))
     assert two["steps"] == one["steps"] == STEPS
     for k, value in one["recall"].items():
         assert two["recall"][k] == pytest.approx(value, abs=1e-9)
