@@ -124,12 +124,17 @@ def softmax(points, query, beta):
     return p / p.sum()
 
 
+def small_problem(seed, rows, centres, trees, base, leaf, query_row, cap):
+    """A clustered toy set, a forest over it, one query and its clustering (cap clusters at most)."""
+    rng = np.random.default_rng(seed)
+    points = clustered(rng, rows, 4, centres=centres)
+    forest = build_forest(points, trees, rng, base, 3, leaf)
+    return rng, points, points[query_row], find_clustering(forest, points, points[query_row], max_clusters=cap)
+
+
 def test_rejection_sampler_matches_the_softmax():
-    rng = np.random.default_rng(3)
-    points = clustered(rng, 40, 4, centres=4)
-    forest = build_forest(points, 2, rng, 1.2, 3, 3)
-    query, beta = points[0], 3.0
-    clustering = find_clustering(forest, points, query, max_clusters=6)
+    rng, points, query, clustering = small_problem(3, 40, 4, 2, 1.2, 3, 0, 6)
+    beta = 3.0
     draws = rejection_sample(clustering, points, query, beta, 20000, rng)
     expected = softmax(points, query, beta) * len(draws)
     _, p_value = stats.chisquare(np.bincount(draws, minlength=len(points)), expected)
@@ -140,11 +145,8 @@ def test_rejection_sampler_matches_the_softmax():
 
 
 def test_metropolis_hastings_reaches_the_tv_bound():
-    rng = np.random.default_rng(4)
-    points = clustered(rng, 30, 4, centres=3)
-    forest = build_forest(points, 1, rng, 1.3, 3, 4)
-    query, beta = points[3], 2.0
-    clustering = find_clustering(forest, points, query, max_clusters=4)
+    rng, points, query, clustering = small_problem(4, 30, 3, 1, 1.3, 4, 3, 4)
+    beta = 2.0
     p, q = softmax(points, query, beta), proposal_probabilities(clustering, beta, len(points))
     # exact transition matrix of independent MH with target P and proposal Q
     accept = np.minimum(1.0, (p[None, :] * q[:, None]) / (p[:, None] * q[None, :]))
