@@ -114,7 +114,8 @@ def test_a_new_strategy_is_one_file(recipe_toy_dir, tmp_path):
     assert out["too_large"].startswith("strategy.first_row=100000 is larger than the corpus")  # its corpus limit
     # the stale run is told about each strategy key of the overrides that it does not read
     warned = {w.split("does not read strategy.")[1].split(" ")[0] for w in out["warned"]}
-    assert warned == {"refresh_every", "snm_targets", "cache_size", "cache_refresh", "corrector"}
+    assert warned == {"refresh_every", "snm_targets", "cache_size", "cache_refresh", "corrector", "landmarks",
+                      "nystrom_samples", "trees", "mh_chains"}
     assert out["steps"] == 2 and out["strategy"] == "first_rows"
     assert "first_row: 7" in out["saved"]  # the resolved config saved in the run holds its key
 
@@ -125,9 +126,9 @@ def test_every_strategy_declares_its_keys_and_recipes():
         own = {spec.name for spec in dataclasses.fields(cls.config)}
         assert own <= {spec.name for spec in dataclasses.fields(StrategyConfig)}
         assert {key for key, names in OWNERS.items() if name in names} == own - {"name", "top_k", "uniform_negatives"}
-    assert {n for n, c in REGISTRY.items() if 2 not in c.algorithms} == {"in_batch", "negative_cache"}
+    assert {n for n, c in REGISTRY.items() if 2 not in c.algorithms} == {"in_batch", "negative_cache", "dynnibal"}
     assert {n for n, c in REGISTRY.items() if 1 not in c.algorithms} == {"frozen", "closed_book"}
-    assert OWNERS["refresh_every"] == ("exhaustive", "snm") and OWNERS["cache_size"] == ("negative_cache",)
+    assert OWNERS["refresh_every"] == ("dynnibal", "exhaustive", "snm") and OWNERS["cache_size"] == ("negative_cache",)
 
 
 def test_registering_a_name_twice_or_without_a_config_fails():

@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "toy" / "retriever.yaml"
 ALGORITHM_1 = [name for name, cls in REGISTRY.items() if 1 in cls.algorithms]
 PASSAGES, STEPS, REFRESH, SNM_TARGETS, CACHE_REFRESH = 300, 6, 2, 50, 8
+LANDMARKS, NYSTROM_SAMPLES = 8, 32  # dynnibal: re-encodes both every REFRESH steps
 
 
 def overrides(toy_dir: Path, out: Path, name: str, steps: int = STEPS, **extra) -> list[str]:
@@ -35,7 +36,8 @@ def overrides(toy_dir: Path, out: Path, name: str, steps: int = STEPS, **extra) 
         "train.tracker": "null", "train.eval_every": 0, "train.log_every": 1, "strategy.name": name,
         "strategy.top_k": 4, "strategy.uniform_negatives": 2, "strategy.refresh_every": REFRESH,
         "strategy.snm_targets": SNM_TARGETS, "strategy.cache_size": 32, "strategy.cache_refresh": CACHE_REFRESH,
-        "strategy.corrector.hidden": 16, "buffer.shard_rows": 128, "buffer.embed_batch_size": 64,
+        "strategy.landmarks": LANDMARKS, "strategy.nystrom_samples": NYSTROM_SAMPLES, "strategy.trees": 2,
+        "strategy.mh_chains": 8, "strategy.corrector.hidden": 16, "buffer.shard_rows": 128, "buffer.embed_batch_size": 64,
         "eval.batch_size": 64, **extra,
     }
     return [f"{key}={value}" for key, value in values.items()]
@@ -52,7 +54,7 @@ def weights(run_dir: Path) -> dict[str, torch.Tensor]:
 def expected_reembedded(name: str) -> int:
     refreshes = STEPS // REFRESH
     return {"exhaustive": refreshes * PASSAGES, "snm": refreshes * SNM_TARGETS,
-            "negative_cache": STEPS * CACHE_REFRESH}.get(name, 0)
+            "negative_cache": STEPS * CACHE_REFRESH, "dynnibal": refreshes * (LANDMARKS + NYSTROM_SAMPLES)}.get(name, 0)
 
 
 @pytest.mark.parametrize("name", ALGORITHM_1)
@@ -118,8 +120,9 @@ def test_resume_reaches_the_uninterrupted_run(recipe_toy_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_two_processes_match_one(recipe_toy_dir, tmp_path):
-    args = overrides(recipe_toy_dir, tmp_path / "two", "corrector")
+@pytest.mark.parametrize("name", ["corrector", "dynnibal"])  # dynnibal: the same MH samples on every process
+def test_two_processes_match_one(recipe_toy_dir, tmp_path, name):
+    args = overrides(recipe_toy_dir, tmp_path / "two", name)
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     # `--cpu --num_processes 2` starts one process in accelerate 1.x; the multi-process launcher on a machine
     # without GPUs gives two gloo processes (TrainingRun passes cpu=True there).
@@ -128,7 +131,7 @@ def test_two_processes_match_one(recipe_toy_dir, tmp_path):
     errors = [line for line in (proc.stdout + proc.stderr).splitlines() if "Error" in line]  # the root cause
     assert proc.returncode == 0, "\n".join(errors[:10]) + proc.stderr[-2000:]
     two = json.loads((tmp_path / "two" / "metrics.json").read_text())
-    one = train_retriever(config(recipe_toy_dir, tmp_path / "one", "corrector"))
+    one = train_retriever(config(recipe_toy_dir, tmp_path / "one", name))
     assert two["steps"] == one["steps"] == STEPS
     for k, value in one["recall"].items():
         assert two["recall"][k] == pytest.approx(value, abs=1e-9)

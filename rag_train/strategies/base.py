@@ -164,6 +164,19 @@ class Strategy:
             return embed_rows(self.ctx.model, self.ctx.corpus, rows, cfg.embed_batch_size, self.ctx.accelerator.device,
                               num_workers=cfg.embed_workers, batch_tokens=cfg.embed_batch_tokens)
 
+    def embed_everywhere(self, rows: torch.Tensor) -> torch.Tensor:
+        """Current vectors for `rows` on every process: each process embeds its share, all receive all vectors
+        (callers count `embedded`)."""
+        acc = self.ctx.accelerator
+        if acc.num_processes == 1:
+            return self.embed(rows.numpy())
+        per_rank = -(-len(rows) // acc.num_processes)
+        mine = rows[acc.process_index * per_rank : (acc.process_index + 1) * per_rank]
+        vectors = self.embed(mine.numpy())
+        padded = torch.zeros(per_rank, self.ctx.model.dim, device=acc.device)
+        padded[: len(vectors)] = vectors
+        return acc.gather(padded)[: len(rows)]
+
     # -- proposals ---------------------------------------------------------------------------------
 
     def retrieve(self, queries: torch.Tensor, k: int) -> torch.Tensor:
@@ -224,6 +237,10 @@ class Strategy:
         return []
 
     # -- state ---------------------------------------------------------------------------------------
+
+    def summary(self) -> dict:
+        """Strategy-specific values for metrics.json (`strategy_summary`): memory, re-encoding counts, ..."""
+        return {}
 
     def after_step(self, step: int) -> None:
         """Called after each optimizer step with the number of steps done."""

@@ -64,18 +64,6 @@ class NegativeCache(Strategy):
         buffer = Buffer.open(ctx.buffer_dir)
         self.cache_vectors = read_rows(buffer, self.cache_rows).to(ctx.accelerator.device)
 
-    def embed_everywhere(self, rows: torch.Tensor) -> torch.Tensor:
-        """Each process embeds its share of `rows`; all processes receive all vectors."""
-        acc = self.ctx.accelerator
-        if acc.num_processes == 1:
-            return self.embed(rows.numpy())
-        per_rank = -(-len(rows) // acc.num_processes)
-        mine = rows[acc.process_index * per_rank : (acc.process_index + 1) * per_rank]
-        vectors = self.embed(mine.numpy())
-        padded = torch.zeros(per_rank, self.ctx.model.dim, device=acc.device)
-        padded[: len(vectors)] = vectors
-        return acc.gather(padded)[: len(rows)]
-
     def subset(self, queries: torch.Tensor, positive_rows: torch.Tensor) -> CacheSubset:
         acc = self.ctx.accelerator
         all_queries = gather_queries(queries, acc).float()

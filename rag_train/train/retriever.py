@@ -165,6 +165,7 @@ def train_retriever(cfg: RetrieverTrainConfig, final_eval: bool = True) -> dict:
         "answer_recall": main_set.get("answer_recall", {}),
         "datasets": final,
         "reembedded_passages": strategy.embedded,
+        "strategy_summary": strategy.summary(),  # the strategy's own values (memory, re-encoding counts, ...)
         "steps": step,
         "steps_per_second": (step - first_step) / train_seconds if step > first_step else None,
         "strategy": cfg.strategy.name,

@@ -1,0 +1,228 @@
+"""Dynnibal (seed 001): SG-tree invariants against brute-force distances, FindClustering's partition and the
+proposal against a hand computation, the exact sampler against the softmax (chi-square), MH against its exact
+n-step distribution and the independent-MH bound, Nyström exactness and drift recovery, the config checks, and
+Algorithm 1 end to end with metrics.json and a bitwise resume."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from rag_train.buffer import nystrom
+from rag_train.buffer.sg_tree import (SGTree, build_forest, find_clustering, metropolis_hastings, proposal_probabilities,
+                                      rejection_sample)
+from rag_train.config import ConfigError
+from rag_train.strategies.dynnibal import DynnibalConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_train_retriever import LANDMARKS, NYSTROM_SAMPLES, REFRESH, STEPS, config, weights  # noqa: E402
+
+
+def unit(rng, n, d):
+    x = rng.standard_normal((n, d))
+    return x / np.linalg.norm(x, axis=1, keepdims=True)
+
+
+def clustered(rng, n, d, centres=6, spread=0.15):
+    c = unit(rng, centres, d)
+    return c[rng.integers(centres, size=n)] + spread * rng.standard_normal((n, d)) / np.sqrt(d)
+
+
+def violations(tree: SGTree, points: np.ndarray, members: np.ndarray, tol=1e-6) -> list[str]:
+    """Independent brute-force check: walk the tree from the root through child lists only."""
+    wrong, leaf_points = [], []
+    stack = [0]
+    while stack:
+        node = stack.pop()
+        under = tree.order[tree.start[node]:tree.end[node]]
+        d = np.sqrt(((points[under] - points[tree.centre[node]]) ** 2).sum(1))
+        if abs(d.max() - tree.radius[node]) > tol or d.max() > tree.base ** tree.level[node] + tol:
+            wrong.append(f"covering at node {node}")
+        kids = list(range(tree.child_lo[node], tree.child_hi[node]))
+        if not kids:
+            leaf_points.extend(under.tolist())
+            continue
+        if tree.centre[kids[0]] != tree.centre[node] or any(tree.level[k] >= tree.level[node] for k in kids):
+            wrong.append(f"nesting at node {node}")
+        if sorted(np.concatenate([tree.order[tree.start[k]:tree.end[k]] for k in kids]).tolist()) != sorted(under.tolist()):
+            wrong.append(f"children of {node} do not partition its points")
+        for i in kids:
+            for j in kids:
+                if i < j and np.linalg.norm(points[tree.centre[i]] - points[tree.centre[j]]) < tree.base ** (tree.level[i] - 1) - tol:
+                    wrong.append(f"separation between siblings {i}, {j}")
+        stack.extend(kids)
+    if sorted(leaf_points) != sorted(members.tolist()):
+        wrong.append("leaves do not hold every point exactly once")
+    return wrong
+
+
+@pytest.mark.parametrize("base,children,leaf", [(1.05, 4, 3), (1.3, 8, 1), (2.0, 3, 5)])
+def test_tree_invariants_after_build(base, children, leaf):
+    rng = np.random.default_rng(0)
+    points = np.concatenate([clustered(rng, 300, 6), np.repeat(unit(rng, 2, 6), 4, axis=0)])  # with duplicates
+    members = np.sort(rng.choice(len(points), 250, replace=False))
+    tree = SGTree.build(points, members, base, children, leaf)
+    assert violations(tree, points, members) == []
+    assert len(tree.centre) > 10  # a real hierarchy, not one flat bucket
+    # the invariants can fail: a moved centre breaks covering
+    moved = points.copy()
+    moved[tree.centre[0]] += 10
+    assert violations(tree, moved, members)
+
+
+def test_invariants_hold_after_updates_within_the_bound():
+    rng = np.random.default_rng(1)
+    points = clustered(rng, 400, 8)
+    members = np.arange(len(points))
+    tree = SGTree.build(points, members, 1.1, 6, 4).remember_mind(points)
+    for bound in (1e-3, 0.02, 0.2):
+        step = rng.standard_normal(points.shape)
+        step *= (bound / 2) / np.linalg.norm(step, axis=1, keepdims=True) * rng.random((len(points), 1))
+        moved = points + step  # every point moves <= U/2: no pairwise distance changes by more than U
+        updated = tree.update(moved, bound=bound, max_children=6, leaf_size=4)
+        assert violations(updated, moved, members) == []
+        if bound == 1e-3:
+            assert 0 < updated.rebuilt_points < len(points)  # only the subtrees that fail the tests
+        tree, points = updated, moved
+    # measured (no bound): larger, arbitrary moves
+    moved = points + 0.3 * rng.standard_normal(points.shape)
+    assert violations(tree.update(moved), moved, members) == []
+
+
+def test_find_clustering_is_a_partition_and_the_proposal_is_the_papers():
+    rng = np.random.default_rng(2)
+    points = clustered(rng, 500, 8)
+    forest = build_forest(points, 3, rng, 1.05, 5, 4)
+    query, beta = 3 * points[7], 4.0
+    for cap in (3, 20, 60):
+        clustering = find_clustering(forest, points, query, deepest=-14, max_clusters=cap)
+        assert len(clustering.rep) <= max(cap, 3)
+        counts = np.bincount(np.concatenate(clustering.members), minlength=len(points))
+        assert (counts == 1).all()  # every target in exactly one cluster
+        q = proposal_probabilities(clustering, beta, len(points))
+        assert q.sum() == pytest.approx(1.0, abs=1e-12)
+        # by hand: Q(y|x) = e^(beta <q, rep(C_y)>) / sum_C |C| e^(beta <q, rep C>)
+        owner = clustering.cluster_of(len(points))
+        rep_score = points[clustering.rep] @ query
+        z = sum(len(m) * np.exp(beta * s) for m, s in zip(clustering.members, rep_score))
+        np.testing.assert_allclose(q, np.exp(beta * rep_score[owner]) / z, rtol=1e-10)
+        # covering: every member scores within ||q|| r of its representative
+        gap = np.abs(points @ query - rep_score[owner])
+        assert (gap <= np.linalg.norm(query) * clustering.radius[owner] + 1e-9).all()
+    assert len(find_clustering(forest, points, query, 20, 1000).rep) == 3  # deepest level above the roots
+
+
+def softmax(points, query, beta):
+    s = beta * (points @ query)
+    p = np.exp(s - s.max())
+    return p / p.sum()
+
+
+def small_problem(seed, rows, centres, trees, base, leaf, query_row, cap):
+    """A clustered toy set, a forest over it, one query and its clustering (cap clusters at most)."""
+    rng = np.random.default_rng(seed)
+    points = clustered(rng, rows, 4, centres=centres)
+    forest = build_forest(points, trees, rng, base, 3, leaf)
+    return rng, points, points[query_row], find_clustering(forest, points, points[query_row], max_clusters=cap)
+
+
+def test_rejection_sampler_matches_the_softmax():
+    rng, points, query, clustering = small_problem(3, 40, 4, 2, 1.2, 3, 0, 6)
+    beta = 3.0
+    draws = rejection_sample(clustering, points, query, beta, 20000, rng)
+    expected = softmax(points, query, beta) * len(draws)
+    _, p_value = stats.chisquare(np.bincount(draws, minlength=len(points)), expected)
+    assert p_value > 1e-3
+    # the proposal alone is not the softmax (so the test can tell them apart)
+    proposal = proposal_probabilities(clustering, beta, len(points))
+    assert np.abs(proposal - softmax(points, query, beta)).sum() > 0.05
+
+
+def test_metropolis_hastings_reaches_the_tv_bound():
+    rng, points, query, clustering = small_problem(4, 30, 3, 1, 1.3, 4, 3, 4)
+    beta = 2.0
+    p, q = softmax(points, query, beta), proposal_probabilities(clustering, beta, len(points))
+    # exact transition matrix of independent MH with target P and proposal Q
+    accept = np.minimum(1.0, (p[None, :] * q[:, None]) / (p[:, None] * q[None, :]))
+    kernel = q[None, :] * accept
+    np.fill_diagonal(kernel, 0)
+    kernel[np.diag_indices_from(kernel)] = 1 - kernel.sum(1)
+    w_star = (p / q).max()  # independent MH: TV after n steps <= (1 - 1/w*)^n (Mengersen and Tweedie 1996)
+    dist = q.copy()
+    for steps in range(1, 6):
+        dist = dist @ kernel
+        assert 0.5 * np.abs(dist - p).sum() <= (1 - 1 / w_star) ** steps + 1e-12
+    # the sampler draws from that exact 2-step distribution
+    two = q @ kernel @ kernel
+    states = metropolis_hastings(clustering, points, query, beta, 40000, 2, rng)
+    empirical = np.bincount(states, minlength=len(points)) / len(states)
+    assert 0.5 * np.abs(empirical - two).sum() < 0.03
+    assert 0.5 * np.abs(two - p).sum() < 0.5 * np.abs(q - p).sum()  # and two steps got closer to P than Q
+
+
+def test_nystrom_is_exact_when_the_landmarks_span_the_space():
+    rng = np.random.default_rng(5)
+    vectors = rng.standard_normal((200, 6))
+    projection = nystrom.whitening(vectors[:10])  # 10 landmarks spanning R^6
+    low = nystrom.represent(vectors, projection).astype(np.float64)
+    np.testing.assert_allclose(nystrom.reconstruct(low, projection), vectors, atol=1e-5)
+    np.testing.assert_allclose(low @ low.T, vectors @ vectors.T, atol=1e-4)  # inner products (the kernel)
+    d = np.linalg.norm(low[:, None] - low[None], axis=2)
+    np.testing.assert_allclose(d, np.linalg.norm(vectors[:, None] - vectors[None], axis=2), atol=1e-4)
+    few = nystrom.whitening(vectors[:3])  # 3 landmarks do not span R^6: an approximation only
+    assert np.abs(nystrom.reconstruct(nystrom.represent(vectors, few), few) - vectors).max() > 0.1
+
+
+def test_regression_recovers_a_linear_drift():
+    rng = np.random.default_rng(6)
+    vectors = rng.standard_normal((500, 8))
+    drift = np.eye(8) + 0.3 * rng.standard_normal((8, 8))
+    landmarks = np.arange(16)
+    low = nystrom.represent(vectors, nystrom.whitening(vectors[landmarks])).astype(np.float64)
+    sample = rng.choice(500, 40, replace=False)
+    moved = vectors @ drift.T  # the encoder after w steps, as a linear map
+    regression = nystrom.fit_regression(low[sample], moved[sample], ridge=1e-12)
+    np.testing.assert_allclose(low @ regression, moved, atol=1e-5)  # every target, from 40 re-encoded ones
+    new_projection = nystrom.whitening(moved[landmarks])
+    new_low = nystrom.reencode(low, regression, new_projection).astype(np.float64)
+    np.testing.assert_allclose(new_low @ new_low.T, moved @ moved.T, atol=1e-3)
+
+
+@pytest.mark.parametrize("key,value", [("landmarks", 0), ("nystrom_samples", -1), ("trees", 0), ("mh_chains", 0),
+                                        ("tree_base", 1.0), ("max_clusters", 0), ("nystrom_ridge", -1.0)])
+def test_config_errors_name_the_key(key, value):
+    with pytest.raises(ConfigError, match=f"strategy.{key}"):
+        DynnibalConfig(name="dynnibal", **{key: value})
+
+
+def test_algorithm_1_trains_and_resumes_bitwise(recipe_toy_dir, tmp_path):
+    """Dynnibal in Algorithm 1: metrics.json carries its memory and re-encoding counts; 3 steps + resume to 6
+    (its cache, forest and generator restored from the checkpoint) equals 6 steps in one go."""
+    extra = {"train.warmup_steps": 4}
+    whole = train(recipe_toy_dir, tmp_path / "whole", **{"train.save_every": 3, **extra})
+    written = json.loads((tmp_path / "whole" / "metrics.json").read_text())
+    summary = written["strategy_summary"]
+    refreshes = STEPS // REFRESH
+    assert written["reembedded_passages"] == summary["reencoded"] == refreshes * (LANDMARKS + NYSTROM_SAMPLES)
+    assert summary["refreshes"] == refreshes and summary["trees"] == 2 and summary["low_dim"] == LANDMARKS
+    dim, rows = 32, 300  # retriever.tiny.d_model of the test config; the toy corpus
+    assert summary["device_memory_pct"] == pytest.approx(100 * (3 * LANDMARKS + NYSTROM_SAMPLES) * dim / (rows * dim))
+    assert summary["host_memory_pct"] == pytest.approx(100 * LANDMARKS / dim)
+    train(recipe_toy_dir, tmp_path / "split", steps=3, **extra)
+    resumed = train(recipe_toy_dir, tmp_path / "split", **{"train.resume": "true", **extra})
+    assert resumed["recall"] == whole["recall"] and resumed["strategy_summary"] == whole["strategy_summary"]
+    a, b = weights(tmp_path / "whole"), weights(tmp_path / "split")
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def train(toy_dir, out, steps=STEPS, **extra):
+    from rag_train.train.retriever import train_retriever
+
+    return train_retriever(config(toy_dir, out, "dynnibal", steps=steps, **extra))
