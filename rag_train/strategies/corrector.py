@@ -57,6 +57,9 @@ class CorrectorStrategy(Stale):
     def __init__(self, cfg: CorrectorStrategyConfig, ctx: StrategyContext):
         super().__init__(cfg, ctx)
         self.corrector = Corrector(self.buffer.dim, cfg.corrector.hidden).to(search_device(ctx))
+        # times each corpus row was in the corrector's training subset, saturating at 255 (one byte a row): which
+        # rows h has seen, for scripts/diagnose_retriever.py (checkpointed with the strategy's state)
+        self.seen = torch.zeros(len(ctx.corpus), dtype=torch.uint8)
 
     @property
     def auxiliary_max_loss(self) -> float:
@@ -70,6 +73,18 @@ class CorrectorStrategy(Stale):
         return [{"params": list(self.corrector.parameters()), "lr": self.cfg.corrector.lr, "weight_decay": 0.0,
                  "auxiliary": True}]
 
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        return dict(super().state_tensors(), seen=self.seen)
+
+    def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        super().load_state_tensors(tensors)
+        if "seen" in tensors:  # checkpoints written before it was recorded have none
+            self.seen = tensors["seen"]
+
+    def count_seen(self, rows: torch.Tensor) -> None:
+        unique = rows.reshape(-1).unique().cpu()
+        self.seen[unique] = (self.seen[unique].int() + 1).clamp_(max=255).to(torch.uint8)
+
     def search_depth(self, k: int) -> int:
         return max(k, self.cfg.corrector.candidates)
 
@@ -77,6 +92,7 @@ class CorrectorStrategy(Stale):
         self, queries: torch.Tensor, rows: torch.Tensor, fresh_vectors: torch.Tensor, fresh_scores: torch.Tensor
     ) -> Optional[torch.Tensor]:
         """Runs inside the recipe's training forward (the corrector is a part of its prepared module)."""
+        self.count_seen(rows)
         device = fresh_scores.device
         dtype = next(self.corrector.parameters()).dtype  # the engine's (bf16 under DeepSpeed bf16), else fp32
         corrected = self.corrector(self.stale_vectors(rows).to(device, dtype))

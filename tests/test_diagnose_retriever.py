@@ -1,0 +1,104 @@
+"""scripts/diagnose_retriever.py on a tiny corrector run, against a brute-force recomputation: the rows the
+corrector trained on (recorded in the strategy's checkpointed state), h(B) by the formula b + W2 relu(W1 b + c1) + c2,
+per-row cosines / errors against fresh g(y), and top-k overlaps by set intersection."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rag_train.buffer.store import Buffer
+from rag_train.data.corpus import Corpus
+from rag_train.eval.diagnose_retriever import diagnose, latest_checkpoint, main
+from rag_train.eval.retrieval import load_eval_set
+from rag_train.models.retriever import DualEncoder
+from rag_train.strategies.corrector import CorrectorStrategy
+from rag_train.train.retriever import train_retriever
+from test_train_retriever import PASSAGES, config
+
+K, QUESTIONS = 3, 20
+
+
+@pytest.fixture(scope="module")
+def corrector_run(recipe_toy_dir, tmp_path_factory):
+    """A 6-step corrector run, with every row set the corrector loss was computed on."""
+    out = tmp_path_factory.mktemp("diagnose") / "run"
+    subsets = []
+    original = CorrectorStrategy.auxiliary_loss
+
+    def recording(self, queries, rows, *args):
+        subsets.append(rows.clone())
+        return original(self, queries, rows, *args)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(CorrectorStrategy, "auxiliary_loss", recording)
+        train_retriever(config(recipe_toy_dir, out, "corrector", **{"strategy.corrector.lr": 1e-2}))
+    return out, subsets
+
+
+def test_seen_rows_are_the_corrector_subsets(corrector_run):
+    run, subsets = corrector_run
+    counts = load_file(str(latest_checkpoint(run) / "strategy-rank0.safetensors"))["seen"].numpy()
+    expected = np.zeros(PASSAGES, dtype=np.int64)
+    for rows in subsets:
+        expected[rows.unique().numpy()] += 1
+    assert len(subsets) == 6 and counts.shape == (PASSAGES,)
+    np.testing.assert_array_equal(counts, np.minimum(expected, 255))
+    assert 0 < (counts > 0).sum() < PASSAGES  # both groups exist
+
+
+def test_numbers_match_a_brute_force_computation(corrector_run, recipe_toy_dir, capsys):
+    run, _ = corrector_run
+    torch.set_num_threads(1)
+    report = diagnose(run, K, QUESTIONS)
+
+    corpus = Corpus.open(recipe_toy_dir / "passages.jsonl")
+    retriever = DualEncoder.load(run / "retriever").eval()
+    with torch.no_grad():
+        fresh = np.concatenate([retriever.encode_passages(corpus.passages([row])).double().numpy()
+                                for row in range(len(corpus))])
+    buffer = Buffer.open(run / "buffer")
+    stale = np.asarray(buffer.array(), dtype=np.float64)
+    weights = {k: v.double().numpy() for k, v in load_file(str(latest_checkpoint(run) / "model.safetensors")).items()}
+    hidden = np.maximum(stale @ weights["corrector.first.weight"].T + weights["corrector.first.bias"], 0)
+    corrected = stale + hidden @ weights["corrector.second.weight"].T + weights["corrector.second.bias"]
+    assert np.abs(corrected - stale).max() > 1e-4  # the corrector moved: the two columns can differ
+    seen = load_file(str(latest_checkpoint(run) / "strategy-rank0.safetensors"))["seen"].numpy() > 0
+
+    def cosines(a, b):
+        return [float(x @ y / np.linalg.norm(x) / np.linalg.norm(y)) for x, y in zip(a, b)]
+
+    for group, mask in {"seen": seen, "unseen": ~seen, "all": np.ones_like(seen)}.items():
+        stats = report["rows"][group]
+        assert stats["n"] == mask.sum()
+        for name, vectors in {"stale": stale, "corrector": corrected}.items():
+            assert stats[name]["cosine"] == pytest.approx(np.mean(cosines(vectors[mask], fresh[mask])), abs=2e-3)
+            errors = [np.linalg.norm(v - g) / np.linalg.norm(g) for v, g in zip(vectors[mask], fresh[mask])]
+            assert stats[name]["relative_error"] == pytest.approx(np.mean(errors), abs=2e-3)
+    design = np.hstack([stale, np.ones((len(stale), 1))])
+    fitted = design @ np.linalg.lstsq(design[seen], fresh[seen], rcond=None)[0]
+    assert report["rows"]["unseen"]["lstsq"]["cosine"] == pytest.approx(
+        np.mean(cosines(fitted[~seen], fresh[~seen])), abs=2e-3)
+
+    dev = load_eval_set(recipe_toy_dir / "retrieval-dev.jsonl", corpus, limit=QUESTIONS)
+    gold = corpus.rows([next(iter(q)) for q in dev.qrels])
+    with torch.no_grad():
+        queries = retriever.encode_queries(dev.questions).double().numpy()
+    reference = [set(np.argsort(-(q @ fresh.T), kind="stable")[:K]) for q in queries]
+    for name, vectors in {"fresh": fresh, "stale": stale, "corrector": corrected}.items():
+        found = next(r for r in report["rankings"] if r["questions"].endswith("(dev)") and r["searched"] == name)
+        ranked = [np.argsort(-(q @ vectors.T), kind="stable")[:K] for q in queries]
+        assert found["overlap"] == pytest.approx(np.mean([len(set(r) & f) / K for r, f in zip(ranked, reference)]),
+                                                 abs=1 / (K * QUESTIONS) + 1e-9)  # one tie may break differently
+        assert found["gold_at_1"] == pytest.approx(np.mean([r[0] == g for r, g in zip(ranked, gold)]),
+                                                   abs=1 / QUESTIONS + 1e-9)
+        unseen = [(row in set(r)) for r, f in zip(ranked, reference) for row in f if not seen[row]]
+        if unseen:
+            assert found["overlap_unseen"] == pytest.approx(np.mean(unseen), abs=1 / len(unseen) + 1e-9)
+    assert next(r for r in report["rankings"] if r["searched"] == "fresh")["overlap"] == 1.0
+
+    main(["--run", str(run), "--k", str(K), "--questions", str(QUESTIONS)])
+    printed = capsys.readouterr().out
+    assert "| unseen |" in printed and "| retrieval (dev) | corrector |" in printed
