@@ -4,6 +4,8 @@ per-row cosines / errors against fresh g(y), and top-k overlaps by set intersect
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -28,9 +30,9 @@ def corrector_run(recipe_toy_dir, tmp_path_factory):
     subsets = []
     original = CorrectorStrategy.auxiliary_loss
 
-    def recording(self, queries, rows, *args):
-        subsets.append(rows.clone())
-        return original(self, queries, rows, *args)
+    def recording(self, queries, rows, fresh_vectors, fresh_scores):
+        subsets.append((rows.clone(), fresh_vectors.clone()))
+        return original(self, queries, rows, fresh_vectors, fresh_scores)
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(CorrectorStrategy, "auxiliary_loss", recording)
@@ -42,7 +44,7 @@ def test_seen_rows_are_the_corrector_subsets(corrector_run):
     run, subsets = corrector_run
     counts = load_file(str(latest_checkpoint(run) / "strategy-rank0.safetensors"))["seen"].numpy()
     expected = np.zeros(PASSAGES, dtype=np.int64)
-    for rows in subsets:
+    for rows, _ in subsets:
         expected[rows.unique().numpy()] += 1
     assert len(subsets) == 6 and counts.shape == (PASSAGES,)
     np.testing.assert_array_equal(counts, np.minimum(expected, 255))
@@ -102,3 +104,19 @@ def test_numbers_match_a_brute_force_computation(corrector_run, recipe_toy_dir, 
     main(["--run", str(run), "--k", str(K), "--questions", str(QUESTIONS)])
     printed = capsys.readouterr().out
     assert "| unseen |" in printed and "| retrieval (dev) | corrector |" in printed
+
+
+def test_the_corrector_logs_its_tracking_per_step(corrector_run):
+    """metrics.json's strategy_log: every logged step's cosines on the subset, against B[S] and the fresh g(S) the
+    corrector loss was given; at step 1 h is the identity, so h(B) tracks exactly as well as B."""
+    run, subsets = corrector_run
+    log = json.loads((run / "metrics.json").read_text())["strategy_log"]
+    assert log["step"] == [1, 2, 3, 4, 5, 6]
+    stale = np.asarray(Buffer.open(run / "buffer").array(), dtype=np.float64)
+    for step, (rows, fresh) in enumerate(subsets):
+        b, g = stale[rows.numpy()], fresh.double().numpy()
+        cos = np.mean(np.sum(b * g, 1) / np.linalg.norm(b, axis=1) / np.linalg.norm(g, axis=1))
+        assert log["corrector/cos_stale"][step] == pytest.approx(cos, abs=1e-3)
+    assert log["corrector/cos_corrected"][0] == pytest.approx(log["corrector/cos_stale"][0], abs=1e-6)
+    assert log["corrector/cos_corrected"][-1] != pytest.approx(log["corrector/cos_stale"][-1], abs=1e-6)
+    assert all(0 <= v <= 1 for v in log["corrector/subset_overlap@4"])
