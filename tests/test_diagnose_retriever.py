@@ -34,10 +34,38 @@ def corrector_run(recipe_toy_dir, tmp_path_factory):
         subsets.append((rows.clone(), fresh_vectors.clone()))
         return original(self, queries, rows, fresh_vectors, fresh_scores)
 
+    searched, stepped = [], []
+    search, after_step = CorrectorStrategy.retrieve_global, CorrectorStrategy.after_step
+
+    def searching(self, queries, k):  # the corrector's weights each search reads
+        searched.append({k: v.detach().clone() for k, v in self.corrector.state_dict().items()})
+        return search(self, queries, k)
+
+    def stepping(self, step):  # and its weights after each optimizer step
+        stepped.append({k: v.detach().clone() for k, v in self.corrector.state_dict().items()})
+        return after_step(self, step)
+
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(CorrectorStrategy, "auxiliary_loss", recording)
+        patch.setattr(CorrectorStrategy, "retrieve_global", searching)
+        patch.setattr(CorrectorStrategy, "after_step", stepping)
         train_retriever(config(recipe_toy_dir, out, "corrector", **{"strategy.corrector.lr": 1e-2}))
+    CORRECTOR_WEIGHTS[out] = (searched, stepped)
     return out, subsets
+
+
+CORRECTOR_WEIGHTS: dict = {}
+
+
+def test_each_search_uses_the_corrector_of_the_previous_step(corrector_run):
+    """Retrieval at step t + 1 goes through h as the optimizer left it after step t (not a stale copy), and the
+    corrector's own lr moves it every step."""
+    searched, stepped = CORRECTOR_WEIGHTS[corrector_run[0]]
+    assert len(searched) == len(stepped) == 6
+    assert torch.equal(searched[0]["second.weight"], torch.zeros_like(searched[0]["second.weight"]))  # identity at init
+    for before, after in zip(searched[1:], stepped[:-1]):
+        assert all(torch.equal(before[k], after[k]) for k in before)
+    assert all(not torch.equal(a["first.weight"], b["first.weight"]) for a, b in zip(stepped, stepped[1:]))
 
 
 def test_seen_rows_are_the_corrector_subsets(corrector_run):
