@@ -129,9 +129,10 @@ def test_numbers_match_a_brute_force_computation(corrector_run, recipe_toy_dir, 
             assert found["overlap_unseen"] == pytest.approx(np.mean(unseen), abs=1 / len(unseen) + 1e-9)
     assert next(r for r in report["rankings"] if r["searched"] == "fresh")["overlap"] == 1.0
 
-    main(["--run", str(run), "--k", str(K), "--questions", str(QUESTIONS)])
+    main(["--run", str(run), "--k", str(K), "--questions", str(QUESTIONS), "--fit-hidden", "8", "--fit-steps", "3"])
     printed = capsys.readouterr().out
     assert "| unseen |" in printed and "| retrieval (dev) | corrector |" in printed
+    assert "| retrieval (dev) | offline h8 |" in printed and "cos(offline h8, g)" in printed
 
 
 def test_the_corrector_logs_its_tracking_per_step(corrector_run):
@@ -148,3 +149,20 @@ def test_the_corrector_logs_its_tracking_per_step(corrector_run):
     assert log["corrector/cos_corrected"][0] == pytest.approx(log["corrector/cos_stale"][0], abs=1e-6)
     assert log["corrector/cos_corrected"][-1] != pytest.approx(log["corrector/cos_stale"][-1], abs=1e-6)
     assert all(0 <= v <= 1 for v in log["corrector/subset_overlap@4"])
+
+
+def test_offline_fit_learns_a_drift_the_stale_vectors_miss():
+    """fit_offline on a synthetic drift (g = normalised B rotated): its top-1 agrees with g far more often than B's."""
+    from rag_train.eval.diagnose_retriever import fit_offline
+
+    torch.manual_seed(0)
+    stale = torch.nn.functional.normalize(torch.randn(400, 8), dim=1)
+    rotation = torch.linalg.qr(torch.randn(8, 8)).Q
+    fresh = stale @ rotation
+    queries = torch.nn.functional.normalize(torch.randn(200, 8), dim=1)
+    fitted = fit_offline(stale, fresh, queries, hidden=32, steps=300, temperature=0.1)
+    with torch.no_grad():
+        truth = (queries @ fresh.T).argmax(1)
+        before = ((queries @ stale.T).argmax(1) == truth).float().mean()
+        after = ((queries @ fitted(stale).T).argmax(1) == truth).float().mean()
+    assert before < 0.3 and after > 0.6

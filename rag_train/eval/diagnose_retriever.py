@@ -1,6 +1,7 @@
 """How closely a finished Algorithm 1 run's corrector tracked its passage encoder (issue 17).
 
     python scripts/diagnose_retriever.py --run runs/toy-retriever [--k 4] [--questions 500] [--json out.json]
+        [--fit-hidden 256 2048 [--fit-steps 1500]]
 
 It reads the run directory: the saved retriever (`retriever/`), the stale buffer (`buffer/`), the corrector of
 the last checkpoint and — when the run recorded it (`strategy.name=corrector`) — how many times each row was in
@@ -15,6 +16,10 @@ corrected vector h(B[y]) and the fresh g(y):
 2. Rankings, for the dev questions and as many training questions: overlap@k of the top-k of <f(x), v> over the
    corpus with the fresh top-k (split by whether the fresh top-k row was seen or not), gold at 1 and gold in top-k,
    for v = g (fresh), h(B) (corrector), B (stale) and the lstsq map.
+
+3. With `--fit-hidden H ...`: a corrector of width H fitted offline, after the fact, on the final (B[y], g(y)) of the
+   seen rows with the run's CE loss (`fit_offline`), shown as `offline hH` in both tables: what a corrector of that
+   width could reach on this drift if it did not have to follow a moving encoder from one subset per step.
 
 Stale and exhaustive runs have no corrector: their rows show the drift (stale) only.
 """
@@ -38,6 +43,7 @@ from rag_train.data.corpus import Corpus
 from rag_train.data.sources import dataset_name, resolve_data
 from rag_train.data.supervised import load_retrieval
 from rag_train.eval.retrieval import load_eval_set
+from rag_train.losses import corrector_ce
 from rag_train.models.corrector import Corrector
 from rag_train.models.retriever import DualEncoder
 from rag_train.train.schema import RetrieverTrainConfig
@@ -91,6 +97,7 @@ def apply_affine(weights: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
     return torch.cat([source, torch.ones(len(source), 1)], dim=1) @ weights
 
 
+@torch.no_grad()
 def ranking_stats(queries: torch.Tensor, candidate: torch.Tensor, fresh: torch.Tensor, gold: torch.Tensor,
                   seen: torch.Tensor, k: int) -> dict[str, float]:
     """overlap@k of the candidate's top-k with the fresh top-k (all, and over the fresh top-k rows that were seen /
@@ -106,6 +113,25 @@ def ranking_stats(queries: torch.Tensor, candidate: torch.Tensor, fresh: torch.T
     return {"overlap": shared.float().mean().item(), "overlap_seen": fraction(was_seen),
             "overlap_unseen": fraction(~was_seen), "gold_at_1": (top[:, 0] == gold).float().mean().item(),
             "gold_in_top_k": (top == gold.unsqueeze(1)).any(dim=1).float().mean().item()}
+
+
+def fit_offline(stale: torch.Tensor, fresh: torch.Tensor, queries: torch.Tensor, hidden: int, steps: int,
+                temperature: float, seed: int = 0) -> Corrector:
+    """A corrector trained after the fact on the final (B[y], g(y)) pairs of the given rows — the target no longer
+    moves and every row is available — with the run's loss, CE(P~ || P~_h) at the run's temperature, over 64
+    training questions x 512 uniform rows per Adam step (lr 1e-3): how far a corrector of this width can get at all."""
+    generator = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    corrector = Corrector(stale.shape[1], hidden)
+    optimizer = torch.optim.Adam(corrector.parameters(), lr=1e-3)
+    for _ in range(steps):
+        picked = queries[torch.randint(len(queries), (64,), generator=generator)]
+        rows = torch.randint(len(stale), (512,), generator=generator).unique()
+        loss = corrector_ce(picked @ fresh[rows].T, picked @ corrector(stale[rows]).T, temperature)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return corrector.eval()
 
 
 @dataclass
@@ -129,8 +155,8 @@ def question_sets(files, corpus: Corpus, limit: int) -> list[Questions]:
     return found
 
 
-@torch.no_grad()
-def diagnose(run: Path, k: Optional[int] = None, limit: int = 500) -> dict:
+def diagnose(run: Path, k: Optional[int] = None, limit: int = 500, fit_hidden: tuple[int, ...] = (),
+             fit_steps: int = 1500) -> dict:
     """The two tables' numbers as a dict: {"rows": {group: {"n", "stale": {...}, "corrector": {...}, "lstsq": {...}}},
     "rankings": [{"questions", "searched", ...}], "k", "seen_rows"}."""
     cfg = load_config(RetrieverTrainConfig, run / "config.yaml", [])
@@ -140,22 +166,32 @@ def diagnose(run: Path, k: Optional[int] = None, limit: int = 500) -> dict:
     retriever = DualEncoder.load(run / "retriever").eval()
     buffer = Buffer.open(run / "buffer")
     stale = torch.from_numpy(np.asarray(buffer.shard(0, buffer.rows), dtype=np.float32))
-    fresh = embed_corpus(retriever, corpus)
+    with torch.no_grad():
+        fresh = embed_corpus(retriever, corpus)
     corrector = final_corrector(run, stale.shape[1])
     counts = seen_counts(run)
     seen = counts > 0 if counts is not None else torch.ones(len(corpus), dtype=torch.bool)
     searched = {"fresh": fresh, "stale": stale}
     if corrector is not None:
-        searched["corrector"] = corrector(stale)
+        with torch.no_grad():
+            searched["corrector"] = corrector(stale)
     if seen.sum() > stale.shape[1] + 1:
         searched["lstsq"] = apply_affine(affine_fit(stale[seen], fresh[seen]), stale)
+    sets = question_sets(files, corpus, limit)
+    with torch.no_grad():
+        encoded = [retriever.encode_queries(questions.texts).float() for questions in sets]
+    for hidden in fit_hidden:  # the training questions; the rows the run's corrector saw
+        training = torch.cat([q for q, questions in zip(encoded, sets) if questions.name.endswith("(train)")])
+        with torch.enable_grad():
+            fitted = fit_offline(stale[seen], fresh[seen], training, hidden, fit_steps, cfg.train.temperature)
+        with torch.no_grad():
+            searched[f"offline h{hidden}"] = fitted(stale)
     groups = {"seen": seen, "unseen": ~seen, "all": torch.ones_like(seen)}
     rows = {group: {"n": int(mask.sum()), **{name: vector_stats(v[mask], fresh[mask]) for name, v in searched.items()
                                              if name != "fresh"}}
             for group, mask in groups.items()}
     rankings = []
-    for questions in question_sets(files, corpus, limit):
-        queries = retriever.encode_queries(questions.texts).float()
+    for questions, queries in zip(sets, encoded):
         for name, vectors in searched.items():
             rankings.append({"questions": questions.name, "searched": name,
                              **ranking_stats(queries, vectors, fresh, questions.gold, seen, k)})
@@ -163,7 +199,7 @@ def diagnose(run: Path, k: Optional[int] = None, limit: int = 500) -> dict:
 
 
 def print_tables(report: dict) -> None:
-    names = [n for n in ("stale", "corrector", "lstsq") if n in report["rows"]["all"]]
+    names = [n for n in report["rows"]["all"] if n != "n"]
     print("| rows | n | " + " | ".join(f"cos({n}, g) | rel. err {n}" for n in names) + " |")
     print("|---|---|" + "---|---|" * len(names))
     for group, stats in report["rows"].items():
@@ -183,10 +219,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--k", type=int, default=None, help="top-k compared (default: the run's strategy.top_k)")
     parser.add_argument("--questions", type=int, default=500, help="dev and training questions per set")
     parser.add_argument("--json", type=Path, default=None, help="also write the numbers here")
+    parser.add_argument("--fit-hidden", type=int, nargs="*", default=[],
+                        help="also fit a corrector of each width offline on the final (B, g) of the seen rows (a ceiling)")
+    parser.add_argument("--fit-steps", type=int, default=1500)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    report = diagnose(args.run, args.k, args.questions)
+    report = diagnose(args.run, args.k, args.questions, tuple(args.fit_hidden), args.fit_steps)
     print_tables(report)
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
