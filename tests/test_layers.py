@@ -22,7 +22,8 @@ LAYERS = [
     ("rag_train.buffer", "rag_train.run_corpus"),
     ("rag_train.strategies", "rag_train.eval", "rag_train.synthetic", "rag_train.generative"),
     ("rag_train.train", "rag_train.embed_corpus", "rag_train.export", "rag_train.experiments"),
-    ("rag_train.serve", "rag_train.reproduction", "rag_train.generative.compare", "rag_train.eval.diagnose_rlm"),
+    ("rag_train.serve", "rag_train.reproduction", "rag_train.generative.compare", "rag_train.eval.diagnose_rlm",
+     "rag_train.eval.diagnose_retriever"),
     ("rag_train.cli",),
 ]
 

@@ -26,7 +26,6 @@ from pathlib import Path
 import numpy as np
 import torch
 from accelerate import Accelerator
-from safetensors.torch import load_file
 
 from rag_train.buffer.store import Buffer
 from rag_train.config import load_config
@@ -34,21 +33,9 @@ from rag_train.train.schema import RLMConfig
 from rag_train.data.corpus import Corpus
 from rag_train.data.qa import load_qa
 from rag_train.data.sources import resolve_data
-from rag_train.models.corrector import Corrector
+from rag_train.eval.diagnose_retriever import final_corrector
 from rag_train.models.retriever import DualEncoder
 from rag_train.data.toy import TOY_DEV_SETS, TOY_TRAIN_SETS
-
-
-def final_corrector(run: Path, dim: int) -> Corrector | None:
-    """The corrector of the run's last checkpoint (a part of the one prepared module), if it has one."""
-    latest = run / "checkpoints" / json.loads((run / "checkpoints" / "latest.json").read_text())["name"]
-    state = {k.removeprefix("corrector."): v for k, v in load_file(str(latest / "model.safetensors")).items()
-             if k.startswith("corrector.")}
-    if not state:
-        return None
-    corrector = Corrector(dim, state["first.weight"].shape[0])
-    corrector.load_state_dict(state)
-    return corrector
 
 
 @torch.no_grad()

@@ -220,6 +220,10 @@ class Strategy:
         all inputs are detached, so it can only train the strategy's own modules. None: no extra loss."""
         return None
 
+    def logged_values(self) -> dict[str, float]:
+        """Values of the last step the recipe logs, and keeps per logged step in metrics.json (`strategy_log`)."""
+        return {}
+
     @property
     def auxiliary_max_loss(self) -> float:
         """A step whose auxiliary loss is above this skips the update of the `auxiliary` param groups

@@ -57,6 +57,10 @@ class CorrectorStrategy(Stale):
     def __init__(self, cfg: CorrectorStrategyConfig, ctx: StrategyContext):
         super().__init__(cfg, ctx)
         self.corrector = Corrector(self.buffer.dim, cfg.corrector.hidden).to(search_device(ctx))
+        # times each corpus row was in the corrector's training subset, saturating at 255 (one byte a row): which
+        # rows h has seen, for scripts/diagnose_retriever.py (checkpointed with the strategy's state)
+        self.seen = torch.zeros(len(ctx.corpus), dtype=torch.uint8)
+        self.tracked: dict[str, torch.Tensor] = {}  # the last step's `tracking_values`
 
     @property
     def auxiliary_max_loss(self) -> float:
@@ -70,6 +74,18 @@ class CorrectorStrategy(Stale):
         return [{"params": list(self.corrector.parameters()), "lr": self.cfg.corrector.lr, "weight_decay": 0.0,
                  "auxiliary": True}]
 
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        return dict(super().state_tensors(), seen=self.seen)
+
+    def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        super().load_state_tensors(tensors)
+        if "seen" in tensors:  # checkpoints written before it was recorded have none
+            self.seen = tensors["seen"]
+
+    def count_seen(self, rows: torch.Tensor) -> None:
+        unique = rows.reshape(-1).unique().cpu()
+        self.seen[unique] = (self.seen[unique].int() + 1).clamp_(max=255).to(torch.uint8)
+
     def search_depth(self, k: int) -> int:
         return max(k, self.cfg.corrector.candidates)
 
@@ -77,11 +93,38 @@ class CorrectorStrategy(Stale):
         self, queries: torch.Tensor, rows: torch.Tensor, fresh_vectors: torch.Tensor, fresh_scores: torch.Tensor
     ) -> Optional[torch.Tensor]:
         """Runs inside the recipe's training forward (the corrector is a part of its prepared module)."""
+        self.count_seen(rows)
         device = fresh_scores.device
         dtype = next(self.corrector.parameters()).dtype  # the engine's (bf16 under DeepSpeed bf16), else fp32
-        corrected = self.corrector(self.stale_vectors(rows).to(device, dtype))
+        stale = self.stale_vectors(rows).to(device, dtype)
+        corrected = self.corrector(stale)
+        corrected_scores = retrieval_scores(queries, corrected)  # [B, S] shared subset or [B, k] per question
+        self.tracked = tracking_values(stale, corrected.detach(), fresh_vectors, corrected_scores.detach(), fresh_scores)
         weight = self.cfg.corrector.weight
         if self.cfg.corrector.loss == "mse":
             return weight * corrector_mse(fresh_vectors, corrected)
-        corrected_scores = retrieval_scores(queries, corrected)  # [B, S] shared subset or [B, k] per question
         return weight * corrector_ce(fresh_scores, corrected_scores, self.ctx.temperature)
+
+    def logged_values(self) -> dict[str, float]:
+        return {key: value.item() for key, value in self.tracked.items()}
+
+
+TRACKED_TOP = 4  # the subset ranking's head compared by `tracking_values`
+
+
+@torch.no_grad()
+def tracking_values(stale: torch.Tensor, corrected: torch.Tensor, fresh: torch.Tensor, corrected_scores: torch.Tensor,
+                    fresh_scores: torch.Tensor) -> dict[str, torch.Tensor]:
+    """How closely h follows g on the subset it trains on this step (tensors: no device sync until logged):
+    mean cosine of B[y] and of h(B[y]) with the fresh g(y), and the overlap of each question's top-4 of the subset
+    under <f(x), h(B[y])> with its top-4 under <f(x), g(y)> (scripts/diagnose_retriever.py measures the whole
+    corpus after training)."""
+    def cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cosine_similarity(a.float(), b.float(), dim=-1).mean()
+
+    k = min(TRACKED_TOP, fresh_scores.shape[-1])
+    top_fresh = fresh_scores.topk(k, dim=-1).indices
+    top_corrected = corrected_scores.topk(k, dim=-1).indices
+    overlap = (top_fresh.unsqueeze(-1) == top_corrected.unsqueeze(-2)).any(dim=-1).float().mean()
+    return {"corrector/cos_stale": cosine(stale, fresh), "corrector/cos_corrected": cosine(corrected, fresh),
+            "corrector/subset_overlap@4": overlap}

@@ -1,0 +1,231 @@
+"""How closely a finished Algorithm 1 run's corrector tracked its passage encoder (issue 17).
+
+    python scripts/diagnose_retriever.py --run runs/toy-retriever [--k 4] [--questions 500] [--json out.json]
+        [--fit-hidden 256 2048 [--fit-steps 1500]]
+
+It reads the run directory: the saved retriever (`retriever/`), the stale buffer (`buffer/`), the corrector of
+the last checkpoint and — when the run recorded it (`strategy.name=corrector`) — how many times each row was in
+the corrector's training subset (`seen` in the checkpoint's strategy state). With the final passage encoder g it
+embeds the whole corpus afresh (one corpus pass) and compares, for every row y, the stale vector B[y], the
+corrected vector h(B[y]) and the fresh g(y):
+
+1. Vectors, on the rows the corrector trained on ("seen"), the rows it never saw ("unseen") and all rows:
+   mean cosine with g(y) and mean relative error ||v - g(y)|| / ||g(y)|| of v = B[y] (the drift the corrector must
+   undo) and v = h(B[y]); plus, as a ceiling on what any map of B could reach, the least-squares affine map from
+   B to g fitted on the seen rows (`lstsq`), measured on both groups.
+2. Rankings, for the dev questions and as many training questions: overlap@k of the top-k of <f(x), v> over the
+   corpus with the fresh top-k (split by whether the fresh top-k row was seen or not), gold at 1 and gold in top-k,
+   for v = g (fresh), h(B) (corrector), B (stale) and the lstsq map.
+
+3. With `--fit-hidden H ...`: a corrector of width H fitted offline, after the fact, on the final (B[y], g(y)) of the
+   seen rows with the run's CE loss (`fit_offline`), shown as `offline hH` in both tables: what a corrector of that
+   width could reach on this drift if it did not have to follow a moving encoder from one subset per step.
+
+Stale and exhaustive runs have no corrector: their rows show the drift (stale) only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+from accelerate import Accelerator
+from safetensors.torch import load_file
+
+from rag_train.buffer.store import Buffer
+from rag_train.config import load_config
+from rag_train.data.corpus import Corpus
+from rag_train.data.sources import dataset_name, resolve_data
+from rag_train.data.supervised import load_retrieval
+from rag_train.eval.retrieval import load_eval_set
+from rag_train.losses import corrector_ce
+from rag_train.models.corrector import Corrector
+from rag_train.models.retriever import DualEncoder
+from rag_train.train.schema import RetrieverTrainConfig
+
+
+def latest_checkpoint(run: Path) -> Path:
+    return run / "checkpoints" / json.loads((run / "checkpoints" / "latest.json").read_text())["name"]
+
+
+def final_corrector(run: Path, dim: int) -> Corrector | None:
+    """The corrector of the run's last checkpoint (a part of the one prepared module), if it has one."""
+    state = {k.removeprefix("corrector."): v for k, v in load_file(str(latest_checkpoint(run) / "model.safetensors")).items()
+             if k.startswith("corrector.")}
+    if not state:
+        return None
+    corrector = Corrector(dim, state["first.weight"].shape[0])
+    corrector.load_state_dict(state)
+    return corrector
+
+
+def seen_counts(run: Path) -> Optional[torch.Tensor]:
+    """Times each corpus row was in the corrector's training subset (saturating at 255), from the last checkpoint's
+    strategy state (rank 0: the subset is shared by every process); None when the run did not record it."""
+    path = latest_checkpoint(run) / "strategy-rank0.safetensors"
+    if not path.is_file():
+        return None
+    return load_file(str(path)).get("seen")
+
+
+def embed_corpus(retriever: DualEncoder, corpus: Corpus, batch: int = 256) -> torch.Tensor:
+    return torch.cat([retriever.encode_passages(corpus.passages(range(s, min(s + batch, len(corpus))))).float()
+                      for s in range(0, len(corpus), batch)])
+
+
+def vector_stats(candidate: torch.Tensor, fresh: torch.Tensor) -> dict[str, float]:
+    """Mean cosine and mean relative error ||v - g|| / ||g|| of candidate rows against fresh rows."""
+    if len(fresh) == 0:
+        return {"cosine": float("nan"), "relative_error": float("nan")}
+    cosine = torch.nn.functional.cosine_similarity(candidate, fresh, dim=1)
+    error = (candidate - fresh).norm(dim=1) / fresh.norm(dim=1).clamp_min(1e-12)
+    return {"cosine": cosine.mean().item(), "relative_error": error.mean().item()}
+
+
+def affine_fit(source: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """[D + 1, D] least-squares affine map W with [source, 1] @ W ~ target (float64 for the solve)."""
+    design = torch.cat([source, torch.ones(len(source), 1)], dim=1).double()
+    return torch.linalg.lstsq(design, target.double()).solution.float()
+
+
+def apply_affine(weights: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    return torch.cat([source, torch.ones(len(source), 1)], dim=1) @ weights
+
+
+@torch.no_grad()
+def ranking_stats(queries: torch.Tensor, candidate: torch.Tensor, fresh: torch.Tensor, gold: torch.Tensor,
+                  seen: torch.Tensor, k: int) -> dict[str, float]:
+    """overlap@k of the candidate's top-k with the fresh top-k (all, and over the fresh top-k rows that were seen /
+    unseen), gold at 1 and gold in top-k of the candidate's ranking."""
+    top = (queries @ candidate.T).topk(k).indices
+    reference = (queries @ fresh.T).topk(k).indices
+    shared = (reference.unsqueeze(2) == top.unsqueeze(1)).any(dim=2)  # [Q, k]: fresh top-k row also in candidate's
+    was_seen = seen[reference]
+
+    def fraction(mask: torch.Tensor) -> float:
+        return (shared & mask).sum().item() / mask.sum().item() if mask.any() else float("nan")
+
+    return {"overlap": shared.float().mean().item(), "overlap_seen": fraction(was_seen),
+            "overlap_unseen": fraction(~was_seen), "gold_at_1": (top[:, 0] == gold).float().mean().item(),
+            "gold_in_top_k": (top == gold.unsqueeze(1)).any(dim=1).float().mean().item()}
+
+
+def fit_offline(stale: torch.Tensor, fresh: torch.Tensor, queries: torch.Tensor, hidden: int, steps: int,
+                temperature: float, seed: int = 0) -> Corrector:
+    """A corrector trained after the fact on the final (B[y], g(y)) pairs of the given rows — the target no longer
+    moves and every row is available — with the run's loss, CE(P~ || P~_h) at the run's temperature, over 64
+    training questions x 512 uniform rows per Adam step (lr 1e-3): how far a corrector of this width can get at all."""
+    generator = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    corrector = Corrector(stale.shape[1], hidden)
+    optimizer = torch.optim.Adam(corrector.parameters(), lr=1e-3)
+    for _ in range(steps):
+        picked = queries[torch.randint(len(queries), (64,), generator=generator)]
+        rows = torch.randint(len(stale), (512,), generator=generator).unique()
+        loss = corrector_ce(picked @ fresh[rows].T, picked @ corrector(stale[rows]).T, temperature)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return corrector.eval()
+
+
+@dataclass
+class Questions:
+    name: str
+    texts: list[str]
+    gold: torch.Tensor  # [Q] corpus row of each question's first positive
+
+
+def question_sets(files, corpus: Corpus, limit: int) -> list[Questions]:
+    found = []
+    for path in files.dev:
+        dev = load_eval_set(path, corpus, limit=limit)
+        rows = corpus.rows([next(iter(qrels)) for qrels in dev.qrels])
+        found.append(Questions(f"{dataset_name(path)} (dev)", dev.questions, torch.as_tensor(np.asarray(rows))))
+    for path in files.train:
+        train = load_retrieval(path, corpus=corpus, limit=limit)
+        rows = corpus.rows([ex.positive_ids[0] for ex in train])
+        found.append(Questions(f"{dataset_name(path)} (train)", [ex.question for ex in train],
+                               torch.as_tensor(np.asarray(rows))))
+    return found
+
+
+def diagnose(run: Path, k: Optional[int] = None, limit: int = 500, fit_hidden: tuple[int, ...] = (),
+             fit_steps: int = 1500) -> dict:
+    """The two tables' numbers as a dict: {"rows": {group: {"n", "stale": {...}, "corrector": {...}, "lstsq": {...}}},
+    "rankings": [{"questions", "searched", ...}], "k", "seen_rows"}."""
+    cfg = load_config(RetrieverTrainConfig, run / "config.yaml", [])
+    k = k or cfg.strategy.top_k
+    files = resolve_data(cfg.data, Accelerator(cpu=True), ["retrieval-train"], ["retrieval-dev"])
+    corpus = Corpus.open(files.passages)
+    retriever = DualEncoder.load(run / "retriever").eval()
+    buffer = Buffer.open(run / "buffer")
+    stale = torch.from_numpy(np.asarray(buffer.shard(0, buffer.rows), dtype=np.float32))
+    with torch.no_grad():
+        fresh = embed_corpus(retriever, corpus)
+    corrector = final_corrector(run, stale.shape[1])
+    counts = seen_counts(run)
+    seen = counts > 0 if counts is not None else torch.ones(len(corpus), dtype=torch.bool)
+    searched = {"fresh": fresh, "stale": stale}
+    if corrector is not None:
+        with torch.no_grad():
+            searched["corrector"] = corrector(stale)
+    if seen.sum() > stale.shape[1] + 1:
+        searched["lstsq"] = apply_affine(affine_fit(stale[seen], fresh[seen]), stale)
+    sets = question_sets(files, corpus, limit)
+    with torch.no_grad():
+        encoded = [retriever.encode_queries(questions.texts).float() for questions in sets]
+    for hidden in fit_hidden:  # the training questions; the rows the run's corrector saw
+        training = torch.cat([q for q, questions in zip(encoded, sets) if questions.name.endswith("(train)")])
+        with torch.enable_grad():
+            fitted = fit_offline(stale[seen], fresh[seen], training, hidden, fit_steps, cfg.train.temperature)
+        with torch.no_grad():
+            searched[f"offline h{hidden}"] = fitted(stale)
+    groups = {"seen": seen, "unseen": ~seen, "all": torch.ones_like(seen)}
+    rows = {group: {"n": int(mask.sum()), **{name: vector_stats(v[mask], fresh[mask]) for name, v in searched.items()
+                                             if name != "fresh"}}
+            for group, mask in groups.items()}
+    rankings = []
+    for questions, queries in zip(sets, encoded):
+        for name, vectors in searched.items():
+            rankings.append({"questions": questions.name, "searched": name,
+                             **ranking_stats(queries, vectors, fresh, questions.gold, seen, k)})
+    return {"k": k, "seen_rows": int(seen.sum()) if counts is not None else None, "rows": rows, "rankings": rankings}
+
+
+def print_tables(report: dict) -> None:
+    names = [n for n in report["rows"]["all"] if n != "n"]
+    print("| rows | n | " + " | ".join(f"cos({n}, g) | rel. err {n}" for n in names) + " |")
+    print("|---|---|" + "---|---|" * len(names))
+    for group, stats in report["rows"].items():
+        cells = " | ".join(f"{stats[n]['cosine']:.3f} | {stats[n]['relative_error']:.3f}" for n in names)
+        print(f"| {group} | {stats['n']} | {cells} |")
+    k = report["k"]
+    print(f"\n| questions | searched | overlap@{k} with fresh | on seen rows | on unseen rows | gold at 1 | gold in top-{k} |")
+    print("|---|---|---|---|---|---|---|")
+    for r in report["rankings"]:
+        print(f"| {r['questions']} | {r['searched']} | {r['overlap']:.3f} | {r['overlap_seen']:.3f} | "
+              f"{r['overlap_unseen']:.3f} | {r['gold_at_1']:.3f} | {r['gold_in_top_k']:.3f} |")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--run", type=Path, required=True)
+    parser.add_argument("--k", type=int, default=None, help="top-k compared (default: the run's strategy.top_k)")
+    parser.add_argument("--questions", type=int, default=500, help="dev and training questions per set")
+    parser.add_argument("--json", type=Path, default=None, help="also write the numbers here")
+    parser.add_argument("--fit-hidden", type=int, nargs="*", default=[],
+                        help="also fit a corrector of each width offline on the final (B, g) of the seen rows (a ceiling)")
+    parser.add_argument("--fit-steps", type=int, default=1500)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    report = diagnose(args.run, args.k, args.questions, tuple(args.fit_hidden), args.fit_steps)
+    print_tables(report)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))

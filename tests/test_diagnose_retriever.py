@@ -1,0 +1,168 @@
+"""scripts/diagnose_retriever.py on a tiny corrector run, against a brute-force recomputation: the rows the
+corrector trained on (recorded in the strategy's checkpointed state), h(B) by the formula b + W2 relu(W1 b + c1) + c2,
+per-row cosines / errors against fresh g(y), and top-k overlaps by set intersection."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rag_train.buffer.store import Buffer
+from rag_train.data.corpus import Corpus
+from rag_train.eval.diagnose_retriever import diagnose, latest_checkpoint, main
+from rag_train.eval.retrieval import load_eval_set
+from rag_train.models.retriever import DualEncoder
+from rag_train.strategies.corrector import CorrectorStrategy
+from rag_train.train.retriever import train_retriever
+from test_train_retriever import PASSAGES, config
+
+K, QUESTIONS = 3, 20
+
+
+@pytest.fixture(scope="module")
+def corrector_run(recipe_toy_dir, tmp_path_factory):
+    """A 6-step corrector run, with every row set the corrector loss was computed on."""
+    out = tmp_path_factory.mktemp("diagnose") / "run"
+    subsets = []
+    original = CorrectorStrategy.auxiliary_loss
+
+    def recording(self, queries, rows, fresh_vectors, fresh_scores):
+        subsets.append((rows.clone(), fresh_vectors.clone()))
+        return original(self, queries, rows, fresh_vectors, fresh_scores)
+
+    searched, stepped = [], []
+    search, after_step = CorrectorStrategy.retrieve_global, CorrectorStrategy.after_step
+
+    def searching(self, queries, k):  # the corrector's weights each search reads
+        searched.append({k: v.detach().clone() for k, v in self.corrector.state_dict().items()})
+        return search(self, queries, k)
+
+    def stepping(self, step):  # and its weights after each optimizer step
+        stepped.append({k: v.detach().clone() for k, v in self.corrector.state_dict().items()})
+        return after_step(self, step)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(CorrectorStrategy, "auxiliary_loss", recording)
+        patch.setattr(CorrectorStrategy, "retrieve_global", searching)
+        patch.setattr(CorrectorStrategy, "after_step", stepping)
+        train_retriever(config(recipe_toy_dir, out, "corrector", **{"strategy.corrector.lr": 1e-2}))
+    CORRECTOR_WEIGHTS[out] = (searched, stepped)
+    return out, subsets
+
+
+CORRECTOR_WEIGHTS: dict = {}
+
+
+def test_each_search_uses_the_corrector_of_the_previous_step(corrector_run):
+    """Retrieval at step t + 1 goes through h as the optimizer left it after step t (not a stale copy), and the
+    corrector's own lr moves it every step."""
+    searched, stepped = CORRECTOR_WEIGHTS[corrector_run[0]]
+    assert len(searched) == len(stepped) == 6
+    assert torch.equal(searched[0]["second.weight"], torch.zeros_like(searched[0]["second.weight"]))  # identity at init
+    for before, after in zip(searched[1:], stepped[:-1]):
+        assert all(torch.equal(before[k], after[k]) for k in before)
+    assert all(not torch.equal(a["first.weight"], b["first.weight"]) for a, b in zip(stepped, stepped[1:]))
+
+
+def test_seen_rows_are_the_corrector_subsets(corrector_run):
+    run, subsets = corrector_run
+    counts = load_file(str(latest_checkpoint(run) / "strategy-rank0.safetensors"))["seen"].numpy()
+    expected = np.zeros(PASSAGES, dtype=np.int64)
+    for rows, _ in subsets:
+        expected[rows.unique().numpy()] += 1
+    assert len(subsets) == 6 and counts.shape == (PASSAGES,)
+    np.testing.assert_array_equal(counts, np.minimum(expected, 255))
+    assert 0 < (counts > 0).sum() < PASSAGES  # both groups exist
+
+
+def test_numbers_match_a_brute_force_computation(corrector_run, recipe_toy_dir, capsys):
+    run, _ = corrector_run
+    torch.set_num_threads(1)
+    report = diagnose(run, K, QUESTIONS)
+
+    corpus = Corpus.open(recipe_toy_dir / "passages.jsonl")
+    retriever = DualEncoder.load(run / "retriever").eval()
+    with torch.no_grad():
+        fresh = np.concatenate([retriever.encode_passages(corpus.passages([row])).double().numpy()
+                                for row in range(len(corpus))])
+    buffer = Buffer.open(run / "buffer")
+    stale = np.asarray(buffer.array(), dtype=np.float64)
+    weights = {k: v.double().numpy() for k, v in load_file(str(latest_checkpoint(run) / "model.safetensors")).items()}
+    hidden = np.maximum(stale @ weights["corrector.first.weight"].T + weights["corrector.first.bias"], 0)
+    corrected = stale + hidden @ weights["corrector.second.weight"].T + weights["corrector.second.bias"]
+    assert np.abs(corrected - stale).max() > 1e-4  # the corrector moved: the two columns can differ
+    seen = load_file(str(latest_checkpoint(run) / "strategy-rank0.safetensors"))["seen"].numpy() > 0
+
+    def cosines(a, b):
+        return [float(x @ y / np.linalg.norm(x) / np.linalg.norm(y)) for x, y in zip(a, b)]
+
+    for group, mask in {"seen": seen, "unseen": ~seen, "all": np.ones_like(seen)}.items():
+        stats = report["rows"][group]
+        assert stats["n"] == mask.sum()
+        for name, vectors in {"stale": stale, "corrector": corrected}.items():
+            assert stats[name]["cosine"] == pytest.approx(np.mean(cosines(vectors[mask], fresh[mask])), abs=2e-3)
+            errors = [np.linalg.norm(v - g) / np.linalg.norm(g) for v, g in zip(vectors[mask], fresh[mask])]
+            assert stats[name]["relative_error"] == pytest.approx(np.mean(errors), abs=2e-3)
+    design = np.hstack([stale, np.ones((len(stale), 1))])
+    fitted = design @ np.linalg.lstsq(design[seen], fresh[seen], rcond=None)[0]
+    assert report["rows"]["unseen"]["lstsq"]["cosine"] == pytest.approx(
+        np.mean(cosines(fitted[~seen], fresh[~seen])), abs=2e-3)
+
+    dev = load_eval_set(recipe_toy_dir / "retrieval-dev.jsonl", corpus, limit=QUESTIONS)
+    gold = corpus.rows([next(iter(q)) for q in dev.qrels])
+    with torch.no_grad():
+        queries = retriever.encode_queries(dev.questions).double().numpy()
+    reference = [set(np.argsort(-(q @ fresh.T), kind="stable")[:K]) for q in queries]
+    for name, vectors in {"fresh": fresh, "stale": stale, "corrector": corrected}.items():
+        found = next(r for r in report["rankings"] if r["questions"].endswith("(dev)") and r["searched"] == name)
+        ranked = [np.argsort(-(q @ vectors.T), kind="stable")[:K] for q in queries]
+        assert found["overlap"] == pytest.approx(np.mean([len(set(r) & f) / K for r, f in zip(ranked, reference)]),
+                                                 abs=1 / (K * QUESTIONS) + 1e-9)  # one tie may break differently
+        assert found["gold_at_1"] == pytest.approx(np.mean([r[0] == g for r, g in zip(ranked, gold)]),
+                                                   abs=1 / QUESTIONS + 1e-9)
+        unseen = [(row in set(r)) for r, f in zip(ranked, reference) for row in f if not seen[row]]
+        if unseen:
+            assert found["overlap_unseen"] == pytest.approx(np.mean(unseen), abs=1 / len(unseen) + 1e-9)
+    assert next(r for r in report["rankings"] if r["searched"] == "fresh")["overlap"] == 1.0
+
+    main(["--run", str(run), "--k", str(K), "--questions", str(QUESTIONS), "--fit-hidden", "8", "--fit-steps", "3"])
+    printed = capsys.readouterr().out
+    assert "| unseen |" in printed and "| retrieval (dev) | corrector |" in printed
+    assert "| retrieval (dev) | offline h8 |" in printed and "cos(offline h8, g)" in printed
+
+
+def test_the_corrector_logs_its_tracking_per_step(corrector_run):
+    """metrics.json's strategy_log: every logged step's cosines on the subset, against B[S] and the fresh g(S) the
+    corrector loss was given; at step 1 h is the identity, so h(B) tracks exactly as well as B."""
+    run, subsets = corrector_run
+    log = json.loads((run / "metrics.json").read_text())["strategy_log"]
+    assert log["step"] == [1, 2, 3, 4, 5, 6]
+    stale = np.asarray(Buffer.open(run / "buffer").array(), dtype=np.float64)
+    for step, (rows, fresh) in enumerate(subsets):
+        b, g = stale[rows.numpy()], fresh.double().numpy()
+        cos = np.mean(np.sum(b * g, 1) / np.linalg.norm(b, axis=1) / np.linalg.norm(g, axis=1))
+        assert log["corrector/cos_stale"][step] == pytest.approx(cos, abs=1e-3)
+    assert log["corrector/cos_corrected"][0] == pytest.approx(log["corrector/cos_stale"][0], abs=1e-6)
+    assert log["corrector/cos_corrected"][-1] != pytest.approx(log["corrector/cos_stale"][-1], abs=1e-6)
+    assert all(0 <= v <= 1 for v in log["corrector/subset_overlap@4"])
+
+
+def test_offline_fit_learns_a_drift_the_stale_vectors_miss():
+    """fit_offline on a synthetic drift (g = normalised B rotated): its top-1 agrees with g far more often than B's."""
+    from rag_train.eval.diagnose_retriever import fit_offline
+
+    torch.manual_seed(0)
+    stale = torch.nn.functional.normalize(torch.randn(400, 8), dim=1)
+    rotation = torch.linalg.qr(torch.randn(8, 8)).Q
+    fresh = stale @ rotation
+    queries = torch.nn.functional.normalize(torch.randn(200, 8), dim=1)
+    fitted = fit_offline(stale, fresh, queries, hidden=32, steps=300, temperature=0.1)
+    with torch.no_grad():
+        truth = (queries @ fresh.T).argmax(1)
+        before = ((queries @ stale.T).argmax(1) == truth).float().mean()
+        after = ((queries @ fitted(stale).T).argmax(1) == truth).float().mean()
+    assert before < 0.3 and after > 0.6
