@@ -79,8 +79,7 @@ class CorrectorStrategy(Stale):
 
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         super().load_state_tensors(tensors)
-        if "seen" in tensors:  # checkpoints written before it was recorded have none
-            self.seen = tensors["seen"]
+        self.seen = tensors["seen"]
 
     def count_seen(self, rows: torch.Tensor) -> None:
         unique = rows.reshape(-1).unique().cpu()
