@@ -1,5 +1,5 @@
 """The command line: `key=value` parsing and exit statuses for every entry script (`parse_cli`,
-`exit_on_fault`), and the `rag-train` console script (`rag-train export ...`, `rag-train serve ...`)."""
+`exit_on_fault`, `run_recipe`), and the `rag-train` console script (`rag-train export ...`, `rag-train serve ...`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import os
 import sys
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Optional, TypeVar
+from typing import Callable, Iterator, Optional, TypeVar
 
 from rag_train.config import ConfigError, load_config
 
@@ -81,6 +81,18 @@ def parse_cli(schema: type[T], argv: Optional[list[str]] = None, description: st
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(INPUT_FAULT_EXIT) from exc
 
+
+
+def run_recipe(schema: type[T], default_config: Path, train: Callable[[T], dict],
+               report: Callable[[T, dict], None]) -> None:
+    """The body of a training entry script: parse `[--config FILE] [key=value ...]`, train inside `exit_on_fault`,
+    print the summary, and end the process group (a clean exit of a multi-process run)."""
+    from accelerate import PartialState
+
+    cfg = parse_cli(schema, sys.argv[1:], default_config=default_config)
+    with exit_on_fault():
+        report(cfg, train(cfg))
+    PartialState().destroy_process_group()
 
 def _export_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run", required=True, help="run directory (holds config.yaml, metrics.json, retriever/)")

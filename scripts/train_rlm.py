@@ -5,12 +5,9 @@ tiny models are warm-started, then reader and retriever train together through t
 data file, buffer or checkpoint ends it with `error: <where and why>` and exit status 2; too many
 non-finite steps in a row with status 3."""
 
-import sys
 from pathlib import Path
 
-from accelerate import PartialState
-
-from rag_train.cli import exit_on_fault, parse_cli
+from rag_train.cli import run_recipe
 from rag_train.train.summary import print_rlm_table
 from rag_train.train.rlm import train_rlm
 from rag_train.train.schema import RLMConfig
@@ -18,7 +15,4 @@ from rag_train.train.schema import RLMConfig
 DEFAULT = Path(__file__).resolve().parent.parent / "configs" / "toy" / "rlm.yaml"
 
 if __name__ == "__main__":
-    cfg = parse_cli(RLMConfig, sys.argv[1:], default_config=DEFAULT)
-    with exit_on_fault():
-        print_rlm_table(cfg, train_rlm(cfg))
-    PartialState().destroy_process_group()  # clean exit of a multi-process run
+    run_recipe(RLMConfig, DEFAULT, train_rlm, print_rlm_table)

@@ -263,6 +263,8 @@ def test_bank_capacity_and_wrap():
     ("grad_cache", "in_batch", {"micro_batches": 3}, "divisible by batching.micro_batches=3"),
     ("cont_accum", "in_batch", {"micro_batches": 2, "bank_size": 5}, "bank_size=5 must be divisible"),
     ("gradcache", "in_batch", {}, "is not one of"),
+    ("grad_cache", "in_batch", {"micro_batches": 1}, "grad_cache needs batching.micro_batches >= 2"),
+    ("grad_accum", "in_batch", {"micro_batches": 1}, "grad_accum needs batching.micro_batches >= 2"),
 ])
 def test_config_refuses_what_an_option_cannot_run(name, strategy, keys, message):
     world = 2 if "bank_size" in keys and keys["bank_size"] == 5 else 1

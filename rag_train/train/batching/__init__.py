@@ -46,6 +46,9 @@ def check_batching(cfg: BatchingConfig, strategy: type[Strategy], batch_size: in
     if batch_size % (cfg.micro_batches * world):
         raise ConfigError(f"train.batch_size={batch_size} must be divisible by batching.micro_batches="
                           f"{cfg.micro_batches} x {world} process(es): each micro-batch is an equal share")
+    if cfg.micro_batches < option.min_micro_batches:
+        raise ConfigError(f"batching.name={cfg.name} needs batching.micro_batches >= {option.min_micro_batches} "
+                          "(K = 1 is plain)")
     option.check(cfg, strategy, world)
     return option
 

@@ -61,6 +61,7 @@ class BatchingOption:
     name: ClassVar[str] = ""
     keys: ClassVar[tuple[str, ...]] = ()
     own_backward: ClassVar[bool] = True  # runs its backward passes itself (not under DeepSpeed, which steps in each)
+    min_micro_batches: ClassVar[int] = 1  # the fewest `batching.micro_batches` it runs with (checked before any work)
 
     def __init__(self, cfg: BatchingConfig, parts: StepParts):
         self.cfg = cfg

@@ -6,8 +6,6 @@ sees 1/K of the negatives). Takes every strategy: each micro-batch is an Algorit
 
 from __future__ import annotations
 
-from rag_train.config import BatchingConfig, ConfigError
-from rag_train.strategies.base import Strategy
 from rag_train.train.batching.base import (BatchingOption, MicroBatch, StepResult, mean_logged, my_passages, propose,
                                            subset_losses, synced_on_last)
 
@@ -15,11 +13,7 @@ from rag_train.train.batching.base import (BatchingOption, MicroBatch, StepResul
 class GradAccum(BatchingOption):
     name = "grad_accum"
     keys = ("micro_batches",)
-
-    @classmethod
-    def check(cls, cfg: BatchingConfig, strategy: type[Strategy], world: int) -> None:
-        if cfg.micro_batches < 2:
-            raise ConfigError("batching.name=grad_accum needs batching.micro_batches >= 2 (K = 1 is plain)")
+    min_micro_batches = 2  # K = 1 is plain
 
     def step(self, micro_batches: list[MicroBatch]) -> StepResult:
         parts, count = self.parts, len(micro_batches)

@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from rag_train.config import BatchingConfig, ConfigError
 from rag_train.losses import retrieval_scores
-from rag_train.strategies.base import Strategy
 from rag_train.train.batching.base import BatchingOption, MicroBatch, StepResult, propose, synced_on_last
 from rag_train.train.passages import gather_with_grad, my_share
 
@@ -68,11 +66,7 @@ def _reencode(prepared: torch.nn.Module, questions: list[str], passages: list[di
 class GradCache(BatchingOption):
     name = "grad_cache"
     keys = ("micro_batches",)
-
-    @classmethod
-    def check(cls, cfg: BatchingConfig, strategy: type[Strategy], world: int) -> None:
-        if cfg.micro_batches < 2:
-            raise ConfigError("batching.name=grad_cache needs batching.micro_batches >= 2 (K = 1 is plain)")
+    min_micro_batches = 2  # K = 1 is plain
 
     def step(self, micro_batches: list[MicroBatch]) -> StepResult:
         parts, acc, count = self.parts, self.parts.accelerator, len(micro_batches)
