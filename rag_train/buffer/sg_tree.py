@@ -31,6 +31,7 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass, field
+from typing import Optional
 
 import numpy as np
 
@@ -39,6 +40,11 @@ FIELDS = ("centre", "level", "radius", "start", "end", "child_lo", "child_hi", "
 
 def _floor_log(x: np.ndarray, base: float) -> np.ndarray:
     return np.floor(np.log(np.maximum(x, 1e-30)) / math.log(base)).astype(np.int64)
+
+
+def _range_positions(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """The concatenated positions start .. start + count - 1 of every (start, count) pair."""
+    return np.repeat(starts, counts) + (np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts))
 
 
 def _segment_starts(seg: np.ndarray) -> np.ndarray:
@@ -60,6 +66,8 @@ class SGTree:
     parent: np.ndarray  # [nodes] -1 for the root
     order: np.ndarray  # [points] point ids, each node's points contiguous
     rebuilt_points: int = field(default=0)  # points under the subtrees rebuilt by the last `update`
+    # [nodes] mind as measured after the last build / update (the paper's bound tests start from it); None: never
+    mind: Optional[np.ndarray] = field(default=None)
 
     # -- construction -----------------------------------------------------------------------------------------
 
@@ -96,7 +104,7 @@ class SGTree:
         f = np.asarray(frontier)
         starts, ends = np.asarray(nodes["start"])[f], np.asarray(nodes["end"])[f]
         counts = ends - starts
-        pos = np.repeat(starts, counts) + (np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts))
+        pos = _range_positions(starts, counts)
         seg = np.repeat(np.arange(len(f)), counts)  # which frontier node each position belongs to
         ids = perm[pos]
         vecs = points[ids]
@@ -188,7 +196,7 @@ class SGTree:
             counts = self.end[group] - self.start[group]
             keep = counts > 0
             group, counts = group[keep], counts[keep]
-            pos = np.repeat(self.start[group], counts) + (np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts))
+            pos = _range_positions(self.start[group], counts)
             owner = np.repeat(group, counts)
             d = np.linalg.norm(points[self.order[pos]] - points[self.centre[owner]], axis=1)
             radius[group] = np.maximum.reduceat(d, np.concatenate([[0], np.cumsum(counts)[:-1]]))
@@ -219,7 +227,9 @@ class SGTree:
             radius, mind = self.measured_radii(points), self.min_sibling_distance(points)
             covers = radius <= self.base ** self.level.astype(np.float64) * (1 + 1e-12)
         else:
-            radius, mind = self.radius + bound, self.min_sibling_distance_stored - bound
+            if self.mind is None:
+                raise ValueError("mind was never measured: call tree.remember_mind(points) after building")
+            radius, mind = self.radius + bound, self.mind - bound
             covers = radius <= self.base ** self.level.astype(np.float64)
         child_level = np.where(self.child_hi > self.child_lo, self.level[np.minimum(self.child_lo, len(self.level) - 1)], 0)
         separates = mind >= self.base ** (child_level - 1).astype(np.float64) * (1 - 1e-12)
@@ -231,8 +241,7 @@ class SGTree:
             if a < 0:
                 tree = SGTree.build(points, self.order, self.base, max_children, leaf_size)
                 tree.rebuilt_points = len(self.order)
-                tree.min_sibling_distance_stored = tree.min_sibling_distance(points)
-                return tree
+                return tree.remember_mind(points)
             roots.add(a)
         roots = self._outermost(roots)
         subtrees = {r: SGTree.build(points, self.members(r), self.base, max_children, leaf_size,
@@ -240,8 +249,7 @@ class SGTree:
         tree = self._assemble(subtrees)
         tree.radius = tree.measured_radii(points)
         tree.rebuilt_points = int(sum(self.end[r] - self.start[r] for r in roots))
-        tree.min_sibling_distance_stored = tree.min_sibling_distance(points)
-        return tree
+        return tree.remember_mind(points)
 
     def _outermost(self, roots: set[int]) -> list[int]:
         out = []
@@ -285,35 +293,22 @@ class SGTree:
                       a["start"].astype(np.int64), a["end"].astype(np.int64), a["child_lo"].astype(np.int64),
                       a["child_hi"].astype(np.int64), a["parent"].astype(np.int64), order)
 
-    @property
-    def min_sibling_distance_stored(self) -> np.ndarray:
-        stored = self.__dict__.get("_mind")
-        if stored is None:
-            raise ValueError("mind was never measured: call tree.remember_mind(points) after building")
-        return stored
-
-    @min_sibling_distance_stored.setter
-    def min_sibling_distance_stored(self, value: np.ndarray) -> None:
-        self.__dict__["_mind"] = value
-
     def remember_mind(self, points: np.ndarray) -> "SGTree":
-        self.min_sibling_distance_stored = self.min_sibling_distance(points)
+        self.mind = self.min_sibling_distance(points)
         return self
 
     # -- checkpoints ------------------------------------------------------------------------------------------
 
     def arrays(self) -> dict[str, np.ndarray]:
         out = {k: getattr(self, k) for k in FIELDS}
-        out["mind"] = self.__dict__.get("_mind", np.zeros(0))
+        out["mind"] = np.zeros(0) if self.mind is None else self.mind
         out["base"] = np.array([self.base])
         return out
 
     @classmethod
     def from_arrays(cls, a: dict[str, np.ndarray]) -> "SGTree":
-        tree = cls(float(a["base"][0]), *(np.asarray(a[k]) for k in FIELDS))
-        if len(a["mind"]):
-            tree.min_sibling_distance_stored = np.asarray(a["mind"])
-        return tree
+        return cls(float(a["base"][0]), *(np.asarray(a[k]) for k in FIELDS),
+                   mind=np.asarray(a["mind"]) if len(a["mind"]) else None)
 
 
 def check_invariants(tree: SGTree, points: np.ndarray, tol: float = 1e-9) -> list[str]:
@@ -386,9 +381,8 @@ def find_clustering(forest: list[SGTree], points: np.ndarray, query: np.ndarray,
     ||q - centre|| > b^level + b^deepest (all their targets are farther than b^deepest from q). The frontier is a
     partition of all targets of the forest."""
     qnorm = float(np.linalg.norm(query))
-    heap, frontier = [], []
-    for t, tree in enumerate(forest):
-        frontier.append((t, 0))
+    heap, frontier = [], [(t, 0) for t in range(len(forest))]  # the roots
+
     def push(t: int, node: int) -> None:
         tree = forest[t]
         if tree.child_hi[node] == tree.child_lo[node] or tree.level[node] <= deepest:
@@ -397,6 +391,7 @@ def find_clustering(forest: list[SGTree], points: np.ndarray, query: np.ndarray,
         if np.linalg.norm(query - c) > tree.base ** tree.level[node] + tree.base ** deepest:
             return
         heapq.heappush(heap, (-(float(query @ c) + qnorm * tree.radius[node]), t, node))
+
     for t, node in frontier:
         push(t, node)
     alive = set(frontier)

@@ -74,6 +74,7 @@ def seen_counts(run: Path) -> Optional[torch.Tensor]:
 
 
 def embed_corpus(retriever: DualEncoder, corpus: Corpus, batch: int = 256) -> torch.Tensor:
+    """Every passage through `encode_passages` in corpus order (the diagnostics' fresh g(Y), both of them)."""
     return torch.cat([retriever.encode_passages(corpus.passages(range(s, min(s + batch, len(corpus))))).float()
                       for s in range(0, len(corpus), batch)])
 

@@ -33,7 +33,7 @@ from rag_train.train.schema import RLMConfig
 from rag_train.data.corpus import Corpus
 from rag_train.data.qa import load_qa
 from rag_train.data.sources import resolve_data
-from rag_train.eval.diagnose_retriever import final_corrector
+from rag_train.eval.diagnose_retriever import embed_corpus, final_corrector
 from rag_train.models.retriever import DualEncoder
 from rag_train.data.toy import TOY_DEV_SETS, TOY_TRAIN_SETS
 
@@ -44,8 +44,7 @@ def tracking(run: Path, corpus: Corpus, files, k: int, limit: int) -> list[dict]
     retriever = DualEncoder.load(run / "retriever").eval()
     buffer = Buffer.open(run / "buffer")
     stale = torch.from_numpy(buffer.shard(0, buffer.rows).astype("float32"))
-    fresh = torch.cat([retriever.encode_passages(corpus.passages(range(s, min(s + 256, len(corpus))))).float()
-                       for s in range(0, len(corpus), 256)])
+    fresh = embed_corpus(retriever, corpus)
     corrector = final_corrector(run, stale.shape[1])
     searched = {"fresh": fresh, "stale": stale}
     if corrector is not None:
