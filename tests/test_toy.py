@@ -62,10 +62,24 @@ def test_passages_are_short_unique_people_two_each(toy_world, passages):
     assert max(firsts.values()) >= 5 and max(families.values()) >= 5
 
 
+MENTOR_SENTENCE = re.compile(r"(?:was trained by|learned everything from) ([A-Z][a-z]+ [A-Z][a-z]+)\.|"
+                             r"The mentor of [A-Z][a-z]+(?: [A-Z][a-z]+)? is ([A-Z][a-z]+ [A-Z][a-z]+)\.")
+
+
+def mentor_in(passage):
+    found = MENTOR_SENTENCE.search(passage["text"])
+    return found and (found.group(1) or found.group(2))
+
+
 def test_question_families_gold_passages_state_the_answer(toy_world, passages):
+    world = ToyWorld(2000, 0)
+    # (mentor, first name of the apprentice) of every section-1 passage
+    apprentices = collections.Counter((mentor_in(p), p["title"].split()[0]) for p in passages.values() if mentor_in(p))
+    kinds = collections.Counter()
     for family in FAMILIES:
-        for split, expected in (("train", 2000), ("dev", 200)):
+        for split, default in (("train", 2000), ("dev", 200)):
             questions = read_jsonl(toy_world[f"{family}-{split}"])
+            expected = min(default, world.capacity(family, split))
             assert len(questions) == expected
             assert len({q["id"] for q in questions}) == expected
             assert len({q["question"] for q in questions}) == expected  # distinct (person, fact) pairs
@@ -73,27 +87,70 @@ def test_question_families_gold_passages_state_the_answer(toy_world, passages):
                 assert list(q) == ["id", "question", "answers", "gold_ids"]
                 assert len(q["answers"]) == 1 and 1 <= len(q["answers"][0].split()) <= 2
                 gold = [passages[g] for g in q["gold_ids"]]
-                person = NAME.search(q["question"]).group(0)
-                if family == "hotpotqa":
+                named = NAME.findall(q["question"])
+                if family == "mentor_bridge":
                     assert q["question"].count("the mentor of ") == 1 and len(gold) == 2
-                    assert gold[0]["title"] == person
-                    assert re.search(rf"\b{gold[1]['title']}\b", gold[0]["text"])  # bridge: mentor named in hop 1
+                    assert gold[0]["title"] == named[0]
+                    assert mentor_in(gold[0]) == gold[1]["title"]  # bridge: mentor named in hop 1
+                elif family == "hotpotqa" and "who was trained by" in q["question"]:
+                    kinds["bridge"] += 1
+                    first, mentor = re.search(r"the ([A-Z][a-z]+) who was trained by ([A-Z][a-z]+ [A-Z][a-z]+)",
+                                              q["question"]).groups()
+                    # the answer passage names the question's mentor, its title the first name, and it is the only
+                    # passage that does both: the question names one person
+                    assert len(gold) == 1 and mentor_in(gold[0]) == mentor and gold[0]["title"].split()[0] == first
+                    assert apprentices[(mentor, first)] == 1
+                elif family == "hotpotqa":
+                    kinds["comparison"] += 1
+                    assert len(named) == 2 and named[0] != named[1] and [p["title"] for p in gold] == named
+                    assert "both play" in q["question"] or "share" in q["question"]
                 else:
-                    assert len(gold) == 1 and gold[0]["title"] == person
-                assert re.search(rf"\b{re.escape(q['answers'][0])}\b", gold[-1]["text"])
+                    assert len(gold) == 1 and gold[0]["title"] == named[0]
+                for passage in gold[1:] if family == "mentor_bridge" else gold:
+                    assert re.search(rf"\b{re.escape(q['answers'][0])}\b", passage["text"])
+    assert kinds["comparison"] == 2000 // 3 + 200 // 3 and kinds["bridge"] == 2200 - kinds["comparison"]  # k % 3 == 2
+    # the people a bridge question can name, against a brute-force count over the passages
+    for split, dev in (("train", False), ("dev", True)):
+        alone = {p["title"] for p in passages.values() if mentor_in(p) and apprentices[(mentor_in(p), p["title"].split()[0])]
+                 == 1 and (int(p["id"][1:]) // 2 % 10 == 0) == dev}
+        assert set(world.names(world.bridge_people(split))) == alone
 
 
 def test_nq_and_tqa_wordings_differ(toy_world):
     templates = {f: {NAME.sub("E", q["question"]) for q in read_jsonl(toy_world[f"{f}-train"])} for f in FAMILIES}
-    assert len(templates["nq"]) == 6 and len(templates["tqa"]) == 12 and len(templates["hotpotqa"]) == 5
+    assert len(templates["nq"]) == 6 and len(templates["tqa"]) == 12 and len(templates["mentor_bridge"]) == 5
+    bridge = {re.sub(r"the [A-Z][a-z]+ who", "the F who", t) for t in templates["hotpotqa"]}
+    assert len(bridge) == 4  # two bridge and two comparison wordings
     assert not templates["nq"] & templates["tqa"]
 
 
-def test_dev_people_never_asked_in_train(toy_world):
-    def people(split):
-        return {NAME.search(q["question"]).group(0) for f in FAMILIES for q in read_jsonl(toy_world[f"{f}-{split}"])}
+def test_dev_people_never_asked_in_train(toy_world, passages):
+    def asked(split):
+        """The people whose facts the questions ask (mentor_bridge: the person named, whose mentor is asked)."""
+        named = {NAME.search(q["question"]).group(0) for q in read_jsonl(toy_world[f"mentor_bridge-{split}"])}
+        return named | {passages[g]["title"] for f in ("nq", "tqa", "hotpotqa")
+                        for q in read_jsonl(toy_world[f"{f}-{split}"]) for g in q["gold_ids"]}
 
-    assert not people("train") & people("dev")
+    assert not asked("train") & asked("dev")
+
+
+# sha256 (first 16 hex digits) of the files of generate_toy_world(600 passages, seed 3, tokenizer_vocab=600) as
+# toy version 2 wrote them (commit 43342bd), its hotpotqa-* renamed mentor_bridge-* (ids included)
+VERSION_2 = {"passages": "6710893f2cf11364", "nq-train": "2724f4668c2b6acc", "nq-dev": "e42717e1b6f7eb4e",
+             "tqa-train": "f0b3403c7d0a6157", "tqa-dev": "488898bf21522425", "retrieval-train": "958cfa78917461df",
+             "retrieval-dev": "accee5037669316f", "tokenizer": "2eadf89402167d7d",
+             "mentor_bridge-train": "0d9ec59b0fc5d919", "mentor_bridge-dev": "c8eb234831a7ec32"}
+
+
+def test_version_3_keeps_every_version_2_file_but_hotpotqa(tmp_path):
+    """The new hotpotqa is the only change: the single-hop files, the tokenizer (trained on version 2's sample)
+    and the old bridge family are byte for byte version 2's, so every figure measured on them carries over."""
+    import hashlib
+
+    paths = generate_toy_world(tmp_path / "v3", 600, seed=3, progress=False, tokenizer_vocab=600)
+    paths["tokenizer"] = paths["tokenizer"] / "tokenizer.json"
+    found = {name: hashlib.sha256(paths[name].read_bytes()).hexdigest()[:16] for name in VERSION_2}
+    assert found == VERSION_2
 
 
 def test_closed_world_majority_answer_per_template_fails(toy_world):

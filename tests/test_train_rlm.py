@@ -329,7 +329,7 @@ def test_retrieved_distractors_are_the_top_ranked_non_gold_rows(recipe_toy_dir):
     from rag_train.train.warm_start import retrieved_distractors
 
     corpus = Corpus.open(recipe_toy_dir / "passages.jsonl")
-    examples = load_qa(recipe_toy_dir / "hotpotqa-train.jsonl", corpus=corpus, limit=6)  # two gold passages each
+    examples = load_qa(recipe_toy_dir / "mentor_bridge-train.jsonl", corpus=corpus, limit=6)  # two gold passages each
     examples += load_qa(recipe_toy_dir / "nq-train.jsonl", corpus=corpus, limit=6)
     torch.manual_seed(0)
     retriever = DualEncoder.from_config(RetrieverConfig(tiny=TinyModelConfig(d_model=32, d_ff=64, d_kv=8)),

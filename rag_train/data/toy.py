@@ -1,8 +1,10 @@
 """The toy world: a generated closed-world open-domain QA corpus (see docs/toy_world.md).
 
 People with synthetic names have six random facts; each person has two short passages stating three
-facts each. Question families mirror NQ (single fact), TriviaQA (paraphrased wording) and HotpotQA
-(two-hop via the person's mentor). Every fact is a counter-based hash of (seed, person, fact), so any
+facts each. Question families mirror NQ (single fact), TriviaQA (paraphrased wording) and HotpotQA (bridge
+questions whose answer passage names the question's entity, and comparison questions over two entities);
+`mentor_bridge` keeps the first HotpotQA-like family (two hops through the mentor, the second unreachable from
+the question). Every fact is a counter-based hash of (seed, person, fact), so any
 passage can be rendered from its row alone: generation streams to disk with flat memory at any size,
 the same seed gives byte-identical files, and answers cannot be guessed without the passage.
 """
@@ -27,13 +29,17 @@ from tqdm.auto import tqdm
 from rag_train.config import ConfigError, DataConfig
 from rag_train.io import atomic_open, atomic_write_json
 
-TOY_VERSION = 2  # 2: tokenizer pieces from BPE (whole-word answers)
+TOY_VERSION = 3  # 2: tokenizer pieces from BPE (whole-word answers); 3: hotpotqa redesigned, old one = mentor_bridge
 SECTIONS = 2  # passages per person: 0 = origins and work, 1 = music, taste and mentor
 DEV_EVERY = 10  # person e is a dev person iff e % DEV_EVERY == 0: dev facts are never asked in train
 CHUNK = 16384
-FAMILIES = ("nq", "tqa", "hotpotqa")
-TOY_TRAIN_SETS = [f"{family}-train" for family in FAMILIES]  # the QA files the RLM trains / evaluates on
-TOY_DEV_SETS = [f"{family}-dev" for family in FAMILIES]
+FAMILIES = ("nq", "tqa", "hotpotqa", "mentor_bridge")
+RLM_FAMILIES = ("nq", "tqa", "hotpotqa")
+TOY_TRAIN_SETS = [f"{family}-train" for family in RLM_FAMILIES]  # the QA files the RLM trains / evaluates on
+TOY_DEV_SETS = [f"{family}-dev" for family in RLM_FAMILIES]
+# The tokenizer is trained on the passages and these families: the version-2 sample (mentor_bridge was called
+# hotpotqa then), so the single-hop data of a world, its tokenizer and every figure measured on them are unchanged.
+TOKENIZER_FAMILIES = ("nq", "tqa", "mentor_bridge")
 TOKENIZER_SAMPLE = 50_000  # passages (and questions per file) the tokenizer is trained on
 
 CONSONANTS = "bdfghklmnprstvz"
@@ -85,6 +91,10 @@ FACTS = (
 )
 MENTOR = 5
 BRIDGE_FACTS = tuple(i for i in range(len(FACTS)) if i != MENTOR)
+# hotpotqa asks the facts stated beside the mentor (section 1), so the passage that answers a bridge question
+# ("the Vuki who was trained by M") names M, as a Wikipedia page names the entities that link to it.
+HOTPOT_FACTS = (3, 4)  # instrument, favorite color
+COMPARE = {3: "what instrument do {a} and {b} both play?", 4: "what favorite color do {a} and {b} share?"}
 ORDERS = list(itertools.permutations(range(3)))
 
 
@@ -229,23 +239,31 @@ class ToyWorld:
             return j * DEV_EVERY
         return (j // (DEV_EVERY - 1)) * DEV_EVERY + j % (DEV_EVERY - 1) + 1
 
+    def split_size(self, split: str) -> int:
+        return self.n_dev if split == "dev" else self.n_train
+
     def capacity(self, family: str, split: str) -> int:
-        facts = len(BRIDGE_FACTS) if family == "hotpotqa" else len(FACTS)
-        return (self.n_dev if split == "dev" else self.n_train) * facts
+        if family == "hotpotqa":
+            return 3 * self._hotpot_triples(split)
+        facts = len(BRIDGE_FACTS) if family == "mentor_bridge" else len(FACTS)
+        return self.split_size(split) * facts
 
     def questions(self, family: str, split: str, start: int, stop: int) -> list[dict]:
         """Questions start..stop of a family/split: distinct (person, fact) pairs in a seeded order."""
+        if family == "hotpotqa":
+            return self._hotpot_questions(split, start, stop)
         k = np.arange(start, stop, dtype=np.int64)
-        n = self.n_dev if split == "dev" else self.n_train
-        key = _key(self.seed, f"{family}-{split}")
+        n = self.split_size(split)
+        bridge = family == "mentor_bridge"
+        key = _key(self.seed, f"{'hotpotqa' if bridge else family}-{split}")  # its version-2 name: same questions
         j = (_coprime_multiplier(key, n) * (k % n) + key % n) % n
         persons = self.split_persons(split, j)
-        asked = BRIDGE_FACTS if family == "hotpotqa" else tuple(range(len(FACTS)))
+        asked = BRIDGE_FACTS if bridge else tuple(range(len(FACTS)))
         slot = (_uniform(key, persons, len(asked)) + k // n) % len(asked)
         facts = np.asarray(asked)[slot]
         names = self.names(persons)
         mentors = self.fact_values(persons, MENTOR)
-        subjects = mentors if family == "hotpotqa" else persons
+        subjects = mentors if bridge else persons
         wording = _uniform(key ^ 1, k, 2).tolist()
         out: list[dict] = [{} for _ in range(len(k))]
         for fact_id in range(len(FACTS)):
@@ -259,13 +277,119 @@ class ToyWorld:
                 if family == "tqa":
                     question = fact.tqa[wording[i]].format(e=names[i])
                 else:
-                    question = fact.nq.format(e=names[i] if family == "nq" else f"the mentor of {names[i]}")
+                    question = fact.nq.format(e=f"the mentor of {names[i]}" if bridge else names[i])
                 gold_ids = [f"p{g}"]
-                if family == "hotpotqa":
+                if bridge:
                     gold_ids.insert(0, f"p{persons[i] * SECTIONS + FACTS[MENTOR].section}")
                 out[i] = {"id": f"{family}-{split}-{start + i}", "question": question, "answers": [answer],
                           "gold_ids": gold_ids, "_row": g}
         return out
+
+    # ---- hotpotqa: bridge and comparison questions -------------------------------------------------
+    def bridge_people(self, split: str) -> np.ndarray:
+        """The people of a split that "the <first name> who was trained by <mentor>" names alone (no other apprentice
+        of their mentor has their first name), in split order; their section-1 passage answers it."""
+        if not hasattr(self, "_bridge"):
+            keys = np.concatenate([self._apprentice_keys(np.arange(b, min(b + (1 << 20), self.persons)))
+                                   for b in range(0, self.persons, 1 << 20)])
+            unique, counts = np.unique(keys, return_counts=True)
+            self._alone_keys = unique[counts == 1]
+            self._bridge = {}
+        if split not in self._bridge:
+            found = []
+            n = self.split_size(split)
+            for begin in range(0, n, 1 << 20):
+                persons = self.split_persons(split, np.arange(begin, min(begin + (1 << 20), n)))
+                keys = self._apprentice_keys(persons)
+                at = np.minimum(np.searchsorted(self._alone_keys, keys), len(self._alone_keys) - 1)
+                found.append(persons[self._alone_keys[at] == keys])
+            self._bridge[split] = np.concatenate(found)
+        return self._bridge[split]
+
+    def _apprentice_keys(self, persons: np.ndarray) -> np.ndarray:
+        return self.fact_values(persons, MENTOR) * self.n_first + self.name_parts(persons)[0]
+
+    def lone_holders(self, split: str, fact: int) -> np.ndarray:
+        """Sorted split indices of the people whose value of `fact` nobody else in the split has (at most one per
+        value): they cannot be compared with anyone, everyone else can."""
+        if not hasattr(self, "_lone"):
+            self._lone = {}
+        if (split, fact) not in self._lone:
+            n = self.split_size(split)
+            values = np.concatenate([self.fact_values(self.split_persons(split, np.arange(b, min(b + (1 << 20), n))),
+                                                      fact) for b in range(0, n, 1 << 20)])
+            lone = np.flatnonzero(np.bincount(values, minlength=len(self.pools[FACTS[fact].pool])) == 1)
+            self._lone[(split, fact)] = np.flatnonzero(np.isin(values, lone))
+        return self._lone[(split, fact)]
+
+    def _hotpot_triples(self, split: str) -> int:
+        shareable = min(self.split_size(split) - len(self.lone_holders(split, fact)) for fact in HOTPOT_FACTS)
+        return min(len(self.bridge_people(split)), len(HOTPOT_FACTS) * shareable)
+
+    def _compare_partners(self, split: str, j: np.ndarray, fact: int) -> np.ndarray:
+        """Split index of the next person after each j (cyclically, in split order) with the same value of `fact`."""
+        n = self.split_size(split)
+        values = self.fact_values(self.split_persons(split, j), fact)
+        partner = np.full(len(j), -1, dtype=np.int64)
+        pending = np.arange(len(j))
+        for offset in range(1, n):
+            if not len(pending):
+                break
+            candidate = (j[pending] + offset) % n
+            hit = self.fact_values(self.split_persons(split, candidate), fact) == values[pending]
+            partner[pending[hit]] = candidate[hit]
+            pending = pending[~hit]
+        if len(pending):
+            raise AssertionError("a person no one shares the value with was chosen for a comparison")
+        return partner
+
+    def _hotpot_questions(self, split: str, start: int, stop: int) -> list[dict]:
+        """Question k is a bridge question when k % 3 < 2 and a comparison when k % 3 == 2 (2:1; HotpotQA's
+        own mix is about 4:1). Bridge: "what instrument does the Vuki who was trained by Binu Hemosas play?",
+        answered by that apprentice's section-1 passage, which names both (so a single retrieval from the question
+        can reach it, unlike mentor_bridge's second hop; the title is another name). Comparison: "what instrument
+        do X and Y both play?" for two people of the split sharing it: both section-1 passages state the answer."""
+        key = _key(self.seed, f"hotpotqa-v3-{split}")
+        k = np.arange(start, stop, dtype=np.int64)
+        t, r = k // 3, k % 3
+        people = np.full((len(k), 2), -1, dtype=np.int64)  # [asked person, comparison partner or -1]
+        facts = np.zeros(len(k), dtype=np.int64)
+        questions = [""] * len(k)
+
+        bridge = np.flatnonzero(r < 2)
+        eligible = self.bridge_people(split)
+        b = 2 * t[bridge] + r[bridge]
+        m = len(eligible)
+        person = eligible[(_coprime_multiplier(key, m) * (b % m) + key % m) % m]
+        facts[bridge] = np.asarray(HOTPOT_FACTS)[(_uniform(key, person, 2) + b // m) % 2]
+        people[bridge, 0] = person
+        mentors = self.names(self.fact_values(person, MENTOR))
+        firsts = [name.split(" ")[0] for name in self.names(person)]
+        for i, first, mentor in zip(bridge.tolist(), firsts, mentors):
+            questions[i] = FACTS[facts[i]].nq.format(e=f"the {first} who was trained by {mentor}")
+
+        for slot, fact in enumerate(HOTPOT_FACTS):
+            idx = np.flatnonzero((r == 2) & (t % len(HOTPOT_FACTS) == slot))
+            if not len(idx):
+                continue
+            lone = self.lone_holders(split, fact)
+            n = self.split_size(split) - len(lone)
+            c = (_coprime_multiplier(key ^ fact, n) * (t[idx] // len(HOTPOT_FACTS) % n) + (key ^ fact) % n) % n
+            j = c + np.searchsorted(lone - np.arange(len(lone)), c, side="right")  # the c-th person not lone
+            pair = self.split_persons(split, np.stack([j, self._compare_partners(split, j, fact)], axis=1))
+            people[idx], facts[idx] = pair, fact
+            names = self.names(pair.reshape(-1))
+            for row, i in enumerate(idx.tolist()):
+                questions[i] = COMPARE[fact].format(a=names[2 * row], b=names[2 * row + 1])
+
+        out = []
+        for fact in HOTPOT_FACTS:
+            idx = np.flatnonzero(facts == fact)
+            for i, answer in zip(idx.tolist(), self.fact_strings(people[idx, 0], fact)):
+                gold = [int(p) * SECTIONS + FACTS[fact].section for p in people[i] if p >= 0]
+                out.append((i, {"id": f"hotpotqa-{split}-{start + i}", "question": questions[i], "answers": [answer],
+                                "gold_ids": [f"p{g}" for g in gold], "_row": gold[0]}))
+        return [q for _, q in sorted(out, key=lambda pair: pair[0])]
 
     def name_sharer(self, persons: np.ndarray, keep_first: bool, step: int) -> np.ndarray:
         """The person named with the same first (or family) name as each of `persons` and the other name part
@@ -332,7 +456,7 @@ def _tokenizer_texts(paths: dict[str, Path]) -> Iterator[str]:
             row = json.loads(line)
             yield row["title"]
             yield row["text"]
-    for family, split in itertools.product(FAMILIES, ("train", "dev")):
+    for family, split in itertools.product(TOKENIZER_FAMILIES, ("train", "dev")):
         with open(paths[f"{family}-{split}"], encoding="utf-8") as handle:
             for line in itertools.islice(handle, TOKENIZER_SAMPLE):
                 row = json.loads(line)
