@@ -11,9 +11,9 @@ which distractors its reader was given. Toy world only (it reads names and secti
    classed against the gold one as the same person's other passage, a same-section passage of someone with
    the same first name or the same family name, another same-section passage, or another section; then EM
    by (gold retrieved, how many name-sharing same-section distractors).
-3. Reading (--read): the run's reader on --questions nq / tqa dev questions given the gold passage alone, or
-   the gold passage plus k-1 random passages, or k-1 same-section passages of people sharing its first name,
-   or its family name (in shuffled order): which confusions the reader has learned to resolve.
+3. Reading (--read): the run's reader on --questions nq / tqa / hotpotqa dev questions given the gold passages
+   alone, or filled up to k with random passages, or with same-section passages of people sharing the first gold
+   passage's first name, or its family name (in shuffled order): which confusions the reader has learned to resolve.
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ def reading(run: Path, corpus: Corpus, files, cfg: RLMConfig, k: int, limit: int
                 "same first name": lambda g: sharing(g, True), "same family name": lambda g: sharing(g, False)}
     print("\n| dataset | " + " | ".join(f"EM, gold + {name}" for name in settings) + " |")
     print("|---|" + "---|" * len(settings))
-    for name in ("nq", "tqa"):
+    for name in ("nq", "tqa", "hotpotqa"):
         dev = [p for p in files.dev if Path(p).name.startswith(f"{name}-")]
         examples = [ex for ex in load_qa(dev[0], corpus=corpus, limit=limit) if ex.gold_ids] if dev else []
         if not examples:
@@ -143,8 +143,8 @@ def reading(run: Path, corpus: Corpus, files, cfg: RLMConfig, k: int, limit: int
         for others in settings.values():
             passages = []
             for ex in examples:
-                gold = int(corpus.rows(ex.gold_ids[:1])[0])
-                rows = [gold] + others(gold)
+                gold = [int(r) for r in corpus.rows(ex.gold_ids[:k])]  # hotpotqa comparisons: both people's
+                rows = gold + others(gold[0])[: k - len(gold)]
                 passages.append(corpus.passages([rows[i] for i in torch.randperm(len(rows), generator=generator)]))
             correct = 0
             for start in range(0, len(examples), 50):
