@@ -147,13 +147,15 @@ def reading(run: Path, corpus: Corpus, files, cfg: RLMConfig, k: int, limit: int
                 rows = gold + others(gold[0])[: k - len(gold)]
                 passages.append(corpus.passages([rows[i] for i in torch.randperm(len(rows), generator=generator)]))
             correct = 0
-            for start in range(0, len(examples), 50):
-                batch = examples[start:start + 50]
-                inputs = fid_inputs(tokenizer, [ex.question for ex in batch], passages[start:start + 50],
-                                    cfg.reader.max_input_length)
-                out = reader.generate(**inputs, max_new_tokens=cfg.reader.max_answer_length)
-                predictions = tokenizer.batch_decode(out, skip_special_tokens=True)
-                correct += sum(exact_match(p, ex.answers) for p, ex in zip(predictions, batch))
+            for count in sorted({len(p) for p in passages}):  # FiD batches need one passage count
+                group = [i for i, p in enumerate(passages) if len(p) == count]
+                for start in range(0, len(group), 50):
+                    batch = group[start:start + 50]
+                    inputs = fid_inputs(tokenizer, [examples[i].question for i in batch], [passages[i] for i in batch],
+                                        cfg.reader.max_input_length)
+                    out = reader.generate(**inputs, max_new_tokens=cfg.reader.max_answer_length)
+                    predictions = tokenizer.batch_decode(out, skip_special_tokens=True)
+                    correct += sum(exact_match(p, examples[i].answers) for p, i in zip(predictions, batch))
             cells.append(f"{100 * correct / len(examples):.1f}")
         print(f"| {name} | " + " | ".join(cells) + " |")
 
