@@ -273,8 +273,28 @@ def test_diagnose_rlm_tracking_and_distractor_kinds(recipe_toy_dir, tmp_path, ca
         questions = sum(int(case.split(": ")[1].split("/")[1]) for case in line.split("|")[3].split(", "))
         assert questions == 6 and sum(counts) in range(6 * (TOP_K - 1), 6 * TOP_K + 1)
     reads = [line for line in read.splitlines() if line.startswith("| ")]
-    assert [line.split("|")[1].strip() for line in reads] == ["nq", "tqa"]
-    assert all(0 <= float(cell) <= 100 for line in reads for cell in line.split("|")[2:6])
+    assert [line.split("|")[1].strip() for line in reads] == ["nq", "tqa", "hotpotqa"]
+    # "gold + nothing else" one question at a time (hotpotqa comparisons read two passages, bridges one)
+    from rag_train.data.collate import fid_inputs
+    from rag_train.data.qa import load_qa
+    from rag_train.data.tokenizer import load_tokenizer
+    from rag_train.eval.metrics import exact_match
+    from rag_train.models.reader import FiDReader
+
+    reader, tokenizer = FiDReader.from_pretrained(run / "reader").eval(), load_tokenizer(run / "reader")
+    cfg = load_config(RLMConfig, run / "config.yaml", [])
+    for line in reads:
+        name = line.split("|")[1].strip()
+        examples = load_qa(recipe_toy_dir / f"{name}-dev.jsonl", corpus=corpus, limit=6)
+        assert name != "hotpotqa" or {len(ex.gold_ids) for ex in examples} == {1, 2}
+        correct = 0
+        for ex in examples:
+            inputs = fid_inputs(tokenizer, [ex.question], [corpus.passages(corpus.rows(ex.gold_ids))],
+                                cfg.reader.max_input_length)
+            with torch.no_grad():
+                out = reader.generate(**inputs, max_new_tokens=cfg.reader.max_answer_length)
+            correct += exact_match(tokenizer.batch_decode(out, skip_special_tokens=True)[0], ex.answers)
+        assert float(line.split("|")[2]) == pytest.approx(100 * correct / len(examples), abs=0.05), name
 
 
 def test_retriever_lr_sets_the_retriever_step_size(recipe_toy_dir, tmp_path):
