@@ -6,7 +6,7 @@ from __future__ import annotations
 from rag_train.config import load_config
 from rag_train.train.schema import RetrieverTrainConfig
 from rag_train.reproduction.plan import FULL, QUICK, RETRIEVER_CONFIG, TABLE3, Plan
-from rag_train.reproduction.report import ANALYSIS, write_report
+from rag_train.reproduction.report import ANALYSIS, ANALYSIS_RLM, write_report
 
 
 def retriever_metrics(r1: float, reembedded: int = 0, rate: float = 2.0, seconds: float = 10.0) -> dict:
@@ -19,8 +19,9 @@ def retriever_metrics(r1: float, reembedded: int = 0, rate: float = 2.0, seconds
 def rlm_metrics(em: float, reembedded: int = 0, gate_opened: int | None = 30) -> dict:
     ems = {"nq": em, "tqa": em + 0.02, "hotpotqa": em / 2}
     return {"em": ems, "reembedded_passages": reembedded, "steps": 10, "steps_per_second": 3.0, "wall_seconds": 5.0,
-            "retriever_trained_from_step": gate_opened,
-            "history": [{"step": 5, **{d: {"em": v / 2} for d, v in ems.items()}}]}
+            "retriever_trained_from_step": gate_opened, "answer_recall@4": {d: min(1.0, 2 * v) for d, v in ems.items()},
+            "history": [{"step": s, **{d: {"em": v * s / 10, "recall@4": v * s / 5} for d, v in ems.items()}}
+                        for s in (0, 5)]}
 
 
 def fake_results() -> dict:
@@ -85,8 +86,10 @@ def test_report_from_given_metrics(tmp_path):
     assert "corrector − frozen: measured +10.0 EM points" in text
     assert "| 2 | 2.000 | 1x8 | 0.3000 | 85% | 0.6000 | 4.0x |" in text  # the best corrector at drift 2, not linear
     assert "grows with the drift" in text
-    assert text.count(ANALYSIS) == 4
-
+    assert text.count(ANALYSIS) == 3 and text.count(ANALYSIS_RLM) == 2
+    # the answer-recall table: corrector em 0.40 / 0.42 / 0.20 -> answer recall 2 * em; HPQA gold recall@4 is 0 at
+    # step 0 and the hotpotqa em (0.20) at step 5, the last evaluation
+    assert "| corrector | 1 | 80.0 | 84.0 | 40.0 | 0.0 → 20.0 |" in text
     figures = tmp_path / "figures" / "reproduction"
     for name in ("table1_recall.png", "table3_em.png", "ablation_hidden.png", "curves.png"):
         data = (figures / name).read_bytes()
