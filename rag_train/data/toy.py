@@ -12,6 +12,7 @@ the same seed gives byte-identical files, and answers cannot be guessed without 
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import itertools
 import json
@@ -171,6 +172,8 @@ class ToyWorld:
         }
         self.n_dev = -(-self.persons // DEV_EVERY)
         self.n_train = self.persons - self.n_dev
+        self._bridge: dict[str, np.ndarray] = {}  # hotpotqa's eligible people, computed on first use
+        self._lone: dict[tuple[str, int], np.ndarray] = {}
 
     # ---- facts -------------------------------------------------------------------------------------
     def name_parts(self, persons: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -286,38 +289,40 @@ class ToyWorld:
         return out
 
     # ---- hotpotqa: bridge and comparison questions -------------------------------------------------
-    def bridge_people(self, split: str) -> np.ndarray:
-        """The people of a split that "the <first name> who was trained by <mentor>" names alone (no other apprentice
-        of their mentor has their first name), in split order; their section-1 passage answers it."""
-        if not hasattr(self, "_bridge"):
-            keys = np.concatenate([self._apprentice_keys(np.arange(b, min(b + (1 << 20), self.persons)))
-                                   for b in range(0, self.persons, 1 << 20)])
-            unique, counts = np.unique(keys, return_counts=True)
-            self._alone_keys = unique[counts == 1]
-            self._bridge = {}
-        if split not in self._bridge:
-            found = []
-            n = self.split_size(split)
-            for begin in range(0, n, 1 << 20):
-                persons = self.split_persons(split, np.arange(begin, min(begin + (1 << 20), n)))
-                keys = self._apprentice_keys(persons)
-                at = np.minimum(np.searchsorted(self._alone_keys, keys), len(self._alone_keys) - 1)
-                found.append(persons[self._alone_keys[at] == keys])
-            self._bridge[split] = np.concatenate(found)
-        return self._bridge[split]
+    def _split_chunks(self, split: Optional[str]) -> Iterator[np.ndarray]:
+        """The people of a split (or with split=None, everyone) in chunks of 2**20: flat memory at any size."""
+        n = self.persons if split is None else self.split_size(split)
+        for begin in range(0, n, 1 << 20):
+            j = np.arange(begin, min(begin + (1 << 20), n))
+            yield j if split is None else self.split_persons(split, j)
+
+    @functools.cached_property
+    def _alone_keys(self) -> np.ndarray:
+        """Sorted (mentor, apprentice's first name) keys that exactly one person has."""
+        unique, counts = np.unique(np.concatenate([self._apprentice_keys(p) for p in self._split_chunks(None)]),
+                                   return_counts=True)
+        return unique[counts == 1]
 
     def _apprentice_keys(self, persons: np.ndarray) -> np.ndarray:
         return self.fact_values(persons, MENTOR) * self.n_first + self.name_parts(persons)[0]
 
+    def bridge_people(self, split: str) -> np.ndarray:
+        """The people of a split that "the <first name> who was trained by <mentor>" names alone (no other apprentice
+        of their mentor has their first name), in split order; their section-1 passage answers it."""
+        if split not in self._bridge:
+            alone, found = self._alone_keys, []
+            for persons in self._split_chunks(split):
+                keys = self._apprentice_keys(persons)
+                at = np.minimum(np.searchsorted(alone, keys), len(alone) - 1)
+                found.append(persons[alone[at] == keys])
+            self._bridge[split] = np.concatenate(found)
+        return self._bridge[split]
+
     def lone_holders(self, split: str, fact: int) -> np.ndarray:
         """Sorted split indices of the people whose value of `fact` nobody else in the split has (at most one per
         value): they cannot be compared with anyone, everyone else can."""
-        if not hasattr(self, "_lone"):
-            self._lone = {}
         if (split, fact) not in self._lone:
-            n = self.split_size(split)
-            values = np.concatenate([self.fact_values(self.split_persons(split, np.arange(b, min(b + (1 << 20), n))),
-                                                      fact) for b in range(0, n, 1 << 20)])
+            values = np.concatenate([self.fact_values(persons, fact) for persons in self._split_chunks(split)])
             lone = np.flatnonzero(np.bincount(values, minlength=len(self.pools[FACTS[fact].pool])) == 1)
             self._lone[(split, fact)] = np.flatnonzero(np.isin(values, lone))
         return self._lone[(split, fact)]
@@ -382,14 +387,16 @@ class ToyWorld:
             for row, i in enumerate(idx.tolist()):
                 questions[i] = COMPARE[fact].format(a=names[2 * row], b=names[2 * row + 1])
 
-        out = []
+        answers = np.empty(len(k), dtype=object)
         for fact in HOTPOT_FACTS:
             idx = np.flatnonzero(facts == fact)
-            for i, answer in zip(idx.tolist(), self.fact_strings(people[idx, 0], fact)):
-                gold = [int(p) * SECTIONS + FACTS[fact].section for p in people[i] if p >= 0]
-                out.append((i, {"id": f"hotpotqa-{split}-{start + i}", "question": questions[i], "answers": [answer],
-                                "gold_ids": [f"p{g}" for g in gold], "_row": gold[0]}))
-        return [q for _, q in sorted(out, key=lambda pair: pair[0])]
+            answers[idx] = self.fact_strings(people[idx, 0], fact)
+        out = []
+        for i in range(len(k)):
+            gold = [int(p) * SECTIONS + FACTS[facts[i]].section for p in people[i] if p >= 0]
+            out.append({"id": f"hotpotqa-{split}-{start + i}", "question": questions[i], "answers": [answers[i]],
+                        "gold_ids": [f"p{g}" for g in gold], "_row": gold[0]})
+        return out
 
     def name_sharer(self, persons: np.ndarray, keep_first: bool, step: int) -> np.ndarray:
         """The person named with the same first (or family) name as each of `persons` and the other name part
