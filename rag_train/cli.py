@@ -18,7 +18,7 @@ T = TypeVar("T")
 INPUT_FAULT_EXIT = 2  # bad config, data, buffer, checkpoint, model path or export
 NUMERICAL_FAULT_EXIT = 3  # the run stopped after too many non-finite / diverged steps
 PEER_FAULT_EXIT = 4  # a collective failed: another process died, or hung past the collective timeout
-STORAGE_FAULT_EXIT = 5  # a write failed for lack of space (full disk, quota, file size limit)
+STORAGE_FAULT_EXIT = 5  # a write failed for lack of space (full disk, quota, file size limit) or permission (read-only)
 _PEER_FAILURE = ("Timed out", "timed out", "Connection reset by peer", "Connection closed by peer", "Broken pipe")
 
 
@@ -36,6 +36,7 @@ def exit_on_fault() -> Iterator[None]:
 
     def stop(message: str, status: int, exc: BaseException) -> None:
         _end_progress_bars()
+        message = " ".join(line.strip() for line in message.splitlines() if line.strip())  # one line
         print(f"{prefix}error: {message}", file=sys.stderr, flush=True)
         raise SystemExit(status) from exc
 
@@ -46,10 +47,12 @@ def exit_on_fault() -> Iterator[None]:
     except FloatingPointError as exc:
         stop(str(exc), NUMERICAL_FAULT_EXIT, exc)
     except OSError as exc:
-        if not isinstance(exc, StorageError) and exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-            raise
-        where = "" if isinstance(exc, StorageError) or not exc.filename else f"{exc.filename}: "
-        stop(f"{where}{exc}", STORAGE_FAULT_EXIT, exc)
+        if isinstance(exc, StorageError) or exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS):
+            where = "" if isinstance(exc, StorageError) or not exc.filename else f"{exc.filename}: "
+            stop(f"{where}{exc}", STORAGE_FAULT_EXIT, exc)
+        if isinstance(exc, PermissionError) and exc.filename:  # an input this user may not read
+            stop(f"{exc.filename}: {exc.strerror or exc}", INPUT_FAULT_EXIT, exc)
+        raise
     except RuntimeError as exc:  # torch.distributed reports a dead / hung peer as a RuntimeError from gloo / NCCL
         text = str(exc)
         if not any(marker in text for marker in _PEER_FAILURE):

@@ -153,12 +153,14 @@ def build_buffer(model, corpus, out_dir: Union[str, Path], batch_size: int = 256
     timed = passes.timed(f"stale buffer build{share}", progress.total) if passes and todo else contextlib.nullcontext()
     try:
         with torch.inference_mode(), timed:
-            for index in todo:
+            for position, index in enumerate(todo):
                 start, end = plan[index]
                 vectors = encode_rows(model, corpus, start, end, batch_size, on_batch=progress.update,
                                       num_workers=num_workers, batch_tokens=batch_tokens)
-                record = dict(planned[index], sha256=write_shard(out_dir / planned[index]["file"],
-                                                                 to_storage(vectors, dtype)))
+                stored = to_storage(vectors, dtype)
+                left = sum(plan[i][1] - plan[i][0] for i in todo[position:]) * stored.itemsize * model.dim
+                record = dict(planned[index], sha256=write_shard(out_dir / planned[index]["file"], stored,
+                                                                 needed=left + 128 * (len(todo) - position)))
                 atomic_write_json(_sidecar(out_dir, index), record)
     finally:
         model.train(was_training)

@@ -8,6 +8,7 @@ of processes, each process takes its contiguous slice of it, and resuming needs 
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import math
 import os
@@ -24,8 +25,9 @@ from accelerate.utils import set_seed
 
 from rag_train.buffer.embed import CorpusPasses
 from rag_train.config import ConfigError, save_config, to_yaml
-from rag_train.io import (CorruptFileError, StorageError, atomic_write_json, folder_checksums, fsync_tree, read_json,
-                          remove_stale_temporaries, sha256_file, verify_checksums)
+from rag_train.io import (CorruptFileError, StorageError, atomic_write_json, errno_of, folder_checksums, free_space,
+                          fsync_tree, read_json, remove_stale_temporaries, sha256_file, size_text, state_bytes,
+                          tree_size, usual_modes, verify_checksums, write_fault, write_step)
 from rag_train.launch import make_accelerator
 from rag_train.train.run_dir import CHECKPOINTS, CONFIG_FILE, LOGS, claim_directory, remove_previous_run
 from rag_train.train.trainable import check_deepspeed_config, deepspeed_stage
@@ -153,7 +155,8 @@ class TrainingRun:
             if cfg.train.overwrite:
                 remove_previous_run(self.dir)
             self._tidy_checkpoints()
-            self.dir.mkdir(parents=True, exist_ok=True)
+            with write_step("creating the run directory", self.dir):
+                self.dir.mkdir(parents=True, exist_ok=True)
             save_config(cfg, self.dir / CONFIG_FILE)
         self.accelerator.wait_for_everyone()
         if cfg.train.tracker:
@@ -295,27 +298,33 @@ class TrainingRun:
 
     @contextmanager
     def _write_failure(self, final: Path, tmp: Path) -> Iterator[None]:
-        """A write into checkpoint folder `tmp` that fails (a full disk or quota surfaces from torch as
-        `RuntimeError: [enforce fail at inline_container.cc]`, from safetensors as `SafetensorError`) becomes
-        a StorageError naming the folder, the filesystem and its free space; the half-written folder is
-        removed, the previous checkpoint is left as it was."""
+        """A write into checkpoint folder `tmp` that fails for lack of space or permission (a full disk or quota
+        surfaces from torch as `RuntimeError: [enforce fail at inline_container.cc]`, from safetensors as
+        `SafetensorError ... (os error 28)`) becomes a StorageError naming the folder, the space a checkpoint
+        needs (the previous one's size, else the trained weights and optimizer state), the filesystem and its free
+        space; the half-written folder is removed, the previous checkpoint is left as it was."""
         try:
             yield
         except Exception as exc:
-            text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            written = isinstance(exc, OSError) or type(exc).__name__ == "SafetensorError" or (
-                isinstance(exc, RuntimeError) and any(m in str(exc) for m in ("inline_container", "PytorchStreamWriter",
-                                                                               "write failed", "No space left")))
-            if not written:
+            if not write_fault(exc):
                 raise
-            shutil.rmtree(tmp, ignore_errors=True)
-            free = shutil.disk_usage(self.dir).free
+            text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             previous = self.latest_checkpoint()
-            raise StorageError(
-                f"writing checkpoint {final.name} into {tmp} failed: {text[:300]}. {free / 2**20:.1f} MiB are free on "
-                f"the filesystem of {self.dir} (a full disk or quota is the usual cause). The unfinished folder was "
-                f"removed; {'the previous checkpoint ' + str(previous) + ' is intact' if previous else 'no earlier checkpoint exists'} "
-                "(free space, then train.resume=true).") from exc
+            needed = tree_size(previous) if previous is not None else (
+                3 * state_bytes(self.model) if self.model is not None else None)
+            place, free = free_space(self.dir)
+            shutil.rmtree(tmp, ignore_errors=True)
+            if write_fault(exc) == "permission":
+                why = f"not writable: {place} is on a read-only filesystem or this user may not write there"
+            else:
+                why = (f"it needs about {size_text(needed)}, {free / 2**20 if free is not None else float('nan'):.1f} "
+                       f"MiB are free on the filesystem of {self.dir} (a full disk or quota is the usual cause)")
+            error = StorageError(
+                f"writing checkpoint {final.name} into {tmp} failed: {text[:300]}. {why[0].upper() + why[1:]}. The "
+                f"unfinished folder was removed; {'the previous checkpoint ' + str(previous) + ' is intact' if previous else 'no earlier checkpoint exists'} "
+                "(free space, then train.resume=true).")
+            error.errno = errno_of(exc) or (errno.ENOSPC if write_fault(exc) == "space" else errno.EACCES)
+            raise error from exc
 
     def verify_checkpoint(self, path: Path) -> None:
         """CorruptFileError naming the first file of checkpoint `path` that is missing, truncated or altered."""
@@ -505,9 +514,10 @@ def _deepspeed_step(accelerator: Accelerator, loss: torch.Tensor, guard: NonFini
 
 def save_pretrained_atomic(directory: Path, *objects: Any) -> None:
     """`save_pretrained` of each object (model, tokenizer) into one folder, written beside and swapped in."""
-    from rag_train.io import atomic_directory
+    from rag_train.io import atomic_directory, state_bytes
 
-    with atomic_directory(directory) as tmp:
+    needed = state_bytes(*(obj for obj in objects if isinstance(obj, torch.nn.Module))) + 2**20
+    with atomic_directory(directory, "saving", needed=needed) as tmp:
         for obj in objects:
             obj.save_pretrained(str(tmp))
 

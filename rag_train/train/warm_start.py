@@ -26,7 +26,7 @@ from rag_train.data.corpus import Corpus
 from rag_train.data.qa import QAExample
 from rag_train.data.sources import DataFiles
 from rag_train.eval.retrieval import rank_passages
-from rag_train.io import atomic_directory, atomic_write_json
+from rag_train.io import atomic_directory, atomic_write_json, state_bytes
 from rag_train.models.retriever import DualEncoder
 from rag_train.train.common import TrainingRun, global_batch, linear_warmup, seed_stage
 from rag_train.train.schema import RLMConfig, RetrieverTrainConfig
@@ -238,7 +238,7 @@ def warm_start_reader(cfg: RLMConfig, reader: torch.nn.Module, tokenizer, corpus
             bar.set_postfix(loss=f"{loss.item():.3f}")
             run.log({"warm_start/reader_loss": loss.item()}, step)
     if run.accelerator.is_main_process:  # written beside, then renamed: a folder here is a finished stage
-        with atomic_directory(out) as tmp:
+        with atomic_directory(out, "saving the warm-started reader to", needed=state_bytes(reader) + 2**20) as tmp:
             reader.save_pretrained(tmp)
             record_stage(cfg, tmp, "warm_start_reader")
     run.accelerator.wait_for_everyone()
