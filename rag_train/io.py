@@ -236,6 +236,7 @@ def atomic_directory(path: str | Path, what: str = "writing", needed: Optional[i
         tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=TMP_DIR_SUFFIX, dir=path.parent))
         os.chmod(tmp, 0o777 & ~_UMASK)  # mkdtemp makes 0700 folders; a saved model gets the usual permissions
         yield tmp
+        usual_modes(tmp)
         fsync_tree(tmp)
         if path.exists():
             shutil.rmtree(old, ignore_errors=True)

@@ -314,6 +314,29 @@ def test_a_killed_export_is_cleaned_up_and_saved_folders_get_the_usual_modes(tmp
         assert stat.S_IMODE(folder.stat().st_mode) == 0o777 & ~umask, folder
 
 
+def test_exported_and_saved_files_follow_the_umask(tmp_path, finished):
+    """Issue 32: every file of an export, of the saved retriever and of a checkpoint gets 0666 & ~umask, like the
+    other files of a run (safetensors >= 0.8 writes through a private temporary file: model.safetensors was 0600,
+    unreadable by the serving user or the operator's group)."""
+    from rag_train.export import export_retriever
+
+    run = tmp_path / "run"
+    shutil.copytree(finished[0], run, ignore=shutil.ignore_patterns("buffer"))
+    shutil.rmtree(run / "retriever")
+    from rag_train.models.retriever import DualEncoder
+
+    DualEncoder.load(finished[0] / "retriever").save(run / "retriever")
+    export_retriever(run, tmp_path / "export")
+    umask = os.umask(0)
+    os.umask(umask)
+    folders = [tmp_path / "export", run / "retriever", finished[0] / "checkpoints" / "step-00000006"]
+    files = [p for folder in folders for p in folder.rglob("*") if p.is_file()]
+    assert any(p.name == "model.safetensors" for p in files)
+    wrong = {str(p): oct(stat.S_IMODE(p.stat().st_mode)) for p in files
+             if stat.S_IMODE(p.stat().st_mode) != 0o666 & ~umask}
+    assert not wrong, wrong
+
+
 # ---------------------------------------------------------------------------------------------------
 # reporting
 # ---------------------------------------------------------------------------------------------------

@@ -283,6 +283,7 @@ class TrainingRun:
                                                         "totals": self.totals})
                 atomic_write_json(tmp / STEP_FILE, {"step": step})
                 atomic_write_json(tmp / CHECKSUMS, {"step": step, "files": folder_checksums(tmp, exclude=(CHECKSUMS,))})
+                usual_modes(tmp)  # safetensors writes 0600 files
                 fsync_tree(tmp)
             old = root / f".old-{final.name}"
             if final.exists():  # re-saving a step (a resumed run that had finished): swap, never delete first
