@@ -145,7 +145,7 @@ class TrainingRun:
         set_seed(cfg.train.seed, device_specific=False)
         self.guard = NonFiniteGuard(cfg.train.max_bad_steps)  # the recipe sets aux_max_loss from its strategy
         self.history: list[dict] = []  # evaluations during training; checkpointed, so resuming keeps it
-        self.totals: dict[str, list[float]] = {}  # per-step values a recipe averages at the end; checkpointed too
+        self.totals: dict[str, list] = {}  # per-step values / records a recipe reports at the end; checkpointed too
         self.model: Optional[torch.nn.Module] = None  # the prepared module (`prepare`)
         self.passes = CorpusPasses(self.accelerator.print)  # whole-corpus embedding passes, for metrics.json
         self.started = time.time()
@@ -280,7 +280,7 @@ class TrainingRun:
         if self.accelerator.is_main_process:
             with self._write_failure(final, tmp):
                 atomic_write_json(tmp / TRAINER_STATE, {"guard": self.guard.state_dict(), "history": self.history,
-                                                        "totals": self.totals})
+                                                        "totals": self.totals, "corpus_passes": self.passes.records})
                 atomic_write_json(tmp / STEP_FILE, {"step": step})
                 atomic_write_json(tmp / CHECKSUMS, {"step": step, "files": folder_checksums(tmp, exclude=(CHECKSUMS,))})
                 usual_modes(tmp)  # safetensors writes 0600 files
@@ -356,6 +356,9 @@ class TrainingRun:
         self.history[:] = state["history"]
         for key, values in state["totals"].items():
             self.totals.setdefault(key, [])[:] = values
+        # the corpus passes made before the checkpoint, then those this process made before loading it (a resumed
+        # buffer build, the warm start's recall): metrics.json lists every pass the run is known to have made
+        self.passes.records[:0] = state.get("corpus_passes", [])
         step = int(read_json(path / STEP_FILE)["step"])
         self.guard.calls = step
         self.accelerator.print(f"resumed from {path} at step {step}")

@@ -142,18 +142,20 @@ def train_generative(cfg: GenerativeConfig) -> dict:
     total = contrastive + cfg.train.steps
     epoch_steps = max(1, len(train_questions) // cfg.train.batch_size)
     rebuild_every = max(1, round(cfg.np.rebuild_every_epochs * epoch_steps)) if cfg.np.variant == "async" else 0
-    ce_builds = []
+    ce_builds = run.totals.setdefault("ce_builds", [])  # checkpointed with the run: a resumed run keeps the earlier ones
 
-    def use_table(table: CETable) -> OutputSpace:
+    def use_table(table: CETable, record: bool = True) -> OutputSpace:
         generator.set_ce(table.vectors, table.row_token, cfg.np.decoder_inputs)
-        ce_builds.append({"step": step, "directory": str(table.directory), "rows": len(table.vectors)})
+        if record:
+            ce_builds.append({"step": step, "directory": str(table.directory), "rows": len(table.vectors)})
         return OutputSpace.np_decoding(table, eos)
 
     if not cfg.np.enabled:
         space = OutputSpace.vanilla(targets, eos)
-    elif step:  # resuming: the table the checkpoint was trained with
+    elif step:  # resuming: the table the checkpoint was trained with (recorded in ce_builds when it was built)
         pointer = read_json(run.latest_checkpoint() / CE_POINTER)
-        space = use_table(load_ce_table(Path(pointer["directory"]), targets_fingerprint=targets.fingerprint))
+        space = use_table(load_ce_table(Path(pointer["directory"]), targets_fingerprint=targets.fingerprint),
+                          record=False)
     else:
         space = use_table(ensure_ce(run, generator, targets, corpus, tokenizer, cfg))
 
@@ -173,7 +175,7 @@ def train_generative(cfg: GenerativeConfig) -> dict:
             out[name] = ranking_metrics(ranked, gold, cfg.eval.recall_at)
         return out
 
-    history = []
+    history = run.history  # restored by run.resume(), checkpointed by run.save()
     if cfg.train.eval_every and step == 0:
         history.append({"step": 0, **evaluate()})
     started, first_step = time.time(), step
@@ -217,7 +219,7 @@ def train_generative(cfg: GenerativeConfig) -> dict:
     main = next(iter(final.values()))
     metrics = {"r_precision": main["r_precision"], "recall": main["recall"], "datasets": final,
                "decoding": f"np-{cfg.np.variant}" if cfg.np.enabled else "vanilla", "targets": len(targets),
-               "ce_rows": len(space.table.vectors) if space.table is not None else None, "ce_builds": ce_builds,
+               "ce_rows": len(space.table.vectors) if space.table is not None else None, "ce_builds": list(ce_builds),
                "steps": step, "steps_per_second": (step - first_step) / train_seconds if step > first_step else None,
                "history": history}
     run.log(_flat({"step": step, **final}), step)
