@@ -56,7 +56,8 @@ def load_eval_set(source: str | Path, corpus: Corpus, limit: Optional[int] = Non
     path = Path(source)
     first = next(read_jsonl(path), (0, {}))[1] if path.suffix.lower() == ".jsonl" and path.is_file() else None
     plain_qa = first is not None and "positive_ctxs" not in first
-    if plain_qa or path.suffix.lower() == ".parquet" or (path / "state.json").is_file():
+    saved_dataset = path.is_dir() and ((path / "state.json").is_file() or any(path.glob("*.arrow")))
+    if plain_qa or path.suffix.lower() == ".parquet" or saved_dataset:  # a damaged datasets folder is named there
         examples = load_qa(path, corpus=corpus, limit=limit)
         return EvalSet([e.question for e in examples], [e.id for e in examples],
                        [dict.fromkeys(e.gold_ids, 1) for e in examples], [e.answers for e in examples])
