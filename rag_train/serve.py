@@ -168,6 +168,29 @@ def _valid_unicode(text: Any) -> Any:
     return text
 
 
+class HugeInteger:
+    """A JSON integer with more digits than Python converts (`sys.get_int_max_str_digits()`, 4300 by default):
+    kept as its digit count, so that validation names the field it was sent in (422) instead of the parser failing
+    (500)."""
+
+    def __init__(self, digits: int):
+        self.digits = digits
+
+
+_MAX_INT_DIGITS = 4300  # Python's default limit; converting is quadratic, and no field needs more than a few digits
+
+
+def _parse_int(text: str) -> Any:
+    digits = len(text) - text.startswith("-")
+    return HugeInteger(digits) if digits > _MAX_INT_DIGITS else int(text)
+
+
+def _not_huge(value: Any) -> Any:
+    if isinstance(value, HugeInteger):
+        raise ValueError(f"an integer of {value.digits} digits is out of range")
+    return value
+
+
 def _request_model(limits: ServeLimits, rows: int) -> type[BaseModel]:
     """The POST /search body, with this server's limits (pydantic answers 422 naming the field)."""
     query = Annotated[str, StringConstraints(strip_whitespace=True, min_length=1, max_length=limits.max_query_chars),
@@ -176,7 +199,7 @@ def _request_model(limits: ServeLimits, rows: int) -> type[BaseModel]:
         "SearchRequest",
         __config__=ConfigDict(extra="forbid", strict=True),
         queries=(Annotated[list[query], Field(min_length=1, max_length=limits.max_queries)], ...),
-        k=(Annotated[int, Field(ge=1, le=min(limits.max_k, rows))], 10),
+        k=(Annotated[int, Field(ge=1, le=min(limits.max_k, rows)), BeforeValidator(_not_huge)], 10),
     )
 
 
@@ -223,7 +246,7 @@ async def read_json_body(request: Any, limits: ServeLimits) -> Any:
     except UnicodeDecodeError as exc:
         raise BadRequest(400, f"body is not valid UTF-8: byte {exc.start} (0x{body[exc.start]:02x}) {exc.reason}") from None
     try:
-        return json.loads(text, parse_constant=_not_json_constant)
+        return json.loads(text, parse_constant=_not_json_constant, parse_int=_parse_int)
     except json.JSONDecodeError as exc:
         raise BadRequest(400, f"body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
     except RecursionError:
