@@ -6,7 +6,9 @@ for more, encodes the batch and searches the FAISS index in a worker thread, the
 with its own slice. Passage titles and texts are read by row from the corpus named in the export.
 
 Bad requests get a 4xx whose `detail` names the field or the problem and never echoes the body: the body is
-read here with its size limit enforced while it streams, then parsed and validated (see docs/serving.md).
+read here with its size limit enforced while it streams, then parsed and validated (see docs/serving.md). The
+limits that matter are on the parsed request (questions, characters per question); the byte limit only stops
+bodies no request within them could need, even with every character \\u-escaped.
 """
 
 import asyncio
@@ -38,8 +40,10 @@ class ServeLimits:
 
     @property
     def max_body_bytes(self) -> int:
-        """Largest request body worth parsing (4 bytes per character plus JSON overhead)."""
-        return self.max_queries * (4 * self.max_query_chars + 8) + 1024
+        """Largest request body worth reading: `max_queries` questions of `max_query_chars` characters, each
+        character \\u-escaped (12 bytes for one outside the BMP, a surrogate pair), plus JSON punctuation. The
+        limits themselves apply to the parsed request, in characters."""
+        return self.max_queries * (12 * self.max_query_chars + 16) + 1024
 
 
 class ExportedRetriever:
@@ -229,8 +233,9 @@ async def read_json_body(request: Any, limits: ServeLimits) -> Any:
             name, _, value = param.partition("=")
             if name.strip().lower() == "charset" and value.strip().strip('"').lower() not in ("utf-8", "utf8"):
                 raise BadRequest(415, f"Content-Type charset {value.strip()[:50]!r}: the body must be UTF-8 JSON")
-    too_large = (f"request body larger than this server accepts ({limits.max_body_bytes} bytes: at most "
-                 f"{limits.max_queries} queries of {limits.max_query_chars} characters)")
+    too_large = (f"request body larger than this server reads ({limits.max_body_bytes} bytes, room for "
+                 f"{limits.max_queries} questions of {limits.max_query_chars} characters even with every character "
+                 "\\u-escaped; the limits are on the parsed request: questions per request, characters per question)")
     length = request.headers.get("content-length")
     if length is not None and (not length.isdigit() or int(length) > limits.max_body_bytes):
         raise BadRequest(413, f"Content-Length {length[:30]}: {too_large}")
