@@ -126,6 +126,10 @@ def _serve_args(parser: argparse.ArgumentParser) -> None:
                         help="questions per encoder batch, summed over coalesced requests")
     parser.add_argument("--max-wait-ms", type=float, default=defaults.max_wait_ms,
                         help="how long a batch waits for further requests")
+    parser.add_argument("--request-timeout", type=float, default=defaults.request_timeout_s, metavar="SECONDS",
+                        help="a request's headers must arrive within this many seconds of their first byte (or of "
+                             "the connection opening), its body within this many seconds of its headers (else 408); "
+                             "the connection is then closed")
     parser.add_argument("--log-level", default="info")
 
 
@@ -149,8 +153,10 @@ def main(argv: Optional[list[str]] = None) -> None:
             for name in ("max_queries", "max_query_chars", "max_k", "max_batch_queries", "port"):
                 if getattr(args, name) < 1:
                     parser.error(f"--{name.replace('_', '-')} must be at least 1")
+            if not args.request_timeout > 0:
+                parser.error("--request-timeout must be > 0")
             limits = ServeLimits(args.max_queries, args.max_query_chars, args.max_k, args.max_batch_queries,
-                                 args.max_wait_ms)
+                                 args.max_wait_ms, args.request_timeout)
             serve(args.export, args.host, args.port, limits, args.device, args.log_level)
 
 
