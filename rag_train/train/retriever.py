@@ -58,7 +58,8 @@ def train_retriever(cfg: RetrieverTrainConfig, final_eval: bool = True) -> dict:
         acc.print(f"warning: eval.recall_at={k} is larger than the corpus {corpus.path} ({len(corpus)} passages): "
                   f"recall@{k} is reported over the whole corpus (= recall@{len(corpus)})")
     train_set = [ex for path in files.train for ex in load_retrieval(path, corpus=corpus)][: cfg.data.max_train_examples]
-    dev_sets = {dataset_name(p): load_eval_set(p, corpus, limit=cfg.data.max_eval_examples) for p in files.dev}
+    dev_sets = {dataset_name(p): load_eval_set(p, corpus, limit=cfg.data.max_eval_examples,
+                                               empty_answers=cfg.data.empty_answers) for p in files.dev}
 
     model = DualEncoder.from_config(cfg.retriever, tokenizer=cfg.retriever.tokenizer or files.tokenizer)
     buffer_dir = ensure_buffer(run, cfg.buffer, model, corpus) if REGISTRY[cfg.strategy.name].needs_buffer else None

@@ -103,8 +103,11 @@ class RLMRecipe:
         files = resolve_data(cfg.data, acc, TOY_TRAIN_SETS, TOY_DEV_SETS)
         corpus = Corpus.open(files.passages)
         self.run.check_corpus(corpus)  # k <= corpus size, same corpus on every process: before any long work
-        self.train_set = [ex for path in files.train for ex in load_qa(path, corpus=corpus)][: cfg.data.max_train_examples]
-        self.dev_sets = {dataset_name(p): load_qa(p, corpus=corpus, limit=cfg.data.max_eval_examples) for p in files.dev}
+        policy = cfg.data.empty_answers
+        self.train_set = [ex for path in files.train for ex in load_qa(path, corpus=corpus, empty_answers=policy)
+                          ][: cfg.data.max_train_examples]
+        self.dev_sets = {dataset_name(p): load_qa(p, corpus=corpus, limit=cfg.data.max_eval_examples,
+                                                  empty_answers=policy) for p in files.dev}
         tokenizer = load_tokenizer(cfg.reader.tokenizer or files.tokenizer)
 
         # The stale buffer is the warm-started retriever's embedding of the corpus: built once, it also gives that

@@ -136,7 +136,8 @@ def warm_start_recall(cfg: RLMConfig, files: DataFiles, run: TrainingRun, retrie
     out = stage_dir(cfg, run, "warm_start_retriever")
     rcfg = _retriever_stage_config(cfg, files, out)
     dev = resolve_data(rcfg.data, run.accelerator, ["retrieval-train"], ["retrieval-dev"]).dev
-    sets = {dataset_name(p): load_eval_set(p, corpus, limit=rcfg.data.max_eval_examples) for p in dev}
+    sets = {dataset_name(p): load_eval_set(p, corpus, limit=rcfg.data.max_eval_examples,
+                                           empty_answers=rcfg.data.empty_answers) for p in dev}
     retriever.to(run.accelerator.device)
     if buffer_dir is not None:
         metrics = evaluate_retrieval(retriever, corpus, sets, rcfg.eval.recall_at, run.accelerator,
