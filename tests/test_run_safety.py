@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import resource
 import shutil
 import signal
@@ -83,6 +84,25 @@ def test_a_finished_or_partial_run_is_never_overwritten(recipe_toy_dir, tmp_path
         train_retriever(config(recipe_toy_dir, out, **{"train.resume": "true", "train.overwrite": "true"}))
     metrics = train_retriever(config(recipe_toy_dir, out, **{"train.overwrite": "true"}))
     same_as(out, metrics, finished)
+
+
+def test_a_run_stopped_by_bad_input_does_not_refuse_the_corrected_rerun(recipe_toy_dir, tmp_path):
+    """Issue 32: a fresh run that stops on bad input (an unknown passage id in its training file, found after it
+    wrote config.yaml and corpus.json) takes them back: the folder holds no state worth keeping, and the corrected
+    command in the same folder runs without train.overwrite (it was refused as "already holds a run")."""
+    from rag_train.data.errors import DataError
+    from test_faults import bad_data, data_overrides
+
+    passages, train, where, field = bad_data(recipe_toy_dir, tmp_path / "data", "missing-passage")
+    out = tmp_path / "run"
+    for made_by_the_user in (False, True):
+        if made_by_the_user:
+            out.mkdir()
+        with pytest.raises(DataError, match=re.escape(field)):
+            train_retriever(config(recipe_toy_dir, out, **data_overrides(recipe_toy_dir, passages, train)))
+        assert (out.is_dir() and not list(out.iterdir())) if made_by_the_user else not out.exists()
+    metrics = train_retriever(config(recipe_toy_dir, out, **{"train.steps": 2, "train.eval_every": 0}))
+    assert metrics["steps"] == 2 and (out / "metrics.json").is_file()
 
 
 def test_resume_refuses_a_config_that_changes_the_computation(recipe_toy_dir, tmp_path, finished):

@@ -9,6 +9,7 @@ of processes, each process takes its contiguous slice of it, and resuming needs 
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import math
 import os
@@ -29,7 +30,8 @@ from rag_train.io import (CorruptFileError, StorageError, atomic_write_json, err
                           fsync_tree, read_json, remove_stale_temporaries, sha256_file, size_text, state_bytes,
                           tree_size, usual_modes, verify_checksums, write_fault, write_step)
 from rag_train.launch import make_accelerator
-from rag_train.train.run_dir import CHECKPOINTS, CONFIG_FILE, LOGS, claim_directory, remove_previous_run
+from rag_train.train.run_dir import (CHECKPOINTS, CONFIG_FILE, CORPUS_RECORD, LOGS, RUN_OUTPUTS, claim_directory,
+                                    remove_previous_run)
 from rag_train.train.trainable import check_deepspeed_config, deepspeed_stage
 
 LATEST = "latest.json"  # informative pointer; the newest complete step-* folder is what resumes
@@ -150,6 +152,10 @@ class TrainingRun:
         self.passes = CorpusPasses(self.accelerator.print)  # whole-corpus embedding passes, for metrics.json
         self.started = time.time()
         claim_directory(cfg, self.dir)  # every process reads; nothing is written before all of them have looked
+        # what was there before this run, so that a run stopped by bad input can take back what it wrote (`release`)
+        self.fresh = cfg.train.overwrite or not any((self.dir / name).exists() for name in RUN_OUTPUTS)
+        self.made = {name: not (self.dir / name).exists() for name in (".", LOGS, CORPUS_RECORD)}
+        _OPENED.append(self)
         self.accelerator.wait_for_everyone()
         if self.accelerator.is_main_process:
             if cfg.train.overwrite:
@@ -161,6 +167,24 @@ class TrainingRun:
         self.accelerator.wait_for_everyone()
         if cfg.train.tracker:
             self.accelerator.init_trackers(project, config=_flat_config(cfg))
+
+    def release(self) -> None:
+        """After a stop on bad input (`releases_on_input_fault`): a run that started in a directory holding no run
+        and wrote nothing worth keeping (its only run output is the config.yaml it wrote) takes back config.yaml,
+        corpus.json and logs/, and the directory if it made it, so the corrected command runs in the same folder
+        instead of being refused as another run. Anything else (a buffer, checkpoints, warm starts) is kept."""
+        if not self.fresh or not self.accelerator.is_main_process or not self.dir.is_dir():
+            return
+        if [name for name in RUN_OUTPUTS if (self.dir / name).exists()] != [CONFIG_FILE]:
+            return
+        (self.dir / CONFIG_FILE).unlink()
+        if self.made[CORPUS_RECORD]:
+            (self.dir / CORPUS_RECORD).unlink(missing_ok=True)
+        if self.made[LOGS]:
+            shutil.rmtree(self.dir / LOGS, ignore_errors=True)
+        remove_stale_temporaries(self.dir)
+        if self.made["."] and not any(self.dir.iterdir()):
+            self.dir.rmdir()
 
     # -- agreement between processes ----------------------------------------------------------------
 
@@ -383,6 +407,38 @@ class TrainingRun:
         recipe may run inside another (the RLM's retriever warm start); entry scripts destroy it at exit."""
         for tracker in self.accelerator.trackers:
             tracker.finish()
+
+
+_OPENED: list[TrainingRun] = []  # runs opened by the recipe calls in progress (`releases_on_input_fault`)
+
+
+def releases_on_input_fault(recipe: Callable) -> Callable:
+    """Decorator for a recipe's entry function: when it stops on bad input (what entry scripts exit 2 for: config,
+    data, buffer, checkpoint, model path), the runs it opened `release` what they wrote if that is nothing worth
+    keeping, so a corrected rerun into the same folder is not refused. Any other stop leaves the run as it is."""
+    @functools.wraps(recipe)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        mark = len(_OPENED)
+        try:
+            return recipe(*args, **kwargs)
+        except Exception as exc:
+            if is_input_fault(exc):
+                for run in reversed(_OPENED[mark:]):
+                    run.release()
+            raise
+        finally:
+            del _OPENED[mark:]
+
+    return wrapped
+
+
+def is_input_fault(exc: BaseException) -> bool:
+    """A fault of the input (exit status 2 in the entry scripts), not of the machine or the numbers."""
+    from rag_train.buffer.store import BufferError
+    from rag_train.data.errors import DataError
+    from rag_train.models.reader import ReaderLoadError
+
+    return isinstance(exc, (ConfigError, DataError, BufferError, CorruptFileError, ReaderLoadError))
 
 
 def _flat_config(cfg: Any) -> dict[str, Any]:

@@ -37,7 +37,7 @@ from rag_train.generative.trie import Trie
 from rag_train.io import atomic_write_json, read_json
 from rag_train.data.tokenizer import load_tokenizer
 from rag_train.train.common import (TrainingRun, global_batch, linear_warmup, local_slice, optimizer_step,
-                                    save_pretrained_atomic)
+                                    releases_on_input_fault, save_pretrained_atomic)
 from rag_train.train.trainable import Trainable
 
 CE_POINTER = "ce.json"  # in a checkpoint / the saved generator: which stored CE table goes with the weights
@@ -111,6 +111,7 @@ def _examples(path: str, corpus: Corpus, targets: Targets, limit: Optional[int])
     return [ex.question for ex in examples], [targets.gold(corpus, ex) for ex in examples]
 
 
+@releases_on_input_fault
 def train_generative(cfg: GenerativeConfig) -> dict:
     run = TrainingRun(cfg, "generative")
     acc = run.accelerator

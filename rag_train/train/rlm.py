@@ -46,7 +46,7 @@ from rag_train.data.tokenizer import load_tokenizer
 from rag_train.strategies import REGISTRY, StrategyContext, build_strategy
 from rag_train.train.schema import RLMConfig
 from rag_train.train.common import (TrainingRun, global_batch, linear_warmup, local_slice, optimizer_step,
-                                    save_pretrained_atomic, seed_stage)
+                                    releases_on_input_fault, save_pretrained_atomic, seed_stage)
 from rag_train.train.gate import RetrieverGate
 from rag_train.train.trainable import Trainable, full_weights, save_parts
 from rag_train.train.passages import ensure_buffer
@@ -341,6 +341,7 @@ class RLMRecipe:
         return result
 
 
+@releases_on_input_fault
 def train_rlm(cfg: RLMConfig) -> dict:
     """Run the recipe end to end; returns what metrics.json holds."""
     recipe = RLMRecipe(cfg)
