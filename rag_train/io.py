@@ -64,19 +64,21 @@ class StorageError(OSError):
 
 SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 PERMISSION_ERRNOS = (errno.EROFS, errno.EACCES, errno.EPERM)
-# how libraries that write by themselves report those errnos: safetensors (Rust: "... (os error 28)"), torch's
-# zip writer (C++: "[enforce fail at inline_container.cc] ... file write failed" / "unexpected pos"), numpy's
-# short write ("N requested and M written")
-_SPACE_TEXT = ("No space left", "os error 28", "os error 27", "os error 122", "File too large", "Disk quota",
-               "StorageFull", "FileTooLarge", "QuotaExceeded", "file write failed", "inline_container",
-               "PytorchStreamWriter", "requested and")
-_PERMISSION_TEXT = ("Permission denied", "os error 13", "Read-only file system", "os error 30",
-                    "Operation not permitted", "os error 1)", "ReadOnlyFilesystem")
+# how libraries that write by themselves report those errnos: safetensors and tokenizers (Rust: "... (os error 28)"),
+# torch's zip writer (C++: "[enforce fail at inline_container.cc] ... file write failed" / "unexpected pos"), numpy's
+# short write ("N requested and M written"); torch's C++ stream on a small file says "basic_ios::clear: iostream error"
+_SPACE_TEXT = ("No space left on device", "(os error 28)", "(os error 27)", "(os error 122)", "File too large",
+               "Disk quota exceeded", "StorageFull", "FileTooLarge", "QuotaExceeded")
+_PERMISSION_TEXT = ("Permission denied", "(os error 13)", "Read-only file system", "(os error 30)",
+                    "Operation not permitted", "(os error 1)", "ReadOnlyFilesystem")
+_TORCH_WRITER_TEXT = ("file write failed", "inline_container", "PytorchStreamWriter", "unexpected pos",
+                      "iostream error")
 
 
 def write_fault(exc: BaseException) -> Optional[str]:
     """"space" / "permission" when `exc` (or an exception it was raised from) is a write that failed for lack
-    of space / of permission, as the OS, safetensors, torch or numpy report it; else None."""
+    of space / of permission, as the OS, safetensors, tokenizers, torch or numpy report it; else None. Meant for
+    exceptions raised while writing (the torch and numpy texts are only read as a full disk there)."""
     seen = 0
     while exc is not None and seen < 8:
         if isinstance(exc, OSError) and exc.errno in SPACE_ERRNOS:
@@ -85,11 +87,14 @@ def write_fault(exc: BaseException) -> Optional[str]:
             return "permission"
         if not isinstance(exc, OSError) or exc.errno is None:  # library errors carry the OS error as text
             text = str(exc)
-            if type(exc).__name__ in ("SafetensorError", "RuntimeError", "OSError", "StorageError"):
-                if any(marker in text for marker in _SPACE_TEXT):
-                    return "space"
-                if any(marker in text for marker in _PERMISSION_TEXT):
-                    return "permission"
+            if any(marker in text for marker in _SPACE_TEXT):
+                return "space"
+            if any(marker in text for marker in _PERMISSION_TEXT):
+                return "permission"
+            if isinstance(exc, RuntimeError) and any(marker in text for marker in _TORCH_WRITER_TEXT):
+                return "space"
+            if isinstance(exc, OSError) and "requested and" in text and "written" in text:
+                return "space"
         exc = exc.__cause__ or exc.__context__
         seen += 1
     return None
@@ -202,17 +207,27 @@ def usual_modes(directory: str | Path) -> None:
 TMP_DIR_SUFFIX = ".partial"  # `atomic_directory`'s folder being filled: `.NAME.XXXXXXXX.partial`
 
 
-def remove_stale_temporaries(directory: str | Path) -> None:
-    """Remove what killed writers left in `directory`: `atomic_open` files (`.NAME.XXXXXXXX.tmp`) and
-    `atomic_directory` folders (`.NAME.XXXXXXXX.partial`). Call it only where no other writer is active."""
+def remove_stale_temporaries(directory: str | Path, recursive: bool = False) -> None:
+    """Remove what killed writers left in `directory` (and its subfolders, `recursive`): `atomic_open` files
+    (`.NAME.XXXXXXXX.tmp`) and `atomic_directory` folders (`.NAME.XXXXXXXX.partial`). Call it only where no other
+    writer is active."""
     directory = Path(directory)
     if not directory.is_dir():
         return
-    for path in directory.glob(".*.*"):
+    for path in list(directory.rglob(".*.*") if recursive else directory.glob(".*.*")):
         if path.is_file() and path.name.endswith(".tmp"):
             path.unlink(missing_ok=True)
         elif path.is_dir() and path.name.endswith(TMP_DIR_SUFFIX):
             shutil.rmtree(path, ignore_errors=True)
+
+
+def remove_temporaries_of(path: str | Path) -> None:
+    """Remove what a killed `atomic_open` of `path` left beside it (`.NAME.XXXXXXXX.tmp`): for files whose writer is
+    known not to be running now (a report rewritten in full by one process)."""
+    path = Path(path)
+    if path.parent.is_dir():
+        for stale in path.parent.glob(f".{path.name}.*.tmp"):
+            stale.unlink(missing_ok=True)
 
 
 @contextmanager

@@ -259,8 +259,7 @@ class TrainingRun:
         never arrived is put back; temporary folders of unfinished saves and temporary files are removed."""
         root = self.dir / CHECKPOINTS
         if not root.is_dir():
-            if self.dir.is_dir():
-                remove_stale_temporaries(self.dir)
+            remove_stale_temporaries(self.dir, recursive=True)  # a killed buffer build's, evaluation's, save's
             return
         for old in root.glob(".old-step-*"):
             final = root / old.name[len(".old-"):]
@@ -270,8 +269,7 @@ class TrainingRun:
                 os.replace(old, final)
         for tmp in root.glob(".tmp-step-*"):
             shutil.rmtree(tmp, ignore_errors=True)
-        remove_stale_temporaries(root)  # e.g. `.latest.json.*.tmp` of a write a kill interrupted
-        remove_stale_temporaries(self.dir)
+        remove_stale_temporaries(self.dir, recursive=True)  # e.g. `.latest.json.*.tmp` of a write a kill interrupted
 
     def checkpoints(self) -> list[Path]:
         """Finished checkpoints, oldest first. A folder only gets its `step-*` name once complete (it is

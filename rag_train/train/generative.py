@@ -155,14 +155,17 @@ def train_generative(cfg: GenerativeConfig) -> dict:
         space = OutputSpace.vanilla(targets, eos)
     elif step:  # resuming: the table the checkpoint was trained with (recorded in ce_builds when it was built)
         pointer = read_json(run.latest_checkpoint() / CE_POINTER)
-        space = use_table(load_ce_table(Path(pointer["directory"]), targets_fingerprint=targets.fingerprint),
-                          record=False)
+        inside = pointer.get("in_run")  # a table in the run's own folder is found there, wherever the run moved
+        directory = run.dir / inside if inside and (run.dir / inside).is_dir() else Path(pointer["directory"])
+        space = use_table(load_ce_table(directory, targets_fingerprint=targets.fingerprint), record=False)
     else:
         space = use_table(ensure_ce(run, generator, targets, corpus, tokenizer, cfg))
 
     def save_pointer(folder: Path) -> None:
         if acc.is_main_process and space.table is not None:
-            atomic_write_json(folder / CE_POINTER, {"directory": str(space.table.directory)})
+            table = Path(space.table.directory).resolve()
+            inside = table.relative_to(run.dir.resolve()).as_posix() if run.dir.resolve() in table.parents else None
+            atomic_write_json(folder / CE_POINTER, {"directory": str(space.table.directory), "in_run": inside})
 
     def evaluate() -> dict:
         """Each process beam-searches its share of every dev set; the rankings are gathered."""
