@@ -397,7 +397,7 @@ def timed_protocol(timeout_s: float) -> type:
         def on_response_complete(self) -> None:
             super().on_response_complete()
             if not self.transport.is_closing() and self.conn.their_state is h11.SEND_BODY:
-                self._unset_keepalive_if_required()
+                getattr(self, "_unset_keepalive_if_required", lambda: None)()  # uvicorn's keep-alive timer
                 self.transport.close()  # answered before the body arrived: nothing more of it is read
 
         def connection_lost(self, exc) -> None:
