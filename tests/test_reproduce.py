@@ -123,8 +123,8 @@ def test_plan_shares_one_warm_start_and_reuses_the_default_corrector(tmp_path):
         f"strategy.name={s}" for s in TABLE3}
     lm = plan.table1("lm", "stale", 1)
     assert f"retriever.model={plan.lm().folder()}" in lm.overrides
-    assert str(plan.lm().folder().parent) == plan.lm().data.toy_dir == load_config(  # the LM sits beside its world
-        RetrieverTrainConfig, RETRIEVER_CONFIG, lm.overrides).data.toy_dir
+    world = load_config(RetrieverTrainConfig, RETRIEVER_CONFIG, plan.table1("random", "in_batch", 0).overrides).data
+    assert str(plan.lm().folder().parent) == plan.lm().data.toy_dir == world.toy_dir  # the LM sits beside its world
     pretrained = plan.table1("pretrained", "stale", 1)
     assert f"retriever.model={plan.pretrain().out / 'retriever'}" in pretrained.overrides
     assert plan.section("table1")[0].out == plan.pretrain().out  # pretraining runs first
