@@ -52,6 +52,10 @@ class LMPretrainConfig:
     noise_density: float = 0.15  # T5's defaults
     mean_span_length: float = 3.0
     max_length: int = 64  # passage tokens before corruption (the toy retriever's max_passage_length)
+    # T5 v1.1 / lm-adapt (the paper's T5) unties the output layer from the input embeddings and pre-trains with
+    # dropout 0.1; tied and without dropout (the toy readers' choice) the pooled encoder outputs retrieve worse
+    tie_word_embeddings: bool = False
+    dropout_rate: float = 0.1
     seed: int = 0
     # the folder to write; default <data.toy_dir>/lm-<digest of this config>, so each config has its own cache
     out: Optional[str] = None
@@ -125,21 +129,9 @@ def span_corruption_batch(passages: list[np.ndarray], rows: np.ndarray, cfg: LMP
     return {"input_ids": inputs, "attention_mask": (inputs != pad).long(), "labels": labels}
 
 
-def pretrain_toy_lm(cfg: LMPretrainConfig, progress: bool = True) -> dict:
-    """Build (or reuse) the LM-pretrained toy T5; returns its manifest (with `folder`)."""
-    paths = ensure_toy_world(cfg.data)
-    world = world_fingerprint(paths["manifest"])
-    folder = cfg.folder()
-    if _reusable(folder, cfg, world):
-        return dict(read_json(folder / TOY_LM_MANIFEST), folder=str(folder), reused=True)
-    tokenizer = load_tokenizer(paths["tokenizer"])
-    corpus = Corpus.open(paths["passages"])
-    passages = [ids for ids in _passage_ids(corpus, tokenizer, cfg.max_length) if len(ids) >= 2]
-    sentinels = sentinel_ids(tokenizer)
-    started = time.time()
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(cfg.seed)
-        model = T5ForConditionalGeneration(tiny_t5_config(tokenizer, cfg.model))
+def _span_corruption_steps(model, passages: list[np.ndarray], cfg: LMPretrainConfig, sentinels: list[int], tokenizer,
+                           progress: bool) -> list[float]:
+    """T5's pre-training loop: Adafactor, linear warm-up, one batch of fresh noise per step; the losses."""
     model.train()
     optimizer = Adafactor(model.parameters(), lr=cfg.lr, scale_parameter=True, relative_step=False, warmup_init=False)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, cfg.warmup_steps)))
@@ -158,6 +150,26 @@ def pretrain_toy_lm(cfg: LMPretrainConfig, progress: bool = True) -> dict:
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))
+    return losses
+
+
+def pretrain_toy_lm(cfg: LMPretrainConfig, progress: bool = True) -> dict:
+    """Build (or reuse) the LM-pretrained toy T5; returns its manifest (with `folder`)."""
+    paths = ensure_toy_world(cfg.data)
+    world = world_fingerprint(paths["manifest"])
+    folder = cfg.folder()
+    if _reusable(folder, cfg, world):
+        return dict(read_json(folder / TOY_LM_MANIFEST), folder=str(folder), reused=True)
+    tokenizer = load_tokenizer(paths["tokenizer"])
+    corpus = Corpus.open(paths["passages"])
+    passages = [ids for ids in _passage_ids(corpus, tokenizer, cfg.max_length) if len(ids) >= 2]
+    sentinels = sentinel_ids(tokenizer)
+    started = time.time()
+    with torch.random.fork_rng(devices=[]):  # the init and every dropout mask come from the config's seed
+        torch.manual_seed(cfg.seed)
+        model = T5ForConditionalGeneration(tiny_t5_config(tokenizer, cfg.model, dropout_rate=cfg.dropout_rate,
+                                                          tie_word_embeddings=cfg.tie_word_embeddings))
+        losses = _span_corruption_steps(model, passages, cfg, sentinels, tokenizer, progress)
     model.eval()
     window = max(1, min(50, cfg.steps // 10))
     manifest = {
