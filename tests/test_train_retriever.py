@@ -38,8 +38,11 @@ def overrides(toy_dir: Path, out: Path, name: str, steps: int = STEPS, **extra) 
         "strategy.snm_targets": SNM_TARGETS, "strategy.cache_size": 32, "strategy.cache_refresh": CACHE_REFRESH,
         "strategy.landmarks": LANDMARKS, "strategy.nystrom_samples": NYSTROM_SAMPLES, "strategy.trees": 2,
         "strategy.mh_chains": 8, "strategy.corrector.hidden": 16, "buffer.shard_rows": 128, "buffer.embed_batch_size": 64,
-        "eval.batch_size": 64, **extra,
+        "eval.batch_size": 64,
     }
+    if name == "dynnibal":  # from step 0 and without a full refresh, unless a test schedules them
+        values.update({"strategy.warm_start_steps": 0, "strategy.full_refresh_step": 0})
+    values.update(extra)
     return [f"{key}={value}" for key, value in values.items()]
 
 
