@@ -16,7 +16,7 @@ from scipy import stats
 
 from rag_train.buffer import nystrom
 from rag_train.buffer.sg_tree import (SGTree, build_forest, find_clustering, metropolis_hastings, proposal_probabilities,
-                                      rejection_sample)
+                                      rejection_sample, start_level)
 from rag_train.config import ConfigError
 from rag_train.strategies.dynnibal import DynnibalConfig
 
@@ -95,14 +95,71 @@ def test_invariants_hold_after_updates_within_the_bound():
     assert violations(tree.update(moved), moved, members) == []
 
 
+def walk(tree: SGTree, node: int, query: np.ndarray, points: np.ndarray, deepest: int, start) -> list[int]:
+    """Brute force, without a cap: Alg. 2's clustering under `node` by recursion through child lists (nodes
+    above `start` always split; below, a node splits unless it is at level <= deepest or frozen)."""
+    kids = list(range(tree.child_lo[node], tree.child_hi[node]))
+    if not kids:
+        return [node]
+    above = start is not None and tree.level[node] > start
+    frozen = np.linalg.norm(query - points[tree.centre[node]]) > tree.base ** tree.level[node] + tree.base ** deepest
+    if not above and (tree.level[node] <= deepest or frozen):
+        return [node]
+    return [leaf for k in kids for leaf in walk(tree, k, query, points, deepest, start)]
+
+
+def under(tree: SGTree, node: int) -> list[int]:
+    """The points under a node: its leaf buckets, reached through child lists."""
+    kids = range(tree.child_lo[node], tree.child_hi[node])
+    return tree.members(node).tolist() if not len(kids) else [p for k in kids for p in under(tree, k)]
+
+
+def as_sets(clusters) -> set[frozenset]:
+    return {frozenset(m) for m in clusters}
+
+
+def test_find_clustering_expands_to_the_brute_force_walk_and_is_a_partition():
+    rng = np.random.default_rng(2)
+    points = clustered(rng, 600, 8)
+    forest = build_forest(points, 3, rng, 1.05, 5, 4)
+    query = points[11]
+    for deepest, start in [(-14, None), (-3, None), (-14, 2)]:
+        expected = [(t, n) for t, tree in enumerate(forest) for n in walk(tree, 0, query, points, deepest, start)]
+        whole = find_clustering(forest, points, query, deepest, max_clusters=10**9, start=start)
+        assert as_sets(whole.members) == as_sets(under(forest[t], n) for t, n in expected)
+        assert len(whole.rep) > 3 * 5  # it expanded beyond the roots' children
+        depth = {(t, 0): 0 for t in range(3)}
+        for t, tree in enumerate(forest):  # depth of every node by walking from the root
+            for n in range(1, len(tree.centre)):
+                depth[(t, n)] = depth[(t, int(tree.parent[n]))] + 1
+        assert sorted(whole.depth.tolist()) == sorted(depth[key] for key in expected)
+    # capped: each tree's frontier grows from its root up to the cap, never past it, still a partition
+    for cap in (5, 12, 40):
+        clustering = find_clustering(forest, points, query, max_clusters=cap)
+        counts = np.bincount(np.concatenate(clustering.members), minlength=len(points))
+        assert (counts == 1).all()  # every target in exactly one cluster
+        owner = {frozenset(under(tree, n)): t for t, tree in enumerate(forest) for n in range(len(tree.centre))}
+        per_tree = np.bincount([owner[frozenset(m.tolist())] for m in clustering.members], minlength=3)
+        assert (per_tree <= cap).all() and (per_tree > 1).all()  # every tree expanded, within the cap
+        assert per_tree.sum() > cap - 5  # and used most of it (an expansion adds at most children - 1 < 5)
+        assert clustering.depth.max() >= 1
+    # the closest k clusters: by the representative's distance to the query, against a brute-force sort
+    clustering = find_clustering(forest, points, query, max_clusters=40)
+    near = clustering.closest(7, points, query)
+    distance = np.linalg.norm(points[clustering.rep] - query, axis=1)
+    assert set(near.rep.tolist()) == set(clustering.rep[np.argsort(distance)[:7]].tolist())
+    assert as_sets(near.members) <= as_sets(clustering.members) and len(near.members) == 7
+    assert clustering.closest(0, points, query) is clustering
+
+
 def test_find_clustering_is_a_partition_and_the_proposal_is_the_papers():
     rng = np.random.default_rng(2)
     points = clustered(rng, 500, 8)
     forest = build_forest(points, 3, rng, 1.05, 5, 4)
-    query, beta = 3 * points[7], 4.0
-    for cap in (3, 20, 60):
+    query, beta = points[7], 12.0  # a query among the targets: far ones (e.g. 3 x points[7]) freeze every root
+    for cap in (20, 60):
         clustering = find_clustering(forest, points, query, deepest=-14, max_clusters=cap)
-        assert len(clustering.rep) <= max(cap, 3)
+        assert 3 < len(clustering.rep) <= 3 * cap  # it expanded; each tree's frontier within the cap
         counts = np.bincount(np.concatenate(clustering.members), minlength=len(points))
         assert (counts == 1).all()  # every target in exactly one cluster
         q = proposal_probabilities(clustering, beta, len(points))
@@ -116,6 +173,36 @@ def test_find_clustering_is_a_partition_and_the_proposal_is_the_papers():
         gap = np.abs(points @ query - rep_score[owner])
         assert (gap <= np.linalg.norm(query) * clustering.radius[owner] + 1e-9).all()
     assert len(find_clustering(forest, points, query, 20, 1000).rep) == 3  # deepest level above the roots
+
+
+def test_start_level_is_the_papers_max_and_bounds_the_clusters():
+    for beta, base in [(20.0, 1.05), (2.0, 1.5), (7.0, 2.0)]:
+        for log_gamma in (0.01, 1.0, 13.5, 40.0, 80.0):
+            bound = log_gamma / (2 * beta)
+            brute = max(level for level in range(-400, 400) if base ** level <= bound)
+            assert start_level(float(np.exp(log_gamma)), beta, base) == brute
+    assert start_level(float(np.exp(2 * 2.0 * 1.5 ** 3)), 2.0, 1.5) in (2, 3)  # b^l = bound exactly: rounding
+    assert start_level(0.0, 20.0, 1.05) is None
+    with pytest.raises(ValueError, match="gamma must be > 1"):
+        start_level(0.5, 20.0, 1.05)
+    # the frontier at level l: every cluster has level <= l or is a leaf, so P / Q <= e^(2 beta b^l) <= gamma
+    rng = np.random.default_rng(7)
+    points = clustered(rng, 400, 6)
+    points /= np.linalg.norm(points, axis=1, keepdims=True)
+    forest = build_forest(points, 2, rng, 1.2, 4, 3)
+    beta, gamma = 3.0, float(np.exp(2 * 3.0 * 0.3))
+    level = start_level(gamma, beta, 1.2)
+    query = points[5]
+    clustering = find_clustering(forest, points, query, deepest=level, max_clusters=10**9, start=level)
+    tree_of = {frozenset(under(tree, n)): (tree, n) for tree in forest for n in range(len(tree.centre))}
+    for members in clustering.members:
+        tree, n = tree_of[frozenset(members.tolist())]
+        assert tree.level[n] <= level or tree.child_hi[n] == tree.child_lo[n]
+    p = softmax(points, query, beta)
+    q = proposal_probabilities(clustering, beta, len(points))
+    assert (p / q).max() <= gamma * (1 + 1e-9)
+    roots = find_clustering(forest, points, query, deepest=level, max_clusters=10**9)
+    assert len(clustering.rep) > len(roots.rep)  # starting at l splits more than starting at the roots
 
 
 def softmax(points, query, beta):
@@ -195,10 +282,21 @@ def test_regression_recovers_a_linear_drift():
 
 
 @pytest.mark.parametrize("key,value", [("landmarks", 0), ("nystrom_samples", -1), ("trees", 0), ("mh_chains", 0),
-                                        ("tree_base", 1.0), ("max_clusters", 0), ("nystrom_ridge", -1.0)])
+                                        ("tree_base", 1.0), ("max_clusters", 0), ("nystrom_ridge", -1.0),
+                                        ("allowed_error", 0.5), ("top_clusters", -1), ("sampling_temperature", -0.1),
+                                        ("warm_start_steps", -1), ("full_refresh_step", 4000)])
 def test_config_errors_name_the_key(key, value):
     with pytest.raises(ConfigError, match=f"strategy.{key}"):
         DynnibalConfig(name="dynnibal", **{key: value})
+
+
+def test_a_forest_that_could_never_expand_is_refused():
+    """A root splits into at least tree_children clusters: a per-tree cap below that is refused by name; the
+    defaults (100 trees, 100 clusters per tree) and the toy's are accepted."""
+    with pytest.raises(ConfigError, match=r"strategy.max_clusters=15 is below strategy.tree_children=16: .*could expand"):
+        DynnibalConfig(name="dynnibal", max_clusters=15)
+    assert DynnibalConfig(name="dynnibal").max_clusters == DynnibalConfig(name="dynnibal").trees == 100
+    DynnibalConfig(name="dynnibal", trees=4, max_clusters=16)
 
 
 def test_algorithm_1_trains_and_resumes_bitwise(recipe_toy_dir, tmp_path):
