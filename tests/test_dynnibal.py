@@ -6,12 +6,14 @@ Algorithm 1 end to end with metrics.json and a bitwise resume."""
 from __future__ import annotations
 
 import json
+import signal
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 from scipy import stats
 
 from rag_train.buffer import nystrom
@@ -19,9 +21,12 @@ from rag_train.buffer.sg_tree import (SGTree, build_forest, find_clustering, met
                                       rejection_sample, start_level)
 from rag_train.config import ConfigError
 from rag_train.strategies.dynnibal import DynnibalConfig
+from rag_train.train.retriever import train_retriever
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_train_retriever import LANDMARKS, NYSTROM_SAMPLES, REFRESH, STEPS, config, weights  # noqa: E402
+from test_faults import FAULTY, results, run_script  # noqa: E402
+from test_train_retriever import (CONFIG, LANDMARKS, NYSTROM_SAMPLES, PASSAGES, REFRESH, STEPS, config,  # noqa: E402
+                                  overrides, weights)
 
 
 def unit(rng, n, d):
@@ -300,8 +305,9 @@ def test_a_forest_that_could_never_expand_is_refused():
 
 
 def test_algorithm_1_trains_and_resumes_bitwise(recipe_toy_dir, tmp_path):
-    """Dynnibal in Algorithm 1: metrics.json carries its memory and re-encoding counts; 3 steps + resume to 6
-    (its cache, forest and generator restored from the checkpoint) equals 6 steps in one go."""
+    """Dynnibal in Algorithm 1 from step 0 (no warm start, no full refresh): metrics.json carries its memory and
+    re-encoding counts; 3 steps + resume to 6 (its cache, forest and generator restored from the checkpoint) equals 6
+    steps in one go."""
     extra = {"train.warmup_steps": 4}
     whole = train(recipe_toy_dir, tmp_path / "whole", **{"train.save_every": 3, **extra})
     written = json.loads((tmp_path / "whole" / "metrics.json").read_text())
@@ -321,6 +327,65 @@ def test_algorithm_1_trains_and_resumes_bitwise(recipe_toy_dir, tmp_path):
 
 
 def train(toy_dir, out, steps=STEPS, **extra):
-    from rag_train.train.retriever import train_retriever
-
     return train_retriever(config(toy_dir, out, "dynnibal", steps=steps, **extra))
+
+
+# The paper's schedule in miniature: uniform negatives for steps 1-3, then every target encoded (Alg. 6) after
+# step 3, a Nyström refresh after step 4 (w = REFRESH = 2; none after step 2, still in the warm start), every target
+# encoded again after step 5 (the full refresh), a Nyström refresh after step 6. Checkpoints after steps 2 and 4.
+SCHEDULE = {"strategy.warm_start_steps": 3, "strategy.full_refresh_step": 5, "train.save_every": 2,
+            "train.warmup_steps": 4}
+PER_REFRESH = LANDMARKS + NYSTROM_SAMPLES
+REENCODED = [0, 0, PASSAGES, PASSAGES + PER_REFRESH, 2 * PASSAGES + PER_REFRESH, 2 * PASSAGES + 2 * PER_REFRESH]
+
+
+@pytest.fixture(scope="module")
+def scheduled(recipe_toy_dir, tmp_path_factory) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("scheduled") / "run"
+    return out, train(recipe_toy_dir, out, **SCHEDULE)
+
+
+def test_the_schedule_fires_at_the_configured_steps(scheduled):
+    """The strategy log per step against the hand count above: which steps sampled, the targets encoded so far;
+    FindClustering expanded (clusters per question beyond the 2 roots, depth > 0) once Dynnibal runs."""
+    _, metrics = scheduled
+    log = metrics["strategy_log"]
+    assert log["step"] == [1, 2, 3, 4, 5, 6]
+    assert log["dynnibal/sampled"] == [0, 0, 0, 1, 1, 1]
+    assert log["dynnibal/reencoded"] == REENCODED
+    assert all(c > 2 for c in log["dynnibal/clusters_per_query"][3:]) and log["dynnibal/clusters_per_query"][:3] == [0] * 3
+    assert all(d > 0 for d in log["dynnibal/frontier_depth"][3:])
+    summary = metrics["strategy_summary"]
+    assert metrics["reembedded_passages"] == summary["reencoded"] == REENCODED[-1]
+    assert summary["full_encodings"] == 2 and summary["refreshes"] == 2
+    assert summary["sampled_questions"] == 3 * 4  # steps 4-6, batch 4
+    assert summary["clusters_per_query"] == pytest.approx(np.mean(log["dynnibal/clusters_per_query"][3:]))
+
+
+@pytest.mark.slow
+def test_killed_across_the_warm_start_and_the_full_refresh_resumes_bitwise(recipe_toy_dir, tmp_path, scheduled):
+    """SIGKILL after step 4 (last checkpoint: step 2, inside the warm start), resume and SIGKILL after step 6 (last
+    checkpoint: step 4, before the full refresh), resume to the end: the straight run's metrics and weights,
+    bitwise. The warm start is the uniform strategy: the step-2 checkpoint holds a 2-step uniform run's weights."""
+    out = tmp_path / "run"
+    args = [sys.executable, FAULTY, "--config", CONFIG]
+    proc = run_script([*args, *overrides(recipe_toy_dir, out, "dynnibal", **SCHEDULE)], "kill:step:4")
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    assert sorted(p.name for p in (out / "checkpoints").glob("step-*")) == ["step-00000002"]
+    uniform = train_retriever(config(recipe_toy_dir, tmp_path / "uniform", "uniform", steps=2,
+                                     **{"train.warmup_steps": 4}))
+    assert uniform["steps"] == 2
+    a = load_file(str(out / "checkpoints" / "step-00000002" / "model.safetensors"))
+    b = load_file(str(tmp_path / "uniform" / "checkpoints" / "step-00000002" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[key], b[key]) for key in a)
+
+    proc = run_script([*args, *overrides(recipe_toy_dir, out, "dynnibal", **SCHEDULE, **{"train.resume": "true"})],
+                      "kill:step:4")  # the 4th step of this process: step 6
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    assert sorted(p.name for p in (out / "checkpoints").glob("step-*")) == ["step-00000002", "step-00000004"]
+    resumed = train(recipe_toy_dir, out, **SCHEDULE, **{"train.resume": "true"})
+    assert results(resumed) == results(scheduled[1])
+    a, b = weights(scheduled[0]), weights(out)
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
