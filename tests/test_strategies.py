@@ -360,3 +360,48 @@ def test_dynnibal_refuses_a_forest_whose_roots_split_past_the_cap(world):
     with pytest.raises(ConfigError, match=r"strategy.max_clusters=4: every SG tree's root splits into more clusters "
                                           r"\(20 or more\)"):
         strategy.start(strategy.projection, np.eye(ROWS, dtype=np.float32))
+
+
+def step_cache(strategy, queries, positives, step):
+    """One Algorithm 1 step of the trainable cache as the recipe drives it: subset, forward (auxiliary), update."""
+    subset = strategy.subset(queries, positives)
+    assert strategy.auxiliary_loss(queries, subset.rows, None, None) is None  # nothing for the optimizer
+    strategy.after_step(step)
+    return subset
+
+
+def test_trainable_cache_moves_the_touched_rows_by_the_gradient(world, tmp_path):
+    """Rows of the step's subset move by exactly -lr x dL_C/dC (the truncated softmax over the subset with the cached
+    rows, by hand in float64), every other row stays bitwise; retrieval then goes through the moved rows (brute
+    force); the state survives a checkpoint bitwise, and the next step is the same from it."""
+    lr, temperature = 0.3, 0.5
+    strategy, model = make(world, "trainable_cache", temperature=temperature, uniform_negatives=2, row_lr=lr)
+    queries, positives = queries_of(model), torch.tensor([4, 8, 15, 16])
+    before = strategy.vectors.clone()
+    assert torch.equal(before, stale_matrix(world))  # the buffer at the start
+    subset = step_cache(strategy, queries, positives, 1)
+    rows = subset.rows.numpy()
+
+    q, cached = queries.double().numpy(), before.double().numpy()[rows]
+    logits = q @ cached.T / temperature
+    probs = np.exp(logits - logits.max(axis=1, keepdims=True))
+    probs /= probs.sum(axis=1, keepdims=True)
+    onehot = np.zeros_like(probs)
+    onehot[np.arange(len(q)), subset.positive_index.numpy()] = 1.0
+    grad = (probs - onehot).T @ q / len(q) / temperature
+    moved = strategy.vectors[subset.rows]
+    np.testing.assert_allclose(moved.double().numpy(), cached - lr * grad, rtol=0, atol=1e-6)
+    assert (moved != before[subset.rows]).any(dim=1).all()  # every touched row moved
+    untouched = torch.ones(ROWS, dtype=torch.bool)
+    untouched[subset.rows] = False
+    assert untouched.sum() > 0 and torch.equal(strategy.vectors[untouched], before[untouched])
+    assert strategy.logged_values()["trainable_cache/rows"] == len(rows) == strategy.summary()["updated_rows"]
+    assert torch.equal(strategy.retrieve_global(queries, 5), brute_topk(queries, strategy.vectors, 5))
+
+    strategy.save(tmp_path)
+    resumed, _ = make(world, "trainable_cache", temperature=temperature, uniform_negatives=2, row_lr=lr)
+    resumed.load(tmp_path)
+    assert torch.equal(resumed.vectors, strategy.vectors) and resumed.updated_rows == strategy.updated_rows
+    for s in (strategy, resumed):
+        step_cache(s, queries, positives, 2)
+    assert torch.equal(resumed.vectors, strategy.vectors) and not torch.equal(strategy.vectors[subset.rows], moved)
