@@ -1,7 +1,9 @@
-"""Dynnibal (seed 001): SG-tree invariants against brute-force distances, FindClustering's partition and the
-proposal against a hand computation, the exact sampler against the softmax (chi-square), MH against its exact
-n-step distribution and the independent-MH bound, Nyström exactness and drift recovery, the config checks, and
-Algorithm 1 end to end with metrics.json and a bitwise resume."""
+"""Dynnibal (seed 001): SG-tree invariants against brute-force distances, FindClustering against a brute-force walk
+of the trees (it expands, each tree's frontier within its cap, a partition) and Alg. 2's start level, the proposal
+against a hand computation, the exact sampler against the softmax (chi-square), MH against its exact n-step
+distribution and the independent-MH bound, Nyström exactness and drift recovery, the config checks, and Algorithm 1
+end to end: metrics.json, a bitwise resume, the warm-start / full-refresh schedule against a hand count, and SIGKILLs
+across both resumed bitwise."""
 
 from __future__ import annotations
 
