@@ -123,7 +123,8 @@ def test_resume_reaches_the_uninterrupted_run(recipe_toy_dir, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["corrector", "dynnibal"])  # dynnibal: the same MH samples on every process
+@pytest.mark.parametrize("name", ["corrector", "dynnibal", "trainable_cache"])  # dynnibal: the same MH samples on
+# every process; trainable_cache: each process updates its shard of the cache by the gradient reduced over processes
 def test_two_processes_match_one(recipe_toy_dir, tmp_path, name):
     args = overrides(recipe_toy_dir, tmp_path / "two", name)
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
