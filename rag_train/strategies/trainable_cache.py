@@ -88,10 +88,11 @@ class TrainableCache(Stale):
                                             positive.to(leaf.device), self.ctx.temperature)
                        for queries, sub, positive in touched) / len(touched)
             (grad,) = torch.autograd.grad(loss, leaf)
+        loss = loss.detach()
         acc = self.ctx.accelerator
         if acc.num_processes > 1:  # each process's loss is the mean over its questions: the global one is their mean
             grad = acc.reduce(grad.to(acc.device), "mean").to(leaf.device)
-            loss = acc.reduce(loss.detach().to(acc.device), "mean")
+            loss = acc.reduce(loss.to(acc.device), "mean")
         local = rows.to(self.vectors.device) - self.row_offset
         mine = (local >= 0) & (local < len(self.vectors))
         self.vectors[local[mine]] -= self.cfg.row_lr * grad[mine]
