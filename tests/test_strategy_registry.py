@@ -126,7 +126,8 @@ def test_every_strategy_declares_its_keys_and_recipes():
         own = {spec.name for spec in dataclasses.fields(cls.config)}
         assert own <= {spec.name for spec in dataclasses.fields(StrategyConfig)}
         assert {key for key, names in OWNERS.items() if name in names} == own - {"name", "top_k", "uniform_negatives"}
-    assert {n for n, c in REGISTRY.items() if 2 not in c.algorithms} == {"in_batch", "negative_cache", "dynnibal"}
+    assert {n for n, c in REGISTRY.items() if 2 not in c.algorithms} == {"in_batch", "negative_cache", "dynnibal",
+                                                                          "trainable_cache"}
     assert {n for n, c in REGISTRY.items() if 1 not in c.algorithms} == {"frozen", "closed_book"}
     assert OWNERS["refresh_every"] == ("dynnibal", "exhaustive", "snm") and OWNERS["cache_size"] == ("negative_cache",)
 
