@@ -759,6 +759,8 @@ def run_stages(args: argparse.Namespace) -> None:
         raise ReportError(f"--device {name}: expected cuda or cpu")
     if name == "cuda" and not torch.cuda.is_available():
         raise ReportError("--device cuda, but torch sees no CUDA device (use --device cpu --quick)")
+    if args.quick:  # toy sizes: a second thread only spins against the other processes of a shared CI machine
+        torch.set_num_threads(1)
     names = list(STAGES) if args.stage == "all" else [args.stage]
     with exit_on_fault(), tempfile.TemporaryDirectory(prefix="gpu-report-") as tmp:
         for stage in names:
