@@ -24,6 +24,7 @@ import math
 import os
 import platform
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -164,9 +165,9 @@ def install_wheels(directory: Path, target: Path) -> list[str]:
 
 @dataclass
 class Context:
-    device: "object"  # torch.device
+    device: "torch.device"
     quick: bool
-    work: Path  # scratch space of this stage (a temporary folder, or --work for the scale stage)
+    work: Path  # scratch space of this stage: <--work>/<stage>, or a temporary folder removed afterwards
     scale_rows: Optional[int] = None
 
 
@@ -329,12 +330,13 @@ def render_embed(record: dict) -> list[str]:
              f"length. Batch {s['batch_size']} rows, `embed_rows` with {s['workers']} DataLoader workers, best of "
              f"{s['repeats']}, both paths under the same autocast; fractions are encoder matmul FLOP/s over the "
              "same-run GEMM peak.", "",
-             "| tower | tokens | passages | `embed_rows` psg/s | of peak | `SentenceTransformer.encode` psg/s | of peak "
-             "| ratio | max abs diff |", "|---|---|---|---|---|---|---|---|---|"]
+             "| tower | tokens | passages | `embed_rows` psg/s | of peak | `SentenceTransformer.encode` psg/s "
+             "| of peak | ratio | max abs diff |", "|---|---|---|---|---|---|---|---|---|"]
     for r in record["results"]:
         lines.append(f"| {r['shape']} | {r['length']} | {r['passages']:,} | {r['ours_passages_per_s']:,.0f} | "
-                     f"{r['ours_fraction_of_peak']:.3f} | {r['st_passages_per_s']:,.0f} | {r['st_fraction_of_peak']:.3f}"
-                     f" | {r['st_seconds'] / r['ours_seconds']:.2f}x | {r['max_abs_diff']:.1e} |")
+                     f"{r['ours_fraction_of_peak']:.3f} | {r['st_passages_per_s']:,.0f} | "
+                     f"{r['st_fraction_of_peak']:.3f} | {r['st_seconds'] / r['ours_seconds']:.2f}x | "
+                     f"{r['max_abs_diff']:.1e} |")
     missing = [x for x in ("tiny", "small", "base") if x not in s["shapes"]]
     if missing:
         lines.append(f"\n(Not run at this size: {', '.join(missing)}.)")
@@ -410,6 +412,10 @@ STEP_QUICK = ["--size", "tiny", "--passages", "3", "--passage-length", "12", "--
               "--answer-length", "4", "--dtype", "fp32", "--checkpointing", "--steps", "1", "--warmup", "1",
               "--corpus-rows", "64", "--corrector-hidden", "32", "--candidates", "5"]
 STEP_BATCHES = (1, 4)
+STEP_SHAPES = {"tiny": ("the toy's tiny T5", "the toy's tiny encoder"),
+               "small": ("t5-small-lm-adapt", "t5-small (GTR-style)"),
+               "base": ("t5-base-lm-adapt", "gtr-t5-base")}
+MEMORY_KINDS = {"torch.cuda.max_memory_allocated": "max allocated"}
 
 
 def stage_step(ctx: Context) -> dict:
@@ -436,10 +442,11 @@ def stage_step(ctx: Context) -> dict:
 def render_step(record: dict) -> list[str]:
     first = record["results"][0]
     shape, params = first["shape"], first["parameters"]
+    reader, retriever = STEP_SHAPES[shape["size"]]
     lines = [f"`RLMRecipe.train_step` itself (rag_train/bench/rlm_step.py), random weights: reader shaped like "
-             f"t5-{shape['size']}-lm-adapt ({params['reader'] / 1e6:.1f}M parameters), retriever two "
-             f"GTR-{shape['size']}-shaped towers ({params['retriever'] / 1e6:.1f}M), corrector hidden "
-             f"{shape['corrector_hidden']} ({params['corrector'] / 1e6:.2f}M); {shape['passages']} passages x "
+             f"{reader} ({params['reader']:,} parameters), retriever two towers shaped like {retriever} "
+             f"({params['retriever']:,}), corrector hidden {shape['corrector_hidden']} ({params['corrector']:,}); "
+             f"{shape['passages']} passages x "
              f"{shape['passage_length']} tokens per question, {shape['dtype']}, checkpointing "
              f"{'on' if shape['checkpointing'] else 'off'}, median of {shape['steps']} steps after {shape['warmup']} "
              "warm-up. \"Without reuse\" adds to the step what re-encoding the passages for the per-passage answer "
@@ -451,7 +458,8 @@ def render_step(record: dict) -> list[str]:
         lines.append(f"| {r['shape']['batch']} | {t['median_s']:.3f} s | {t['median_s'] + lk['saving_s']:.3f} s | "
                      f"{100 * lk['saving_fraction_of_step']:.1f}% | {lk['reuse_median_s']:.4f} / "
                      f"{lk['reencode_median_s']:.4f} s | {r['memory']['peak_bytes'] / 2**30:.2f} GiB "
-                     f"({r['memory']['kind']}) | {chk['max_abs_diff_reuse_vs_reencode']:.1e} |")
+                     f"({MEMORY_KINDS.get(r['memory']['kind'], 'peak process RSS')}) | "
+                     f"{chk['max_abs_diff_reuse_vs_reencode']:.1e} |")
     return lines
 
 
@@ -490,9 +498,12 @@ def stage_scale(ctx: Context) -> dict:
         torch.set_num_threads(cfg["threads"])
     peak, peak_how = gemm_peak(ctx.device)
     toy, run_dir = ctx.work / f"toy-{rows}", ctx.work / f"run-{rows}"
+    if run_dir.exists() and not (run_dir / "scale-stage.json").is_file():
+        shutil.rmtree(run_dir)  # an earlier call's run cut off by its time limit: start the run over
+    reused = (toy / "manifest.json").is_file()  # an earlier call's world (--work on a still-warm machine)
     started = time.perf_counter()
     files = ensure_toy_world(DataConfig(toy_dir=str(toy), toy_passages=rows))
-    generate_s = time.perf_counter() - started
+    generate_s = None if reused else time.perf_counter() - started
     started = time.perf_counter()
     corpus_rows = len(Corpus.open(files["passages"]))
     index_s = time.perf_counter() - started
@@ -509,7 +520,7 @@ def stage_scale(ctx: Context) -> dict:
                         "projection": project_scale(rows, generate_s, index_s, run)}, "goals": []}
 
 
-def project_scale(rows: int, generate_s: float, index_s: float, run: dict) -> dict:
+def project_scale(rows: int, generate_s: Optional[float], index_s: float, run: dict) -> dict:
     """Seconds each stage would take at TARGET_ROWS from this run's measured rates: generation, indexing, corpus
     passes and the buffer search scale with the rows; the rest of a step and the warm starts do not."""
     factor = TARGET_ROWS / rows
@@ -520,8 +531,8 @@ def project_scale(rows: int, generate_s: float, index_s: float, run: dict) -> di
     final_pass = passes.get("final evaluation", 0.0)
     final = phases.get("final evaluation", 0.0)
     return {
-        "generate": generate_s * factor, "index": index_s * factor,
-        "warm starts and setup": run["wall_seconds"] - build - loop - final,
+        "generate": None if generate_s is None else generate_s * factor, "index": index_s * factor,
+        "warm starts and setup": max(0.0, run["wall_seconds"] - build - loop - final),
         "buffer build": build * factor,
         "steps": loop + search * (factor - 1),
         "final evaluation": final + final_pass * (factor - 1),
@@ -551,8 +562,9 @@ def render_scale(record: dict) -> list[str]:
              f"`{' '.join(s['overrides'])}`.", "",
              f"| stage | wall | rate | peak host RSS{' / device' if device_peak else ''} | at {TARGET_ROWS:,} "
              "rows (projected) |", "|---|---|---|---|---|",
-             f"| generate the toy world | {r['generate_seconds']:.1f} s | {rate(r['rows'], r['generate_seconds'])} | "
-             f"| {proj['generate'] / 60:.1f} min |",
+             (f"| generate the toy world | {r['generate_seconds']:.1f} s | {rate(r['rows'], r['generate_seconds'])} | "
+              f"| {proj['generate'] / 60:.1f} min |" if r["generate_seconds"] is not None else
+              "| generate the toy world | reused from an earlier call: not measured | | | |"),
              f"| index the corpus | {r['index_seconds']:.2f} s | {rate(r['rows'], r['index_seconds'])} | | "
              f"{proj['index'] / 60:.1f} min |",
              f"| warm starts, setup (the rest of the run) | {proj['warm starts and setup']:.1f} s | | "
@@ -611,7 +623,7 @@ def device_label(record: dict) -> str:
 def fragment_markdown(record: dict) -> str:
     stage, env = STAGES[record["stage"]], record["environment"]
     versions = f"torch {env['torch']}" + (f", CUDA {env['cuda']}, driver {env['driver']}" if env["device"] == "cuda"
-                                          else f", {env['cpu']}, {env['torch_threads']} torch threads, load average "
+                                          else f", {env['cpu']}, torch threads {env['torch_threads']}, load average "
                                           f"{env['load_average']}")
     lines = [f"## {stage.name}: {stage.what}", "",
              f"device: {device_label(record)} · {versions} · same-run GEMM peak "
@@ -658,16 +670,20 @@ def commands_markdown() -> list[str]:
         "the wheels from `.whl/` (into /tmp/rag-train-site) before it imports anything that needs them, builds "
         "what it needs from scratch and writes `<stage>.json` + `<stage>.md` into `$OUT`, which come back:", "",
         "```bash",
-        *[f"PYTHONUNBUFFERED=1 python3 scripts/gpu_report.py --stage {s} --device cuda --out $OUT" for s in STAGES],
+        *[f"PYTHONUNBUFFERED=1 python3 scripts/gpu_report.py --stage {s} --device cuda --out $OUT "
+          "--work runs/gpu_report" for s in STAGES],
         "```", "",
-        "Copy the returned fragments into `docs/gpu_report/` and assemble this page from whatever is there "
-        "(stages not yet run are listed as missing):", "",
+        "The reply's `files_at` folder holds the stage's two files: copy them into `docs/gpu_report/` (replacing "
+        "that stage's CPU fragments) and assemble this page from whatever is there (a stage with no fragment is "
+        "listed as missing):", "",
         "```bash", "python scripts/gpu_report.py --assemble --out docs/gpu_report", "```", "",
         "`--stage list` prints the stages with their expected minutes; `--stage all` runs them one after another "
         "(longer than one 10-minute command on a GPU); `--device cpu --quick --stage all` runs every stage at toy "
-        "size (`tests/test_gpu_report.py`). If `scale` outruns its limit, `--scale-rows` makes its world smaller "
-        "(generation, indexing and the corpus passes are linear in the rows); rerun with the same `--work` folder "
-        "on a still-warm machine and the generated world is reused. Exit status: 0 done, 1 a stage's own check "
+        "size with one torch thread (`tests/test_gpu_report.py`; the fragments under `docs/gpu_report/` came from "
+        "`--device cpu --quick --stage all --out docs/gpu_report`). If `scale` outruns its limit, a second call on "
+        "the still-warm machine with the same `--work` reuses the world the first one generated (its generation "
+        "time then reads 'not measured'), or `--scale-rows` makes the world smaller (generation, indexing and the "
+        "corpus passes are linear in the rows). Exit status: 0 done, 1 a stage's own check "
         "failed (its results disagree with their reference; no fragment is written) or pip failed, 2 bad "
         "arguments (unknown stage, `--device cuda` without a GPU, nothing to assemble).",
     ]
@@ -693,8 +709,11 @@ def assemble(fragments: Path, doc: Path) -> dict:
                   + ("The tables of those stages below come from `--device cpu --quick` (toy sizes, to show every "
                      "table is produced and its checks pass; their speeds say nothing about a GPU). "
                      if any(r["environment"]["device"] == "cpu" for r in present) else "")
-                  + "To produce them, run the commands under *Commands* on a GPU machine.", ""]
-    lines += ["| stage | device | driver | torch | CUDA | same-run GEMM peak | stage wall | expected on one H100 |",
+                  + "The GPU path of a pending stage has not run yet: its sizes and expected minutes are estimates. "
+                  "To produce the figures, run `python3 scripts/gpu_report.py --stage NAME --device cuda --out DIR` "
+                  "for each on a GPU machine (exact commands under *Commands*), then `--assemble`.", ""]
+    lines += ["| stage | device | driver | torch | CUDA | same-run GEMM peak | stage wall | expected on one H100 "
+              "(estimate) |",
               "|---|---|---|---|---|---|---|---|"]
     for name, r in records.items():
         if r is None:
@@ -742,7 +761,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def list_stages() -> None:
     for s in STAGES.values():
-        print(f"{s.name:<7} ~{s.minutes:g} min on one H100  {s.what} (scales: {s.scales})")
+        print(f"{s.name:<7} ~{s.minutes:g} min on one H100 (estimated)  {s.what} (scales: {s.scales})")
     print(f"all     ~{sum(s.minutes for s in STAGES.values()):g} min (on a GPU: one stage per 10-minute command)")
 
 
