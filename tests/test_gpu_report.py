@@ -260,3 +260,22 @@ def test_install_wheels_installs_only_what_is_missing(tmp_path, monkeypatch):
     assert importlib.import_module(name).VALUE == 42
     sys.modules.pop(name)
     assert gpu_report.install_wheels(tmp_path / "absent", target) == []
+
+
+def test_the_gpu_sizes_are_accepted_by_the_code_they_configure():
+    """The GPU-size settings never run here: what can be checked without a GPU is that the benchmarks' own
+    parsers and the config loader accept them, so a lease is not spent on a typo."""
+    from rag_train.bench import rlm_step, search
+    from rag_train.bench.embed import SHAPES
+    from rag_train.config import load_config
+    from rag_train.train.schema import RLMConfig
+
+    args = search.parse_args(gpu_report.SEARCH_GPU + ["--device", "cuda"])
+    assert (args.rows, args.dim, args.hidden, args.batch, args.dtype) == (28_000_000, 768, 8192, 64, "bf16")
+    for batch in gpu_report.STEP_BATCHES:
+        args = rlm_step.parse_args(gpu_report.STEP_GPU + ["--batch", str(batch), "--device", "cpu"])
+        assert (args.size, args.passages, args.passage_length, args.dtype, args.checkpointing, args.batch) == (
+            "base", 32, 256, "bf16", True, batch)
+    assert set(gpu_report.EMBED_GPU["shapes"]) <= set(SHAPES) == {"tiny", "small", "base"}
+    cfg = load_config(RLMConfig, ROOT / "configs" / "toy" / "rlm.yaml", gpu_report.SCALE_GPU["overrides"])
+    assert (cfg.buffer.embed_workers, cfg.warm_start.reader_steps, cfg.pdist_gate) == (8, 200, 0.0)

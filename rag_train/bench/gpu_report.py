@@ -502,7 +502,8 @@ def stage_scale(ctx: Context) -> dict:
         shutil.rmtree(run_dir)  # an earlier call's run cut off by its time limit: start the run over
     reused = (toy / "manifest.json").is_file()  # an earlier call's world (--work on a still-warm machine)
     started = time.perf_counter()
-    files = ensure_toy_world(DataConfig(toy_dir=str(toy), toy_passages=rows))
+    workers = 1 if ctx.quick else os.cpu_count() or 1  # passages rendered in this many processes
+    files = ensure_toy_world(DataConfig(toy_dir=str(toy), toy_passages=rows), workers=workers)
     generate_s = None if reused else time.perf_counter() - started
     started = time.perf_counter()
     corpus_rows = len(Corpus.open(files["passages"]))
@@ -515,7 +516,8 @@ def stage_scale(ctx: Context) -> dict:
     with scale.instrumented(probe), accelerate_device(ctx.device.type):
         run = scale.run_stage("corrector", config, probe)
     return {"gemm_peak_flops": peak, "gemm_peak_how": peak_how,
-            "settings": {"rows": rows, "steps": cfg["steps"], "overrides": cfg["overrides"], "work": str(ctx.work)},
+            "settings": {"rows": rows, "steps": cfg["steps"], "overrides": cfg["overrides"], "work": str(ctx.work),
+                         "world_workers": workers},
             "results": {"rows": corpus_rows, "generate_seconds": generate_s, "index_seconds": index_s, "run": run,
                         "projection": project_scale(rows, generate_s, index_s, run)}, "goals": []}
 
@@ -557,7 +559,8 @@ def render_scale(record: dict) -> list[str]:
 
     build, final = passes.get("stale buffer build", {}), passes.get("final evaluation", {})
     lines = [f"`train_rlm` (the main job, configs/toy/rlm.yaml with the overrides below) on a {r['rows']:,}-passage "
-             f"toy world built from scratch, {s['steps']} Algorithm-2 steps through the corrector (retriever gate "
+             f"toy world built from scratch (passages rendered in {s['world_workers']} process(es)), {s['steps']} "
+             "Algorithm-2 steps through the corrector (retriever gate "
              f"open from step 0), then the final evaluation (rag_train/bench/scale.py). Overrides: "
              f"`{' '.join(s['overrides'])}`.", "",
              f"| stage | wall | rate | peak host RSS{' / device' if device_peak else ''} | at {TARGET_ROWS:,} "
