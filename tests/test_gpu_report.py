@@ -225,6 +225,13 @@ def test_list_and_bad_input(capsys, tmp_path, monkeypatch):
     assert exit_info.value.code == gpu_report.INPUT_FAULT_EXIT
     assert capsys.readouterr().err.strip().startswith("error: --device cuda, but torch sees no CUDA device")
 
+    with pytest.raises(SystemExit) as exit_info:  # GPU sizes on a CPU: refused before any work
+        gpu_report.main(["--stage", "search", "--device", "cpu", "--out", str(tmp_path),
+                         "--wheels-dir", str(tmp_path / "none")])
+    assert exit_info.value.code == gpu_report.INPUT_FAULT_EXIT
+    assert capsys.readouterr().err.strip().startswith("error: --device cpu runs only with --quick")
+    assert not list(tmp_path.iterdir())  # no fragment written
+
 
 def test_wheel_requirements_follow_requirements_beyond_the_image():
     needs = {"faiss-cpu": ["numpy", "packaging"],

@@ -17,6 +17,7 @@ reachable, and every stage first installs the ones missing from DIR (default `.w
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import importlib.metadata
 import json
@@ -35,7 +36,7 @@ from typing import Callable, Optional
 
 ROOT = Path(__file__).resolve().parents[2]
 CHECK_FAILED_EXIT = 1  # a stage's own check failed (its results disagree with their reference), or pip failed
-INPUT_FAULT_EXIT = 2  # bad arguments: unknown stage, --device cuda without a GPU, nothing to assemble
+INPUT_FAULT_EXIT = 2  # bad arguments: unknown stage, --device cuda without a GPU, cpu without --quick, no fragments
 
 # The GPU machines' image ('cuda', docs of the device tool, read 2026-11-17): the Python it runs and the packages it
 # holds that the project's stages import. The stages' other needs come as wheels (`--wheels`).
@@ -419,6 +420,7 @@ MEMORY_KINDS = {"torch.cuda.max_memory_allocated": "max allocated"}
 
 
 def stage_step(ctx: Context) -> dict:
+    import torch
     from accelerate.state import AcceleratorState
 
     from rag_train.bench import rlm_step
@@ -426,8 +428,12 @@ def stage_step(ctx: Context) -> dict:
     peak, peak_how = gemm_peak(ctx.device)
     runs = []
     for batch in STEP_BATCHES:
-        # one accelerate state per process: each run (like a user's) sets its own mixed precision
+        # one accelerate state per process: each run (like a user's) sets its own mixed precision; and the last
+        # run's models, optimizer and buffer gone from the device, so this run's memory is its own
         AcceleratorState._reset_state()
+        gc.collect()
+        if ctx.device.type == "cuda":
+            torch.cuda.empty_cache()
         argv = (STEP_QUICK if ctx.quick else STEP_GPU) + ["--batch", str(batch), "--device", ctx.device.type]
         try:
             result = rlm_step.main(argv + ["--json", str(ctx.work / f"step-{batch}.json")])
@@ -688,7 +694,8 @@ def commands_markdown() -> list[str]:
         "time then reads 'not measured'), or `--scale-rows` makes the world smaller (generation, indexing and the "
         "corpus passes are linear in the rows). Exit status: 0 done, 1 a stage's own check "
         "failed (its results disagree with their reference; no fragment is written) or pip failed, 2 bad "
-        "arguments (unknown stage, `--device cuda` without a GPU, nothing to assemble).",
+        "arguments (unknown stage, `--device cuda` without a GPU, `--device cpu` without `--quick`, nothing to "
+        "assemble).",
     ]
 
 
@@ -781,6 +788,9 @@ def run_stages(args: argparse.Namespace) -> None:
         raise ReportError(f"--device {name}: expected cuda or cpu")
     if name == "cuda" and not torch.cuda.is_available():
         raise ReportError("--device cuda, but torch sees no CUDA device (use --device cpu --quick)")
+    if name == "cpu" and not args.quick:
+        raise ReportError("--device cpu runs only with --quick: the full sizes are a GPU's (a 28M x 768 buffer, "
+                          "base-size models); the benchmarks' own scripts take other CPU sizes")
     if args.quick:  # toy sizes: a second thread only spins against the other processes of a shared CI machine
         torch.set_num_threads(1)
     names = list(STAGES) if args.stage == "all" else [args.stage]
