@@ -513,7 +513,7 @@ def stage_scale(ctx: Context) -> dict:
     generate_s = None if reused else time.perf_counter() - started
     started = time.perf_counter()
     corpus_rows = len(Corpus.open(files["passages"]))
-    index_s = time.perf_counter() - started
+    index_s = None if reused else time.perf_counter() - started  # the index is kept beside a reused world
     overrides = [f"data.toy_dir={toy}", f"data.toy_passages={rows}", "train.tracker=null", "train.eval_every=0",
                  "train.save_every=0", f"train.output_dir={run_dir}", f"train.steps={cfg['steps']}",
                  "strategy.name=corrector", *cfg["overrides"]]
@@ -528,7 +528,7 @@ def stage_scale(ctx: Context) -> dict:
                         "projection": project_scale(rows, generate_s, index_s, run)}, "goals": []}
 
 
-def project_scale(rows: int, generate_s: Optional[float], index_s: float, run: dict) -> dict:
+def project_scale(rows: int, generate_s: Optional[float], index_s: Optional[float], run: dict) -> dict:
     """Seconds each stage would take at TARGET_ROWS from this run's measured rates: generation, indexing, corpus
     passes and the buffer search scale with the rows; the rest of a step and the warm starts do not."""
     factor = TARGET_ROWS / rows
@@ -539,7 +539,8 @@ def project_scale(rows: int, generate_s: Optional[float], index_s: float, run: d
     final_pass = passes.get("final evaluation", 0.0)
     final = phases.get("final evaluation", 0.0)
     return {
-        "generate": None if generate_s is None else generate_s * factor, "index": index_s * factor,
+        "generate": None if generate_s is None else generate_s * factor,
+        "index": None if index_s is None else index_s * factor,
         "warm starts and setup": max(0.0, run["wall_seconds"] - build - loop - final),
         "buffer build": build * factor,
         "steps": loop + search * (factor - 1),
@@ -574,8 +575,9 @@ def render_scale(record: dict) -> list[str]:
              (f"| generate the toy world | {r['generate_seconds']:.1f} s | {rate(r['rows'], r['generate_seconds'])} | "
               f"| {proj['generate'] / 60:.1f} min |" if r["generate_seconds"] is not None else
               "| generate the toy world | reused from an earlier call: not measured | | | |"),
-             f"| index the corpus | {r['index_seconds']:.2f} s | {rate(r['rows'], r['index_seconds'])} | | "
-             f"{proj['index'] / 60:.1f} min |",
+             (f"| index the corpus | {r['index_seconds']:.2f} s | {rate(r['rows'], r['index_seconds'])} | | "
+              f"{proj['index'] / 60:.1f} min |" if r["index_seconds"] is not None else
+              "| index the corpus | reused from an earlier call: not measured | | | |"),
              f"| warm starts, setup (the rest of the run) | {proj['warm starts and setup']:.1f} s | | "
              f"{mem('warm start')} | {proj['warm starts and setup'] / 60:.1f} min |",
              f"| stale buffer build (corpus pass) | {build.get('seconds', 0):.1f} s | "
@@ -690,8 +692,8 @@ def commands_markdown() -> list[str]:
         "(longer than one 10-minute command on a GPU); `--device cpu --quick --stage all` runs every stage at toy "
         "size with one torch thread (`tests/test_gpu_report.py`; the fragments under `docs/gpu_report/` came from "
         "`--device cpu --quick --stage all --out docs/gpu_report`). If `scale` outruns its limit, a second call on "
-        "the still-warm machine with the same `--work` reuses the world the first one generated (its generation "
-        "time then reads 'not measured'), or `--scale-rows` makes the world smaller (generation, indexing and the "
+        "the still-warm machine with the same `--work` reuses the world the first one generated and indexed "
+        "(those two rows then read 'not measured'), or `--scale-rows` makes the world smaller (generation, indexing and the "
         "corpus passes are linear in the rows). Exit status: 0 done, 1 a stage's own check "
         "failed (its results disagree with their reference; no fragment is written) or pip failed, 2 bad "
         "arguments (unknown stage, `--device cuda` without a GPU, `--device cpu` without `--quick`, nothing to "
