@@ -673,7 +673,8 @@ def commands_markdown() -> list[str]:
     return [
         "## Commands", "",
         "On a machine that reaches the package index, once (the wheels a bare GPU image lacks: "
-        f"{', '.join(STAGE_WHEELS)} and what they need beyond the image, for CPython {GPU_PYTHON} on x86-64 Linux; "
+        f"{', '.join(STAGE_WHEELS)} and what they need beyond the image, at the versions installed there, for "
+        f"CPython {GPU_PYTHON} on x86-64 Linux; when this page was assembled: {', '.join(wheel_requirements())}; "
         "about 20 MiB; `.whl/` is git-ignored):", "",
         "```bash", "python scripts/gpu_report.py --wheels .whl", "```", "",
         f"On the GPU machine, one stage per command, each under a 10-minute limit ({stages} on one H100). With the "
