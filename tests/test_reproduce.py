@@ -30,7 +30,8 @@ def fake_results() -> dict:
               "stale": [retriever_metrics(0.60), retriever_metrics(0.62)],
               "corrector": [retriever_metrics(0.90, rate=1.5), retriever_metrics(0.80, rate=1.5)],
               "exhaustive": [retriever_metrics(0.95, 18000, rate=1.0), retriever_metrics(0.97, 18000, rate=1.0)],
-              "snm": [retriever_metrics(0.93, 3000)], "negative_cache": []}
+              "snm": [retriever_metrics(0.93, 3000)], "negative_cache": [],
+              "trainable_cache": [retriever_metrics(0.88), retriever_metrics(0.86)]}
     pretrained = {name: [retriever_metrics(0.99)] for name in ("in_batch", "stale", "corrector", "exhaustive")}
     random = {"stale": [retriever_metrics(0.50)], "corrector": [retriever_metrics(0.60)],
               "exhaustive": [retriever_metrics(0.70, 18000)]}  # no paper counterpart
@@ -80,6 +81,8 @@ def test_report_from_given_metrics(tmp_path):
     assert "stale − in_batch: measured +0.0 points (stale ahead on 0/1 seeds), paper +8.8 → **does not" in text
     assert "closes 69% of the stale → exhaustive R@1 gap" in text  # (85 - 61) / (96 - 61)
     assert "exhaustive − corrector: measured +11.0 points" in text
+    assert "| trainable_cache | 2 | 0 | 87.0 ± 1.4 |" in text  # rows without a paper value
+    assert "- trainable_cache: R@1 87.0 with 0 re-embedded passages (exhaustive: 18000)." in text
     assert "**does not reproduce (paper: on par)**" in text
     assert "(paper: GTR-base).** The initial model's R@1 (step 0) is 0.0. Measured R@1 order: in_batch 99.0 = " \
            "stale 99.0 = corrector 99.0 = exhaustive 99.0" in text

@@ -25,7 +25,7 @@ SECTIONS = ("table1", "table3", "ablation", "curves", "synthetic")
 INITS = ("random", "lm", "pretrained")
 INIT_LABELS = {"random": "random init (no counterpart in the paper)", "lm": "LM-pretrained init (paper: T5-base)",
                "pretrained": "retrieval-pretrained init (paper: GTR-base)"}
-TABLE1 = ("in_batch", "stale", "corrector", "exhaustive", "snm", "negative_cache")
+TABLE1 = ("in_batch", "stale", "corrector", "exhaustive", "snm", "negative_cache", "dynnibal", "trainable_cache")
 TABLE3 = ("closed_book", "frozen", "corrector", "exhaustive")
 CURVES = ("stale", "corrector", "exhaustive")
 RLM_CURVES = ("frozen", "corrector", "exhaustive")

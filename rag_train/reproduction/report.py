@@ -223,7 +223,7 @@ def table1_comparison(table1: dict[str, dict[str, list[dict]]]) -> list[str]:
             lines.append(f"- The corrector closes {_pct(closed)} of the stale → exhaustive R@1 gap "
                          f"({100 * m['stale']:.1f} → {100 * m['exhaustive']:.1f}){ref}, with 0 re-embedded passages.")
         exhaustive = rows["exhaustive"][0]["reembedded_passages"] if rows.get("exhaustive") else "-"
-        for s in (s for s in ("snm", "negative_cache") if rows.get(s)):
+        for s in (s for s in ("snm", "negative_cache", "dynnibal", "trainable_cache") if rows.get(s)):
             r = statistics.mean(100 * recall(m, "1") for m in rows[s])
             lines.append(f"- {s}: R@1 {r:.1f} with {rows[s][0]['reembedded_passages']} re-embedded passages "
                          f"(exhaustive: {exhaustive}).")
