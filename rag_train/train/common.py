@@ -134,7 +134,8 @@ class TrainingRun:
         self.dir = Path(cfg.train.output_dir)
         self.accelerator = make_accelerator(
             mixed_precision=cfg.train.mixed_precision, log_with=cfg.train.tracker, project_dir=str(self.dir / LOGS),
-            timeout_s=cfg.train.collective_timeout, find_unused_parameters=find_unused_parameters)
+            timeout_s=cfg.train.collective_timeout, find_unused_parameters=find_unused_parameters,
+            threads=cfg.train.cpu_threads)
         world = self.accelerator.num_processes
         if cfg.train.batch_size % world:
             raise ConfigError(f"train.batch_size={cfg.train.batch_size} must be divisible by the {world} processes")
