@@ -12,9 +12,9 @@ GPU the processes also form a gloo group: accelerate 1.x only starts DeepSpeed w
 backend there, and DeepSpeed's CPU accelerator falls back to gloo when oneCCL is absent. That is how the
 tests run ZeRO-2 / ZeRO-3 on CPU.
 
-Threads: `accelerate launch` puts OMP_NUM_THREADS=1 into the environment of every process it starts unless the user
-set OMP_NUM_THREADS or `--num_cpu_threads_per_process` (a plain `accelerate launch` on a CPU machine, without
-`--cpu`), so torch would compute on one core. A CPU process therefore sets torch's intra-op threads itself
+Threads: `accelerate launch` puts OMP_NUM_THREADS into the environment of every process it starts, 1 unless the
+user set OMP_NUM_THREADS or `--num_cpu_threads_per_process` (with `--cpu`, physical cores / processes when that is
+more than 1), so torch would usually compute on one core. A CPU process therefore sets torch's intra-op threads itself
 (`cpu_threads`, i.e. `train.cpu_threads`): `auto` gives each process its share of the cores it may run on
 (`os.sched_getaffinity`) divided by the processes on this machine, unless the user asked for a count through
 OMP_NUM_THREADS or the launcher's flag; a number is taken as asked. GPU processes keep the launcher's setting."""
