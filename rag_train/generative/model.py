@@ -11,6 +11,7 @@ Weights save and load as plain T5; the CE lives in its own stored table.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Optional
 
@@ -21,6 +22,9 @@ from transformers.modeling_outputs import BaseModelOutput, Seq2SeqLMOutput
 
 from rag_train.generative.ce_table import START_ROW
 from rag_train.models.reader import ReaderLoadError, hub_offline
+
+# the decoding cache's name in model outputs: `cache` in transformers 5, `past_key_values` before
+CACHE = "cache" if "cache" in {spec.name for spec in dataclasses.fields(Seq2SeqLMOutput)} else "past_key_values"
 
 
 class GenerativeT5(T5ForConditionalGeneration):
@@ -82,9 +86,8 @@ class GenerativeT5(T5ForConditionalGeneration):
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
-        cache = {name: decoded[name] for name in ("cache", "past_key_values") if name in decoded}  # 5.x / 4.x
         return Seq2SeqLMOutput(loss=loss, logits=logits, encoder_last_hidden_state=encoder_outputs.last_hidden_state,
-                               **cache)
+                               **{CACHE: getattr(decoded, CACHE)})
 
     def first_output_state(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """[B, d] the first decoder output embedding (decoder start only), scaled as for logits: CONTRA's query."""
