@@ -2,7 +2,7 @@
 
 import pytest
 
-from rag_train.strategies import OWNERS
+from rag_train.strategies import reads
 
 from rag_train.data.toy import generate_toy_world
 from rag_train.data.tokenizer import load_tokenizer
@@ -38,7 +38,4 @@ def recipe_toy_dir(tmp_path_factory):
 def read_by(name: str, values: dict) -> dict:
     """`values` ({"strategy.key": v, ...} overrides) without the strategy keys that strategy `name` does not read:
     a test passes only what its strategy reads, so a ConfigWarning about an unread key is a real finding."""
-    def unread(key: str) -> bool:
-        parts = key.split(".")
-        return parts[0] == "strategy" and name not in OWNERS.get(parts[1], (name,))
-    return {key: value for key, value in values.items() if not unread(key)}
+    return {key: value for key, value in values.items() if reads(name, key)}

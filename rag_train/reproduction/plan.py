@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Optional
 
 from rag_train.config import load_config
+from rag_train.strategies import reads
 from rag_train.train.lm_pretrain import LMPretrainConfig, pretrain_toy_lm
 from rag_train.train.schema import RetrieverTrainConfig
 from rag_train.experiments import run_once
@@ -122,9 +123,9 @@ class Plan:
     def table1(self, init: str, strategy: str, seed: int, extra: tuple[str, ...] = ()) -> Run:
         model = {"random": [], "lm": [f"retriever.model={self.lm().folder()}"],
                  "pretrained": [f"retriever.model={self.pretrain().out / 'retriever'}"]}[init]
+        budget = [o for o in self.budget.retriever if reads(strategy, o.split("=", 1)[0])]
         return Run("train_retriever.py", RETRIEVER_CONFIG, self.runs / "table1" / init / f"{strategy}-seed{seed}",
-                   [*self.common, *self.budget.retriever, *model, f"strategy.name={strategy}", f"train.seed={seed}",
-                    *extra])
+                   [*self.common, *budget, *model, f"strategy.name={strategy}", f"train.seed={seed}", *extra])
 
     def ablation(self, hidden: int, seed: int) -> Run:
         if hidden == self.default_hidden:  # the Table 1 corrector run is this very run
