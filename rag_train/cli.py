@@ -18,7 +18,7 @@ T = TypeVar("T")
 INPUT_FAULT_EXIT = 2  # bad config, data, buffer, checkpoint, model path or export
 NUMERICAL_FAULT_EXIT = 3  # the run stopped after too many non-finite / diverged steps
 PEER_FAULT_EXIT = 4  # a collective failed: another process died, or hung past the collective timeout
-STORAGE_FAULT_EXIT = 5  # a write failed for lack of space (full disk, quota, file size limit)
+STORAGE_FAULT_EXIT = 5  # a write failed for lack of space (full disk, quota, file size limit) or permission (read-only)
 _PEER_FAILURE = ("Timed out", "timed out", "Connection reset by peer", "Connection closed by peer", "Broken pipe")
 
 
@@ -36,6 +36,7 @@ def exit_on_fault() -> Iterator[None]:
 
     def stop(message: str, status: int, exc: BaseException) -> None:
         _end_progress_bars()
+        message = " ".join(line.strip() for line in message.splitlines() if line.strip())  # one line
         print(f"{prefix}error: {message}", file=sys.stderr, flush=True)
         raise SystemExit(status) from exc
 
@@ -46,10 +47,12 @@ def exit_on_fault() -> Iterator[None]:
     except FloatingPointError as exc:
         stop(str(exc), NUMERICAL_FAULT_EXIT, exc)
     except OSError as exc:
-        if not isinstance(exc, StorageError) and exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-            raise
-        where = "" if isinstance(exc, StorageError) or not exc.filename else f"{exc.filename}: "
-        stop(f"{where}{exc}", STORAGE_FAULT_EXIT, exc)
+        if isinstance(exc, StorageError) or exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS):
+            where = "" if isinstance(exc, StorageError) or not exc.filename else f"{exc.filename}: "
+            stop(f"{where}{exc}", STORAGE_FAULT_EXIT, exc)
+        if isinstance(exc, PermissionError) and exc.filename:  # an input this user may not read
+            stop(f"{exc.filename}: {exc.strerror or exc}", INPUT_FAULT_EXIT, exc)
+        raise
     except RuntimeError as exc:  # torch.distributed reports a dead / hung peer as a RuntimeError from gloo / NCCL
         text = str(exc)
         if not any(marker in text for marker in _PEER_FAILURE):
@@ -123,6 +126,10 @@ def _serve_args(parser: argparse.ArgumentParser) -> None:
                         help="questions per encoder batch, summed over coalesced requests")
     parser.add_argument("--max-wait-ms", type=float, default=defaults.max_wait_ms,
                         help="how long a batch waits for further requests")
+    parser.add_argument("--request-timeout", type=float, default=defaults.request_timeout_s, metavar="SECONDS",
+                        help="a request's headers must arrive within this many seconds of their first byte (or of "
+                             "the connection opening), its body within this many seconds of its headers (else 408); "
+                             "the connection is then closed")
     parser.add_argument("--log-level", default="info")
 
 
@@ -146,8 +153,10 @@ def main(argv: Optional[list[str]] = None) -> None:
             for name in ("max_queries", "max_query_chars", "max_k", "max_batch_queries", "port"):
                 if getattr(args, name) < 1:
                     parser.error(f"--{name.replace('_', '-')} must be at least 1")
+            if not args.request_timeout > 0:
+                parser.error("--request-timeout must be > 0")
             limits = ServeLimits(args.max_queries, args.max_query_chars, args.max_k, args.max_batch_queries,
-                                 args.max_wait_ms)
+                                 args.max_wait_ms, args.request_timeout)
             serve(args.export, args.host, args.port, limits, args.device, args.log_level)
 
 

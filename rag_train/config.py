@@ -112,8 +112,13 @@ class DataConfig:
     dev: list[str] = field(default_factory=list)  # evaluation files; metrics are keyed by their stem
     max_train_examples: Optional[int] = None
     max_eval_examples: Optional[int] = None
+    # QA answers that normalise to nothing or to punctuation only ("The", "a", "—"): an empty prediction would score
+    # EM 1 against them. warn: keep them, say how many and which; drop: remove them (and questions left without an
+    # answer), saying so; error: refuse the file
+    empty_answers: str = "warn"
 
     def __post_init__(self) -> None:
+        check_choice("data", "empty_answers", self.empty_answers, ("warn", "drop", "error"))
         check_positive("data", "toy_passages", self.toy_passages)
         check_positive("data", "toy_seed", self.toy_seed, allow_zero=True)
         check_positive("data", "max_train_examples", self.max_train_examples)

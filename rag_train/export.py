@@ -30,7 +30,7 @@ from rag_train.buffer.embed import embed_rows
 from rag_train.data.corpus import Corpus
 from rag_train.data.errors import DataError
 from rag_train.io import (CorruptFileError, atomic_directory, atomic_open, atomic_write_json, atomic_write_text,
-                          folder_checksums, read_json, verify_checksums)
+                          folder_checksums, read_json, state_bytes, verify_checksums)
 from rag_train.models.retriever import META_FILE, DualEncoder
 from rag_train.run_corpus import check_run_corpus, recorded_corpus
 
@@ -238,6 +238,18 @@ def _export_onnx(model: DualEncoder, folders: dict[str, str], out: Path) -> dict
     return {role: result[folder] for role, folder in folders.items()}
 
 
+def _export_bytes(model: DualEncoder, corpus: Optional[Corpus], faiss: bool, onnx: bool, copy_corpus: bool) -> int:
+    """About what an export takes on disk (towers, ONNX copies, a flat index and ids, the copied corpus): the space
+    a full disk is reported against."""
+    towers = state_bytes(model.query_encoder, None if model.shared_towers else model.passage_encoder)
+    size = towers * (2 if onnx else 1) + 2**20
+    if corpus is not None and faiss:
+        size += len(corpus) * (model.dim * 4 + 64)
+    if corpus is not None and copy_corpus:
+        size += Path(corpus.path).stat().st_size
+    return size
+
+
 def export_retriever(run_dir: str | Path, out_dir: str | Path, faiss_factory: Optional[str] = None,
                      onnx: bool = False, corpus: Optional[str] = None, copy_corpus: bool = False,
                      nprobe: int = 32, batch_size: int = 256, overwrite: bool = False) -> dict:
@@ -257,8 +269,9 @@ def export_retriever(run_dir: str | Path, out_dir: str | Path, faiss_factory: Op
     meta = {"dim": model.dim, "max_query_length": model.max_query_length,
             "max_passage_length": model.max_passage_length, "fingerprint": model.fingerprint()}
     keys, headline = _summary(config, metrics)
+    needed = _export_bytes(model, corpus_store, faiss_factory is not None, onnx, copy_corpus)
 
-    with atomic_directory(out_dir) as tmp:
+    with atomic_directory(out_dir, "writing the export", needed=needed) as tmp:
         folders = _write_towers(model, tmp, meta, keys, headline)
         manifest = {"format_version": EXPORT_FORMAT_VERSION, "source_run": str(run_dir.resolve()),
                     "shared_towers": model.shared_towers, "towers": folders, "passage_format": PASSAGE_FORMAT,

@@ -6,7 +6,14 @@ for more, encodes the batch and searches the FAISS index in a worker thread, the
 with its own slice. Passage titles and texts are read by row from the corpus named in the export.
 
 Bad requests get a 4xx whose `detail` names the field or the problem and never echoes the body: the body is
-read here with its size limit enforced while it streams, then parsed and validated (see docs/serving.md).
+read here with its size limit enforced while it streams, then parsed and validated (see docs/serving.md). The
+limits that matter are on the parsed request (questions, characters per question); the byte limit only stops
+bodies no request within them could need, even with every character \\u-escaped.
+
+Slow and stalled clients cannot hold the server: a request's headers must be complete within `request_timeout_s`
+of their first byte (or of the connection opening) and its body within `request_timeout_s` of its headers (408),
+else the connection is closed (`TimedH11Protocol`); an answer given before the body was read (413, 408, 415)
+says `Connection: close` and the connection is closed, nothing more of the body is read.
 """
 
 import asyncio
@@ -35,11 +42,16 @@ class ServeLimits:
     max_k: int = 100  # passages per question
     max_batch_queries: int = 128  # questions per encoder batch (several requests)
     max_wait_ms: float = 5.0  # how long a batch waits for more requests once the queue is empty
+    # a request's headers must be complete within this many seconds of their first byte (or of the connection
+    # opening), its body within this many seconds of its headers (else 408); the connection is then closed
+    request_timeout_s: float = 10.0
 
     @property
     def max_body_bytes(self) -> int:
-        """Largest request body worth parsing (4 bytes per character plus JSON overhead)."""
-        return self.max_queries * (4 * self.max_query_chars + 8) + 1024
+        """Largest request body worth reading: `max_queries` questions of `max_query_chars` characters, each
+        character \\u-escaped (12 bytes for one outside the BMP, a surrogate pair), plus JSON punctuation. The
+        limits themselves apply to the parsed request, in characters."""
+        return self.max_queries * (12 * self.max_query_chars + 16) + 1024
 
 
 class ExportedRetriever:
@@ -168,6 +180,29 @@ def _valid_unicode(text: Any) -> Any:
     return text
 
 
+class HugeInteger:
+    """A JSON integer with more digits than Python converts (`sys.get_int_max_str_digits()`, 4300 by default):
+    kept as its digit count, so that validation names the field it was sent in (422) instead of the parser failing
+    (500)."""
+
+    def __init__(self, digits: int):
+        self.digits = digits
+
+
+_MAX_INT_DIGITS = 4300  # Python's default limit; converting is quadratic, and no field needs more than a few digits
+
+
+def _parse_int(text: str) -> Any:
+    digits = len(text) - text.startswith("-")
+    return HugeInteger(digits) if digits > _MAX_INT_DIGITS else int(text)
+
+
+def _not_huge(value: Any) -> Any:
+    if isinstance(value, HugeInteger):
+        raise ValueError(f"an integer of {value.digits} digits is out of range")
+    return value
+
+
 def _request_model(limits: ServeLimits, rows: int) -> type[BaseModel]:
     """The POST /search body, with this server's limits (pydantic answers 422 naming the field)."""
     query = Annotated[str, StringConstraints(strip_whitespace=True, min_length=1, max_length=limits.max_query_chars),
@@ -176,16 +211,17 @@ def _request_model(limits: ServeLimits, rows: int) -> type[BaseModel]:
         "SearchRequest",
         __config__=ConfigDict(extra="forbid", strict=True),
         queries=(Annotated[list[query], Field(min_length=1, max_length=limits.max_queries)], ...),
-        k=(Annotated[int, Field(ge=1, le=min(limits.max_k, rows))], 10),
+        k=(Annotated[int, Field(ge=1, le=min(limits.max_k, rows)), BeforeValidator(_not_huge)], 10),
     )
 
 
 class BadRequest(Exception):
     """A request answered with `status` and a `detail` that names the problem (never the request's content)."""
 
-    def __init__(self, status: int, detail: Any):
+    def __init__(self, status: int, detail: Any, close: bool = False):
         super().__init__(status)
         self.status, self.detail = status, detail
+        self.close = close  # answered before the body was read: `Connection: close`, nothing more is read
 
 
 def _not_json_constant(name: str) -> Any:
@@ -201,21 +237,33 @@ async def read_json_body(request: Any, limits: ServeLimits) -> Any:
         media, _, params = content_type.partition(";")
         media = media.strip().lower()
         if media != "application/json" and not media.endswith("+json"):
-            raise BadRequest(415, f"Content-Type {media[:100]!r} is not JSON; send the body as application/json")
+            raise BadRequest(415, f"Content-Type {media[:100]!r} is not JSON; send the body as application/json",
+                             close=True)
         for param in params.split(";"):
             name, _, value = param.partition("=")
             if name.strip().lower() == "charset" and value.strip().strip('"').lower() not in ("utf-8", "utf8"):
-                raise BadRequest(415, f"Content-Type charset {value.strip()[:50]!r}: the body must be UTF-8 JSON")
-    too_large = (f"request body larger than this server accepts ({limits.max_body_bytes} bytes: at most "
-                 f"{limits.max_queries} queries of {limits.max_query_chars} characters)")
+                raise BadRequest(415, f"Content-Type charset {value.strip()[:50]!r}: the body must be UTF-8 JSON",
+                                 close=True)
+    too_large = (f"request body larger than this server reads ({limits.max_body_bytes} bytes, room for "
+                 f"{limits.max_queries} questions of {limits.max_query_chars} characters even with every character "
+                 "\\u-escaped; the limits are on the parsed request: questions per request, characters per question)")
     length = request.headers.get("content-length")
     if length is not None and (not length.isdigit() or int(length) > limits.max_body_bytes):
-        raise BadRequest(413, f"Content-Length {length[:30]}: {too_large}")
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limits.max_body_bytes:
-            raise BadRequest(413, too_large)
+        raise BadRequest(413, f"Content-Length {length[:30]}: {too_large}", close=True)
+
+    async def read() -> bytearray:
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limits.max_body_bytes:
+                raise BadRequest(413, too_large, close=True)
+        return body
+
+    try:
+        body = await asyncio.wait_for(read(), limits.request_timeout_s)
+    except asyncio.TimeoutError:
+        raise BadRequest(408, f"the request body did not arrive within {limits.request_timeout_s:g} s of its headers "
+                              "(--request-timeout); the connection is closed", close=True) from None
     if not body:
         raise BadRequest(400, 'empty body; send JSON such as {"queries": ["a question"], "k": 10}')
     try:
@@ -223,7 +271,7 @@ async def read_json_body(request: Any, limits: ServeLimits) -> Any:
     except UnicodeDecodeError as exc:
         raise BadRequest(400, f"body is not valid UTF-8: byte {exc.start} (0x{body[exc.start]:02x}) {exc.reason}") from None
     try:
-        return json.loads(text, parse_constant=_not_json_constant)
+        return json.loads(text, parse_constant=_not_json_constant, parse_int=_parse_int)
     except json.JSONDecodeError as exc:
         raise BadRequest(400, f"body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
     except RecursionError:
@@ -240,11 +288,13 @@ def validation_detail(errors: Any) -> list[dict]:
         return [{"loc": ["body"], "msg": "the body does not match the request schema", "type": "value_error"}]
 
 
-def _json_response(status: int, content: Any):
-    """JSONResponse that cannot fail: ASCII-escaped, so lone surrogates in a message are escaped, not raised."""
+def _json_response(status: int, content: Any, close: bool = False):
+    """JSONResponse that cannot fail: ASCII-escaped, so lone surrogates in a message are escaped, not raised.
+    `close`: tell the client the connection ends with this answer (its body was not read)."""
     from fastapi.responses import Response
 
-    return Response(json.dumps(content, ensure_ascii=True), status_code=status, media_type="application/json")
+    return Response(json.dumps(content, ensure_ascii=True), status_code=status, media_type="application/json",
+                    headers={"connection": "close"} if close else None)
 
 
 def create_app(export_dir: str | Path, limits: ServeLimits = ServeLimits(), device: str = "cpu"):
@@ -284,7 +334,8 @@ def create_app(export_dir: str | Path, limits: ServeLimits = ServeLimits(), devi
                 "index": retriever.manifest["faiss"]["factory"], "batches": batcher.batches,
                 "requests": batcher.requests, "queries": batcher.queries,
                 "limits": {"max_queries": limits.max_queries, "max_query_chars": limits.max_query_chars,
-                           "max_k": min(limits.max_k, retriever.rows)}}
+                           "max_k": min(limits.max_k, retriever.rows), "max_body_bytes": limits.max_body_bytes,
+                           "request_timeout_s": limits.request_timeout_s}}
 
     # The body is read and parsed here, not by FastAPI: its reader takes any body whole (no size limit) and its
     # errors echo the input back.
@@ -294,7 +345,7 @@ def create_app(export_dir: str | Path, limits: ServeLimits = ServeLimits(), devi
         try:
             body = SearchRequest.model_validate(await read_json_body(request, limits))
         except BadRequest as exc:
-            return _json_response(exc.status, {"detail": exc.detail})
+            return _json_response(exc.status, {"detail": exc.detail}, close=exc.close)
         except ValidationError as exc:
             return _json_response(422, {"detail": validation_detail(exc.errors(include_input=False))})
         return {"results": await state["batcher"].submit(body.queries, body.k)}
@@ -313,7 +364,62 @@ def serve(export_dir: str | Path, host: str = "127.0.0.1", port: int = 8000, lim
     # handler a normal exit, so a service manager sees exit code 0 for a clean stop (not -15).
     signal.signal(signal.SIGTERM, _exit_cleanly)
     app = create_app(export_dir, limits, device)
-    uvicorn.run(app, host=host, port=port, log_level=log_level)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, http=timed_protocol(limits.request_timeout_s))
+
+
+def timed_protocol(timeout_s: float) -> type:
+    """uvicorn's h11 protocol with a deadline for a request's headers and no reading of a body nobody will read.
+
+    uvicorn closes an idle kept-alive connection after `timeout_keep_alive` (5 s), but a connection that sends
+    nothing, or sends its headers a byte at a time, is held forever: here its headers must be complete within
+    `timeout_s` of the connection opening or of their first byte, else it is closed (the body's deadline is the
+    app's, `read_json_body`: 408). An answer sent before the request's body arrived in full (413, 408, 415, 404)
+    closes the connection: the rest of the body is never read."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class TimedH11Protocol(H11Protocol):
+        headers_timer: Optional[asyncio.TimerHandle] = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self.transport.is_closing():
+                self._disarm()
+            elif self.conn.their_state is h11.IDLE:  # a request's headers (the first or a later one) are incomplete
+                self._arm()
+            else:
+                self._disarm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing() and self.conn.their_state is h11.SEND_BODY:
+                getattr(self, "_unset_keepalive_if_required", lambda: None)()  # uvicorn's keep-alive timer
+                self.transport.close()  # answered before the body arrived: nothing more of it is read
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            if self.headers_timer is None:
+                self.headers_timer = self.loop.call_later(timeout_s, self._headers_timed_out)
+
+        def _disarm(self) -> None:
+            if self.headers_timer is not None:
+                self.headers_timer.cancel()
+                self.headers_timer = None
+
+        def _headers_timed_out(self) -> None:
+            self.headers_timer = None
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                log.info("closing a connection whose request headers did not arrive within %g s", timeout_s)
+                self.transport.close()
+
+    return TimedH11Protocol
 
 
 def _exit_cleanly(signum, frame) -> None:

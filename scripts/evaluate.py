@@ -55,7 +55,8 @@ def main() -> None:
         check_run_corpus(run, corpus, f"{run / 'config.yaml'}: data", {"buffer": {"path": cfg.buffer.path}})
     except DataError as exc:
         sys.exit(f"error: {exc}")
-    sets = {dataset_name(p): load_qa(p, corpus=corpus, limit=args.limit) for p in (args.data or files.dev)}
+    sets = {dataset_name(p): load_qa(p, corpus=corpus, limit=args.limit, empty_answers=cfg.data.empty_answers)
+            for p in (args.data or files.dev)}
 
     retriever = DualEncoder.load(run / "retriever").to(accelerator.device)
     reader = FiDReader.from_pretrained(run / "reader").to(accelerator.device)

@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -66,7 +67,21 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> None:
+    from rag_train.cli import exit_on_fault
+
     args = parse_args(argv)
+    with exit_on_fault():  # a damaged metrics.json (2), a full disk or read-only folder (5): one `error:` line
+        try:
+            reproduce(args, argv)
+        except subprocess.CalledProcessError as exc:  # a run failed: it printed its own `error:` line above
+            status = exc.returncode if exc.returncode in (2, 3, 4, 5) else 1
+            out = next((a.split("=", 1)[1] for a in exc.cmd if str(a).startswith("train.output_dir=")), "?")
+            print(f"error: the run in {out} failed with exit status {exc.returncode} (its own error is above); "
+                  "scripts/reproduce.py resumes it when run again", file=sys.stderr, flush=True)
+            raise SystemExit(status) from None
+
+
+def reproduce(args: argparse.Namespace, argv) -> None:
     started, load_before = time.time(), os.getloadavg()
     plan = Plan(args.runs, args.budget, args.seeds, args.hidden, args.out)
     if not args.report_only:

@@ -143,6 +143,65 @@ def test_not_a_dataset_folder_a_datasetdict_and_a_broken_parquet(tmp_path):
         Corpus.open(tmp_path / "broken.parquet")
 
 
+def damage_saved_dataset(folder: Path, damage: str) -> tuple[Path, str]:
+    """Damage a datasets.save_to_disk folder as a copy cut short or half-deleted would; (file named, message)."""
+    arrow = next(folder.glob("*.arrow"))
+    state = folder / "state.json"
+    if damage == "truncated-arrow":
+        arrow.write_bytes(arrow.read_bytes()[: arrow.stat().st_size // 2])
+        return arrow, "cannot be read .*a truncated or damaged datasets.save_to_disk folder"
+    if damage == "missing-arrow":
+        arrow.unlink()
+        return arrow, f"missing \\(listed in {state}\\)"
+    if damage == "missing-state":
+        state.unlink()
+        return state, f"missing, though {folder} holds {arrow.name}.*a damaged datasets.save_to_disk folder"
+    state.write_bytes(state.read_bytes()[:10])  # truncated-state
+    return state, "field '_data_files': not readable"
+
+
+DAMAGES = ["truncated-arrow", "missing-arrow", "missing-state", "truncated-state"]
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_a_damaged_saved_dataset_is_named_as_corpus_and_as_qa_set(tmp_path, damage):
+    """Issue 32: a datasets.save_to_disk folder cut short (truncated Arrow file, state.json or an Arrow file missing,
+    state.json truncated), as passages or as a QA / retrieval dev set: a DataError naming the file at fault (was an
+    OSError / json error from inside datasets or pyarrow), and no corpus index left behind."""
+    from rag_train.eval.retrieval import load_eval_set
+
+    reference = Corpus.open(FIXTURES / "passages.jsonl", cache_dir=tmp_path / "cache")
+    corpus = _save(tmp_path, "corpus", _columns(_records(FIXTURES / "passages.jsonl"), "id"), "datasets")
+    qa = _save(tmp_path, "qa", {"question": ["q1", "q2"], "answers": [["a"], ["b"]]}, "datasets")
+    for folder in (corpus, qa):
+        where, message = damage_saved_dataset(folder, damage)
+        calls = [lambda: Corpus.open(folder)] if folder == corpus else [lambda: load_qa(folder),
+                                                                        lambda: load_eval_set(folder, reference)]
+        for call in calls:
+            with pytest.raises(DataError, match=f"^{where}: {message}"):
+                call()
+    assert not corpus.with_name(corpus.name + ".index").exists()
+
+
+def test_a_damaged_saved_dataset_through_a_recipe_exits_2(tmp_path, recipe_toy_dir, capsys):
+    """The same as `data.passages` of a run and through the entry scripts' fault handling: exit status 2 and one
+    line naming the file, nothing written into the run directory."""
+    from rag_train.cli import exit_on_fault
+    from test_faults import config, data_overrides
+    from rag_train.train.retriever import train_retriever
+
+    corpus = _save(tmp_path, "corpus", _columns(_records(recipe_toy_dir / "passages.jsonl"), "id"), "datasets")
+    where, _ = damage_saved_dataset(corpus, "truncated-arrow")
+    out = tmp_path / "run"
+    cfg = config(recipe_toy_dir, out, **data_overrides(recipe_toy_dir, corpus, recipe_toy_dir / "retrieval-train.jsonl"))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as caught:
+        with exit_on_fault():
+            train_retriever(cfg)
+    err = capsys.readouterr().err
+    assert caught.value.code == 2 and err.count("\n") == 1 and err.startswith(f"error: {where}: cannot be read"), err
+
+
 @pytest.mark.parametrize("fmt", ["parquet", "datasets"])
 def test_qa_sets_from_tables_equal_jsonl(tmp_path, fmt):
     source = FIXTURES / "qa" / "qa.jsonl"

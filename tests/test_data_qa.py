@@ -2,6 +2,7 @@
 file / line / field, gold ids are checked against the corpus, and the hub path fails fast offline."""
 
 import http.server
+import json
 import socket
 import threading
 import time
@@ -169,3 +170,58 @@ def test_hub_rows_are_normalised(monkeypatch):
     with pytest.raises(DataError, match=r"hotpot_qa: datasets.load_dataset\('hotpotqa/hotpot_qa', 'fullwiki', "
                                         r"split='dev'\) failed \(ValueError: Unknown split 'dev'\); provide a local"):
         load_qa("hotpot_qa", split="dev")
+
+
+def _degenerate_file(tmp_path: Path) -> Path:
+    path = tmp_path / "qa.jsonl"
+    records = [{"question": "q1", "answers": ["The Beatles", "The"]},  # one good, one empty once normalised
+               {"question": "q2", "answers": ["a"]},  # only an empty one: the question cannot be scored
+               {"question": "q3", "answers": ["Paris"]},
+               {"question": "q4", "answers": ["\u2014", "..."]}]  # punctuation only
+    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    return path
+
+
+def test_answers_that_normalise_to_nothing_are_reported_by_policy(tmp_path, caplog):
+    """Issue 32: answers SQuAD's normalisation empties ("The", "a") or leaves as punctuation ("—", "..."), against
+    which an empty prediction would score EM 1, are never taken silently: data.empty_answers=warn (the default)
+    keeps them and logs the count and the first ones with their lines, drop removes them (and q2, left with no
+    answer), error refuses the file naming the same."""
+    from rag_train.eval.metrics import exact_match
+
+    path = _degenerate_file(tmp_path)
+    assert exact_match("", ["The"]) == 1.0  # why: the empty prediction "matches"
+    with caplog.at_level("WARNING", logger="rag_train.data.qa"):
+        kept = load_qa(path)
+    assert [ex.answers for ex in kept] == [["The Beatles", "The"], ["a"], ["Paris"], ["\u2014", "..."]]
+    said = caplog.text
+    assert (f"{path}: 4 answer(s) of 3 question(s) normalise to nothing" in said
+            and f"{path}:1: 'The', {path}:2: 'a', {path}:4: '\u2014', {path}:4: '...'" in said
+            and "data.empty_answers=drop" in said), said
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="rag_train.data.qa"):
+        dropped = load_qa(path, empty_answers="drop")
+    assert [(ex.question, ex.answers) for ex in dropped] == [("q1", ["The Beatles"]), ("q3", ["Paris"])]
+    assert "Removed (data.empty_answers=drop), and with them 2 question(s) that had no other answer" in caplog.text
+    with pytest.raises(DataError, match=f"^{path}: 4 answer\\(s\\) of 3 question\\(s\\) normalise to nothing .*"
+                                        "e.g. .*qa.jsonl:1: 'The'.*set data.empty_answers=drop"):
+        load_qa(path, empty_answers="error")
+
+
+def test_the_empty_answer_policy_is_a_config_key(tmp_path, recipe_toy_dir):
+    """data.empty_answers is validated with the config and reaches the recipe's loaders: an RLM run on such a
+    training file with data.empty_answers=error stops before any work, naming the file."""
+    from rag_train.config import ConfigError, DataConfig, load_config
+    from rag_train.train.rlm import train_rlm
+    from rag_train.train.schema import RLMConfig
+
+    with pytest.raises(ConfigError, match=r"data.empty_answers='sometimes' is not one of \['warn', 'drop', 'error'\]"):
+        DataConfig(empty_answers="sometimes")
+    train = _degenerate_file(tmp_path)
+    out = tmp_path / "run"
+    cfg = load_config(RLMConfig, Path(__file__).parents[1] / "configs" / "toy" / "rlm.yaml",
+                      [f"data.toy_dir={recipe_toy_dir}", "data.toy_passages=300", f"data.train={train}",
+                       "data.empty_answers=error", f"train.output_dir={out}", "train.tracker=null"])
+    with pytest.raises(DataError, match=f"^{train}: 4 answer"):
+        train_rlm(cfg)
+    assert not out.exists()  # nothing written is left (issue 32, item 8): the corrected rerun is not refused

@@ -489,11 +489,14 @@ def test_corrector_fault_leaves_the_encoder_update_bitwise_unchanged():
     (RuntimeError("an unrelated bug"), None),
     (StorageError("writing checkpoint step-00000002 into /run/checkpoints/.tmp-step-00000002 failed"), 5),
     (OSError(errno.ENOSPC, "No space left on device", "/run/metrics.json"), 5),
+    (OSError(errno.EROFS, "Read-only file system", "/run/metrics.json"), 5),
+    (PermissionError(errno.EACCES, "Permission denied", "/data/passages.jsonl"), 2),  # an input it may not read
     (FileNotFoundError(errno.ENOENT, "No such file or directory", "/x"), None),
 ])
 def test_entry_scripts_map_faults_to_exit_status(capsys, error, status):
     """What scripts/train_*.py do with a fault raised inside training: one `error:` line and a status
-    (2 input, 3 numerical stop, 4 dead / hung peer, 5 no space); anything else keeps its traceback."""
+    (2 input, 3 numerical stop, 4 dead / hung peer, 5 a write failed: no space or read-only); anything else keeps its
+    traceback. (Writes this package makes raise StorageError; a bare PermissionError is an input it may not read.)"""
     from rag_train.cli import exit_on_fault
 
     with pytest.raises(SystemExit if status else type(error)) as caught:

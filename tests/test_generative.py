@@ -245,32 +245,43 @@ def test_real_data_config_fails_clearly_offline(monkeypatch, tmp_path):
 
 @pytest.mark.slow
 def test_async_run_resumes_to_the_uninterrupted_weights(recipe_toy_dir, tmp_path):
-    """ASYNC rebuilds the CE every 2 steps; 4 steps + resume to 6 ends on the same weights and the same CE table as
-    6 steps in one go (the checkpoint's CE pointer, the step-indexed data order and the rebuild schedule)."""
+    """ASYNC rebuilds the CE every 2 steps; a run killed after its step-4 checkpoint and resumed ends on the same
+    weights and the same CE table as 6 steps in one go (the checkpoint's CE pointer, the step-indexed data order
+    and the rebuild schedule), and with the same metrics.json `history` and `ce_builds` (issue 32: the history was
+    [] after a resume and the builds before it were lost)."""
+    import shutil
+
     from safetensors.torch import load_file
 
     from rag_train.config import load_config
     from rag_train.generative.config import GenerativeConfig
     from rag_train.train.generative import train_generative
 
-    def run(name, steps, resume=False):
+    def run(name, resume=False):
         cfg = load_config(GenerativeConfig, None, [
             f"data.toy_dir={recipe_toy_dir}", "data.toy_passages=300", "data.max_train_examples=64",
             "data.max_eval_examples=4", "generator.tiny.d_model=32", "generator.tiny.d_ff=64",
             "generator.tiny.num_heads=4", "generator.tiny.num_layers=1", "generator.tiny.num_decoder_layers=1",
             "targets.context_length=24", "np.variant=async", "np.clusters_per_token=2", "np.rebuild_every_epochs=0.25",
-            f"train.steps={steps}", "train.batch_size=8", "train.tracker=null", f"train.resume={str(resume).lower()}",
-            f"train.output_dir={tmp_path / name}", "eval.num_beams=2", "eval.recall_at=[1]"])
+            "train.steps=6", "train.batch_size=8", "train.tracker=null", f"train.resume={str(resume).lower()}",
+            f"train.output_dir={tmp_path / name}", "eval.num_beams=2", "eval.recall_at=[1]", "train.eval_every=2",
+            "train.save_every=2"])
         return train_generative(cfg)
 
-    whole = run("whole", 6)
-    run("split", 4)
-    resumed = run("split", 6, resume=True)
+    whole = run("whole")
+    killed = tmp_path / "killed"  # as if killed after the step-4 checkpoint
+    # its CE tables are left behind: the resumed run rebuilds the step-4 one (the checkpoint points at the step-2 one)
+    shutil.copytree(tmp_path / "whole", killed,
+                    ignore=shutil.ignore_patterns("step-00000006", "generator", "metrics.json", "ce"))
+    resumed = run("killed", resume=True)
     assert [b["step"] for b in whole["ce_builds"]] == [0, 2, 4]
-    assert [b["step"] for b in resumed["ce_builds"]] == [4, 4]  # the checkpoint's table, then the step-4 rebuild
-    assert Path(whole["ce_builds"][-1]["directory"]).name == Path(resumed["ce_builds"][-1]["directory"]).name
+    assert [b["step"] for b in resumed["ce_builds"]] == [0, 2, 4]  # the checkpoint's table is not counted again
+    assert [Path(b["directory"]).name for b in resumed["ce_builds"]] == [Path(b["directory"]).name
+                                                                         for b in whole["ce_builds"]]
+    assert [h["step"] for h in whole["history"]] == [0, 2, 4] and resumed["history"] == whole["history"]
+    assert json.loads((killed / "metrics.json").read_text())["history"] == whole["history"]
     a = load_file(str(tmp_path / "whole" / "generator" / "model.safetensors"))
-    b = load_file(str(tmp_path / "split" / "generator" / "model.safetensors"))
+    b = load_file(str(killed / "generator" / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 

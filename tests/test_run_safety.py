@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import resource
 import shutil
 import signal
@@ -83,6 +84,25 @@ def test_a_finished_or_partial_run_is_never_overwritten(recipe_toy_dir, tmp_path
         train_retriever(config(recipe_toy_dir, out, **{"train.resume": "true", "train.overwrite": "true"}))
     metrics = train_retriever(config(recipe_toy_dir, out, **{"train.overwrite": "true"}))
     same_as(out, metrics, finished)
+
+
+def test_a_run_stopped_by_bad_input_does_not_refuse_the_corrected_rerun(recipe_toy_dir, tmp_path):
+    """Issue 32: a fresh run that stops on bad input (an unknown passage id in its training file, found after it
+    wrote config.yaml and corpus.json) takes them back: the folder holds no state worth keeping, and the corrected
+    command in the same folder runs without train.overwrite (it was refused as "already holds a run")."""
+    from rag_train.data.errors import DataError
+    from test_faults import bad_data, data_overrides
+
+    passages, train, where, field = bad_data(recipe_toy_dir, tmp_path / "data", "missing-passage")
+    out = tmp_path / "run"
+    for made_by_the_user in (False, True):
+        if made_by_the_user:
+            out.mkdir()
+        with pytest.raises(DataError, match=re.escape(field)):
+            train_retriever(config(recipe_toy_dir, out, **data_overrides(recipe_toy_dir, passages, train)))
+        assert (out.is_dir() and not list(out.iterdir())) if made_by_the_user else not out.exists()
+    metrics = train_retriever(config(recipe_toy_dir, out, **{"train.steps": 2, "train.eval_every": 0}))
+    assert metrics["steps"] == 2 and (out / "metrics.json").is_file()
 
 
 def test_resume_refuses_a_config_that_changes_the_computation(recipe_toy_dir, tmp_path, finished):
@@ -169,6 +189,112 @@ def test_a_full_disk_during_a_checkpoint_is_named(recipe_toy_dir, tmp_path):
     assert_unfinished(out)
 
 
+def no_space_in(monkeypatch, marker: str) -> None:
+    """safetensors fails every file written under a path containing `marker` as it does on a full disk."""
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    real = safetensors.torch.serialize_file
+
+    def serialize_file(tensors, filename, *args, **kwargs):
+        if marker in str(filename):
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+        return real(tensors, filename, *args, **kwargs)
+
+    monkeypatch.setattr(safetensors.torch, "serialize_file", serialize_file)
+
+
+def exit_status(call, capsys) -> tuple[int, str]:
+    """What an entry script does with the fault `call()` raises: its exit status and stderr (rag_train.cli)."""
+    from rag_train.cli import exit_on_fault
+
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as caught:
+        with exit_on_fault():
+            call()
+    return caught.value.code, capsys.readouterr().err
+
+
+def test_a_full_disk_while_saving_the_final_retriever_exits_5_naming_it(recipe_toy_dir, tmp_path, finished, monkeypatch,
+                                                                         capsys):
+    """Issue 32: the retriever saved at the end of training hits a full disk (safetensors: SafetensorError, was a
+    traceback and exit 1): exit 5 with one line naming the folder and the space it needs, no half-written folder;
+    once there is space, train.resume=true finishes the run as the uninterrupted one."""
+    out = copy_run(finished, tmp_path / "run", killed=True)
+    no_space_in(monkeypatch, ".retriever.")
+    status, err = exit_status(lambda: train_retriever(config(recipe_toy_dir, out, **{"train.resume": "true"})), capsys)
+    assert status == 5, err
+    line = err.strip().splitlines()[-1]
+    assert line.startswith(f"error: saving the retriever to {out / 'retriever'} failed: no space left (Error while "
+                           "serializing: I/O error: No space left on device (os error 28)); it needs about "), line
+    assert "free on the filesystem of" in line and "train.resume=true" in line and "Traceback" not in err
+    assert not (out / "retriever").exists() and not list(out.glob(".retriever.*")), sorted(os.listdir(out))
+    assert_unfinished(out)
+    monkeypatch.undo()
+    same_as(out, train_retriever(config(recipe_toy_dir, out, **{"train.resume": "true"})), finished)
+
+
+def test_a_full_disk_during_export_exits_5_naming_the_export(tmp_path, finished):
+    """Issue 32: `rag-train export` on a disk that fills up (RLIMIT_FSIZE 64 KiB: the kernel refuses to grow the
+    weights file, safetensors raises SafetensorError 'File too large (os error 27)'): exit 5 and one line naming the
+    export folder and the space it needs (was a traceback, exit 1); nothing is left behind."""
+    run = tmp_path / "run"
+    shutil.copytree(finished[0], run, ignore=shutil.ignore_patterns("checkpoints", "buffer"))
+    out = tmp_path / "exports" / "export"
+
+    def small_files() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, resource.RLIM_INFINITY))
+
+    proc = subprocess.run([sys.executable, "-m", "rag_train.cli", "export", "--run", str(run), "--out", str(out)],
+                          env=env(), capture_output=True, text=True, timeout=240, preexec_fn=small_files)
+    assert proc.returncode == 5, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert lines[0].startswith(f"error: writing the export {out} failed: no space left (") and "os error 27" in lines[0]
+    assert "it needs about" in lines[0], lines[0]
+    assert not out.parent.exists() or not list(out.parent.iterdir()), list(out.parent.iterdir())
+
+
+def test_a_buffer_build_out_of_disk_names_the_shard_and_resumes(recipe_toy_dir, tmp_path, monkeypatch, capsys):
+    """Issue 32: the disk fills while shard 1 of the stale buffer is written (numpy's write fails with ENOSPC): the
+    error names the shard's path and the space the rest of the build needs (was `[Errno 28] No space left on
+    device`, no path), exit 5; shard 0 is intact and the next build reuses it."""
+    import errno as errnos
+
+    import numpy as np
+
+    import rag_train.buffer.store as store
+    from rag_train.buffer.build import build_buffer
+    from rag_train.data.corpus import Corpus
+    from rag_train.models.retriever import DualEncoder
+
+    cfg = config(recipe_toy_dir, tmp_path / "run")
+    model = DualEncoder.from_config(cfg.retriever, tokenizer=str(recipe_toy_dir / "tokenizer"))
+    corpus = Corpus.open(recipe_toy_dir / "passages.jsonl")
+    out = tmp_path / "buffer"
+    real, calls = np.save, [0]
+
+    def save(handle, array, **kwargs):
+        calls[0] += 1
+        if calls[0] == 2:
+            handle.write(b"\x93NUMPY")  # a few bytes, then the disk is full
+            raise OSError(errnos.ENOSPC, "No space left on device")
+        return real(handle, array, **kwargs)
+
+    monkeypatch.setattr(store.np, "save", save)
+    status, err = exit_status(lambda: build_buffer(model, corpus, out, batch_size=64, shard_rows=128), capsys)
+    assert status == 5, err
+    line = err.strip().splitlines()[-1]
+    assert line.startswith(f"error: writing {out / 'shard-00001.npy'} failed: no space left ([Errno 28] No space left "
+                           "on device); it needs about "), line
+    assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "shard-00000.json", "shard-00000.npy"]
+    monkeypatch.undo()
+    built = build_buffer(model, corpus, out, batch_size=64, shard_rows=128)
+    assert built.rows == len(corpus)
+    built.verify()
+
+
 def test_leftovers_of_killed_writers_are_removed_on_resume(recipe_toy_dir, tmp_path, finished):
     out = copy_run(finished, tmp_path / "run", killed=True)
     leftovers = [out / "checkpoints" / ".latest.json.k2j3h4g5.tmp", out / ".metrics.json.a1b2c3d4.tmp"]
@@ -206,6 +332,29 @@ def test_a_killed_export_is_cleaned_up_and_saved_folders_get_the_usual_modes(tmp
     os.umask(umask)
     for folder in (out, out / "query", finished[0] / "retriever", finished[0] / "checkpoints" / "step-00000006"):
         assert stat.S_IMODE(folder.stat().st_mode) == 0o777 & ~umask, folder
+
+
+def test_exported_and_saved_files_follow_the_umask(tmp_path, finished):
+    """Issue 32: every file of an export, of the saved retriever and of a checkpoint gets 0666 & ~umask, like the
+    other files of a run (safetensors >= 0.8 writes through a private temporary file: model.safetensors was 0600,
+    unreadable by the serving user or the operator's group)."""
+    from rag_train.export import export_retriever
+
+    run = tmp_path / "run"
+    shutil.copytree(finished[0], run, ignore=shutil.ignore_patterns("buffer"))
+    shutil.rmtree(run / "retriever")
+    from rag_train.models.retriever import DualEncoder
+
+    DualEncoder.load(finished[0] / "retriever").save(run / "retriever")
+    export_retriever(run, tmp_path / "export")
+    umask = os.umask(0)
+    os.umask(umask)
+    folders = [tmp_path / "export", run / "retriever", finished[0] / "checkpoints" / "step-00000006"]
+    files = [p for folder in folders for p in folder.rglob("*") if p.is_file()]
+    assert any(p.name == "model.safetensors" for p in files)
+    wrong = {str(p): oct(stat.S_IMODE(p.stat().st_mode)) for p in files
+             if stat.S_IMODE(p.stat().st_mode) != 0o666 & ~umask}
+    assert not wrong, wrong
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 import ast
 import asyncio
+import json
 import select
 import signal
 import socket
@@ -22,6 +23,7 @@ from rag_train.serve import MicroBatcher, ServeLimits, create_app, validation_de
 from test_export import _isolated_python, exported
 
 ROOT = Path(__file__).resolve().parents[1]
+REQUEST_TIMEOUT = 3  # the module server's --request-timeout (seconds; the default is 10)
 
 
 def _echo_batcher(max_batch_queries, sizes):
@@ -74,7 +76,8 @@ def server(tmp_path_factory, recipe_toy_dir):
                                              copy_corpus=True)
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "rag_train.cli", "serve", "--export", str(export_dir),
-                             "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"],  # default limits
+                             "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
+                             "--request-timeout", str(REQUEST_TIMEOUT)],  # default limits
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300  # startup imports torch, faiss and the model: slow on a busy machine
@@ -165,6 +168,26 @@ def test_error_table_covers_every_kind_of_answer(server):
     assert httpx.get(f"{server[0]}/search").status_code == 405
 
 
+@pytest.mark.parametrize("character", ["\u00e9", "\U0001F600"], ids=["e-acute", "outside-the-BMP"])
+def test_escaped_non_ascii_questions_within_the_limits_are_answered(server, character):
+    """Issue 32: 32 questions of 1,000 characters each, every character \\u-escaped as json.dumps writes it (6
+    bytes each, 12 for a surrogate pair: a 192 / 384 KB body for 32,000 characters) are within the limits, which are
+    on the parsed request, and answered (was 413, a limit on the escaped bytes); one character more in a question is
+    a 422 saying it counts characters."""
+    body = json.dumps({"queries": [character * 1000] * 32, "k": 1}).encode()
+    assert body.isascii() and len(body) > 190_000
+    response = httpx.post(f"{server[0]}/search", content=body, headers={"content-type": "application/json"},
+                          timeout=120)
+    assert response.status_code == 200, response.text[:500]
+    assert len(response.json()["results"]) == 32
+    too_long = json.dumps({"queries": [character * 1001]}).encode()
+    response = httpx.post(f"{server[0]}/search", content=too_long, headers={"content-type": "application/json"},
+                          timeout=30)
+    assert response.status_code == 422, response.text[:500]
+    assert response.json()["detail"][0]["loc"] == ["body", "queries", 0]
+    assert "at most 1000 characters" in response.json()["detail"][0]["msg"]
+
+
 def test_validation_detail_never_fails_and_never_echoes():
     errors = [{"loc": ("queries", 0), "msg": "bad", "type": "value_error", "input": "\ud800", "ctx": {"error": ValueError()}},
               {"loc": ("k",), "msg": "not int", "type": "int_type", "input": float("nan")}]
@@ -197,7 +220,7 @@ def test_an_oversized_streamed_body_is_not_read_past_the_limit(tmp_path_factory,
     asyncio.run(app(scope, receive, send))
     assert sent[0]["status"] == 413
     assert pulled[0] == limits.max_body_bytes // len(chunk) + 1  # stopped at the first chunk past the limit
-    assert b"larger than this server accepts" in sent[1]["body"] and len(sent[1]["body"]) < 1000
+    assert b"larger than this server reads" in sent[1]["body"] and len(sent[1]["body"]) < 1000
 
 
 def test_a_chunked_body_over_the_limit_is_cut_off_on_a_real_server(server):
@@ -227,8 +250,110 @@ def test_a_chunked_body_over_the_limit_is_cut_off_on_a_real_server(server):
         except ConnectionResetError:
             pass
     assert response.startswith(b"HTTP/1.1 413"), response[:300]
-    assert b"larger than this server accepts" in response and len(response) < 2000
+    assert b"larger than this server reads" in response and len(response) < 2000
     assert sent < total // 4, sent  # cut off early: the whole 96 MB was not read
+
+
+def test_a_chunked_gigabyte_gets_413_and_its_connection_closed(server):
+    """Issue 32: a client streams up to 1 GB chunked, without asking for the connection to be closed: the 413 says
+    `Connection: close` and the server closes the connection (docs/serving.md) instead of reading, and discarding,
+    the rest of the body while the client keeps sending."""
+    port = int(server[0].rsplit(":", 1)[1])
+    total, piece = 2**30, b"y" * 65536
+    frame = b"%x\r\n" % len(piece) + piece + b"\r\n"
+    sent, response, closed = 0, b"", False
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(b"POST /search HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n" + frame.replace(piece[:14], b'{"queries": ["', 1))
+        sent = len(piece)
+        try:
+            while sent < total and not select.select([sock], [], [], 0)[0]:
+                sock.sendall(frame)
+                sent += len(piece)
+            assert sent < total, "the server never answered"
+            while b"\r\n\r\n" not in response:  # the answer's head
+                response += sock.recv(65536)
+            # keep sending, as a client that does not read while it writes would, for up to 10 s: the server must
+            # have closed the connection (EOF or reset), not be reading the body on
+            deadline = time.monotonic() + 10
+            sock.settimeout(1)
+            while time.monotonic() < deadline and not closed:
+                if select.select([sock], [], [], 0)[0]:
+                    chunk = sock.recv(65536)
+                    response += chunk
+                    closed = not chunk
+                else:
+                    sock.sendall(frame)
+                    sent += len(piece)
+        except (BrokenPipeError, ConnectionResetError):
+            closed = True
+    head = response.split(b"\r\n\r\n")[0].lower()
+    assert head.startswith(b"http/1.1 413"), response[:300]
+    assert b"\r\nconnection: close" in head, head
+    assert closed and sent < total // 4, sent
+
+
+def test_stalled_clients_are_cut_off_and_do_not_delay_others(server):
+    """Issue 32 (slowloris, loopback only): 100 connections that stall inside their headers and 100 that send their
+    headers and stall inside the body. A healthy client is answered within its usual latency meanwhile, and after
+    --request-timeout every stalled connection is closed (the body stalls with a 408) instead of being held."""
+    import selectors
+
+    url = server[0]
+    port = int(url.rsplit(":", 1)[1])
+    body = {"queries": ["Who trained Bihe Ziturin?"], "k": 3}
+
+    def latencies(count: int = 5) -> list[float]:
+        out = []
+        with httpx.Client(base_url=url, timeout=30) as client:
+            for _ in range(count):
+                started = time.monotonic()
+                assert client.post("/search", json=body).status_code == 200
+                out.append(time.monotonic() - started)
+        return out
+
+    usual = latencies()
+    stalled = []
+    opened = time.monotonic()
+    for i in range(200):
+        sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+        if i % 2:
+            sock.sendall(b"POST /search HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: applica")  # headers cut off
+        else:
+            sock.sendall(b"POST /search HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 64\r\n\r\n{\"queries\": [")  # headers whole, the body cut off
+        stalled.append(sock)
+    try:
+        meanwhile = latencies()
+        assert max(meanwhile) < 5 * max(usual) + 1.0, (usual, meanwhile)
+        answers = {sock: b"" for sock in stalled}
+        selector = selectors.DefaultSelector()
+        for sock in stalled:
+            sock.setblocking(False)
+            selector.register(sock, selectors.EVENT_READ)
+        deadline = opened + REQUEST_TIMEOUT + 20
+        while selector.get_map() and time.monotonic() < deadline:
+            for key, _ in selector.select(timeout=1):
+                try:
+                    chunk = key.fileobj.recv(65536)
+                except ConnectionResetError:
+                    chunk = b""
+                answers[key.fileobj] += chunk
+                if not chunk:
+                    selector.unregister(key.fileobj)
+        elapsed = time.monotonic() - opened
+        assert not selector.get_map(), f"{len(selector.get_map())} of 200 stalled connections still open"
+        assert elapsed >= REQUEST_TIMEOUT - 0.5  # closed by the timeout, not at once
+        for i, sock in enumerate(stalled):
+            if i % 2:
+                assert answers[sock] == b"", answers[sock][:200]  # no request yet: nothing to answer
+            else:
+                assert answers[sock].startswith(b"HTTP/1.1 408"), answers[sock][:200]
+                assert b"within 3 s of its headers" in answers[sock]
+        assert latencies(1)[0] < 5 * max(usual) + 1.0  # and the server still answers
+    finally:
+        for sock in stalled:
+            sock.close()
 
 
 def doc_examples() -> dict[str, str]:

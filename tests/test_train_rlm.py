@@ -393,10 +393,14 @@ def test_a_finished_warm_start_stage_with_other_settings_is_refused(recipe_toy_d
 
 
 def test_resume_continues_as_if_uninterrupted(recipe_toy_dir, tmp_path):
+    """Same weights and EM; metrics.json's `corpus_passes` keeps the passes made before the resume (the stale
+    buffer build; issue 32: only those after it were listed)."""
     whole = rlm.train_rlm(config(recipe_toy_dir, tmp_path / "whole", "corrector", **{"train.save_every": 2}))
     rlm.train_rlm(config(recipe_toy_dir, tmp_path / "split", "corrector", steps=2))
     resumed = rlm.train_rlm(config(recipe_toy_dir, tmp_path / "split", "corrector", **{"train.resume": "true"}))
     assert resumed["steps"] == STEPS and resumed["em"] == whole["em"]
+    passes = [[(p["reason"], p["rows"]) for p in m["corpus_passes"]] for m in (whole, resumed)]
+    assert passes[0][0][0].startswith("stale buffer build") and passes[1] == passes[0], passes
     a, b = weights(tmp_path / "whole"), weights(tmp_path / "split")
     assert a.keys() == b.keys()
     for key in a:

@@ -23,7 +23,7 @@ from rag_train.buffer.store import (
     write_shard,
 )
 from rag_train.buffer.embed import CorpusPasses, embed_rows
-from rag_train.io import atomic_write_json, sha256_file
+from rag_train.io import atomic_write_json, remove_stale_temporaries, sha256_file, write_step
 
 logger = logging.getLogger(__name__)
 
@@ -129,6 +129,8 @@ def build_buffer(model, corpus, out_dir: Union[str, Path], batch_size: int = 256
         model.to(accelerator.device)
     model_fp, corpus_fp = vectors_fingerprint(model), corpus.fingerprint
     existing = _existing_buffer(out_dir, model_fp, corpus_fp, dtype, overwrite)
+    if existing is None and is_main:
+        remove_stale_temporaries(out_dir)  # a killed build's temporary files: no process writes yet
     if accelerator is not None:  # nobody writes before every process has checked: they all decide alike
         accelerator.wait_for_everyone()
     if existing is not None:
@@ -137,7 +139,8 @@ def build_buffer(model, corpus, out_dir: Union[str, Path], batch_size: int = 256
 
     plan = plan_shards(rows, shard_rows)
     planned = [_shard_record(i, s, e, model.dim, dtype, model_fp, corpus_fp) for i, (s, e) in enumerate(plan)]
-    out_dir.mkdir(parents=True, exist_ok=True)
+    with write_step("creating the buffer folder", out_dir):
+        out_dir.mkdir(parents=True, exist_ok=True)
     if is_main:
         atomic_write_json(out_dir / MANIFEST, manifest_dict(rows, model.dim, dtype, [], model_fp, corpus_fp,
                                                             complete=False, shard_rows=shard_rows))
@@ -153,12 +156,14 @@ def build_buffer(model, corpus, out_dir: Union[str, Path], batch_size: int = 256
     timed = passes.timed(f"stale buffer build{share}", progress.total) if passes and todo else contextlib.nullcontext()
     try:
         with torch.inference_mode(), timed:
-            for index in todo:
+            for position, index in enumerate(todo):
                 start, end = plan[index]
                 vectors = encode_rows(model, corpus, start, end, batch_size, on_batch=progress.update,
                                       num_workers=num_workers, batch_tokens=batch_tokens)
-                record = dict(planned[index], sha256=write_shard(out_dir / planned[index]["file"],
-                                                                 to_storage(vectors, dtype)))
+                stored = to_storage(vectors, dtype)
+                left = sum(plan[i][1] - plan[i][0] for i in todo[position:]) * stored.itemsize * model.dim
+                record = dict(planned[index], sha256=write_shard(out_dir / planned[index]["file"], stored,
+                                                                 needed=left + 128 * (len(todo) - position)))
                 atomic_write_json(_sidecar(out_dir, index), record)
     finally:
         model.train(was_training)

@@ -44,9 +44,10 @@ def to_storage(vectors: Union[torch.Tensor, np.ndarray], dtype: str) -> np.ndarr
     return tensor.numpy().view(STORAGE_DTYPES[dtype])
 
 
-def write_shard(path: Path, array: np.ndarray) -> str:
-    """Write one shard atomically; return its sha256."""
-    with atomic_open(path, "wb") as handle:
+def write_shard(path: Path, array: np.ndarray, needed: Optional[int] = None) -> str:
+    """Write one shard atomically; return its sha256. `needed`: the bytes a full disk is reported against (default
+    the shard's own)."""
+    with atomic_open(path, "wb", needed=needed or array.nbytes + 128) as handle:
         np.save(handle, array, allow_pickle=False)
     return sha256_file(path)
 

@@ -12,6 +12,7 @@ checked with the JSONL path's rules; errors name the file, the row (0-based, the
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 from dataclasses import dataclass
@@ -50,17 +51,54 @@ def source_stat(path: Path) -> SourceStat:
 
 
 def load_folder(path: Path):
-    """The memory-mapped `datasets.Dataset` saved in `path` (one split: a DatasetDict is refused, naming its splits)."""
+    """The memory-mapped `datasets.Dataset` saved in `path` (one split: a DatasetDict is refused, naming its splits).
+    A damaged folder (state.json missing or unreadable, an Arrow file missing or truncated) is a DataError naming
+    the file at fault, not an error from inside datasets / pyarrow."""
     import datasets
 
-    if not (path / "state.json").is_file() and not (path / "dataset_dict.json").is_file():
+    state = path / "state.json"
+    if not state.is_file() and not (path / "dataset_dict.json").is_file():
+        leftovers = sorted(p.name for p in path.glob("*.arrow")) + (["dataset_info.json"]
+                                                                    if (path / "dataset_info.json").is_file() else [])
+        if leftovers:  # the rest of a save_to_disk folder is there: it lost its state.json
+            raise data_error(state, None, None, f"missing, though {path} holds {', '.join(leftovers[:3])}: a damaged "
+                                                "datasets.save_to_disk folder; save the dataset again")
         raise data_error(path, None, None, "a folder must be a datasets.save_to_disk folder "
                                            "(state.json and data-*.arrow files)")
-    loaded = datasets.load_from_disk(str(path))  # memory-mapped Arrow
+    files: list[str] = []
+    if state.is_file():
+        try:
+            files = [entry["filename"] for entry in json.loads(state.read_bytes().decode("utf-8"))["_data_files"]]
+        except (UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
+            raise data_error(state, None, "_data_files", f"not readable ({type(exc).__name__}: {exc}): a damaged "
+                                                         "datasets.save_to_disk folder; save the dataset again") from None
+        for name in files:
+            if not (path / name).is_file():
+                raise data_error(path / name, None, None, f"missing (listed in {state}): a damaged "
+                                                          "datasets.save_to_disk folder; save the dataset again")
+    try:
+        loaded = datasets.load_from_disk(str(path))  # memory-mapped Arrow
+    except Exception as exc:  # pyarrow, json, datasets: all mean the folder cannot be read as saved
+        culprit = next((path / name for name in files if not _arrow_readable(path / name)), path)
+        cause = (str(exc).strip().splitlines() or [""])[0][:200]
+        raise data_error(culprit, None, None, f"cannot be read ({type(exc).__name__}: {cause}): a truncated or "
+                                              "damaged datasets.save_to_disk folder; save the dataset again") from None
     if isinstance(loaded, datasets.DatasetDict):
         raise data_error(path, None, None, f"a DatasetDict with splits {sorted(loaded)}; give one split's folder, "
                                            f"e.g. {path / next(iter(loaded))}")
     return loaded
+
+
+def _arrow_readable(path: Path) -> bool:
+    """Whether an Arrow stream file (as save_to_disk writes them) reads to its end."""
+    import pyarrow as pa
+
+    try:
+        with pa.memory_map(str(path)) as source:
+            pa.ipc.open_stream(source).read_all()
+        return True
+    except (pa.ArrowException, OSError, ValueError):
+        return False
 
 
 def open_dataset(path: Path, arrow_files: list[str], index_dir: Path):

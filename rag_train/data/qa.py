@@ -9,6 +9,7 @@ TriviaQA `"answer": {"value", "aliases"}` and `"question_id"`, HotPotQA `"answer
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 import urllib.error
@@ -30,6 +31,8 @@ HUB_DATASETS = {
     "hotpot_qa": ("hotpotqa/hotpot_qa", "fullwiki"),
 }
 _NETWORK_PROBE_SECONDS = 3.0
+EMPTY_ANSWER_POLICIES = ("warn", "drop", "error")  # data.empty_answers
+logger = logging.getLogger(__name__)
 _LOCAL_FORMAT = '{"question": "...", "answers": ["..."], "id": "..." (optional), "gold_ids": [...] (optional)}'
 
 
@@ -113,8 +116,10 @@ def _local_records(path: Path) -> Iterator[tuple[str | Path, Optional[int], str,
             yield path, line_no, f"line {line_no}", record
 
 
-def _load_local(path: Path, corpus: Optional[Corpus], limit: Optional[int]) -> list[QAExample]:
+def _load_local(path: Path, corpus: Optional[Corpus], limit: Optional[int],
+                empty_answers: str = "warn") -> list[QAExample]:
     examples: list[QAExample] = []
+    places: list[str] = []  # where each example is, for the empty-answer report
     referenced, seen = [], {}
     for where, line, label, record in _local_records(path):
         if limit is not None and len(examples) >= limit:
@@ -124,12 +129,55 @@ def _load_local(path: Path, corpus: Optional[Corpus], limit: Optional[int]) -> l
             raise data_error(where, line, "id", f"duplicate question id {example.id!r} (first on {seen[example.id]})")
         seen[example.id] = label
         examples.append(example)
+        places.append(f"{path}:{line}" if line is not None else str(where))
         referenced.extend((g, where, line, "gold_ids") for g in example.gold_ids)
     if not examples:
         raise data_error(path, None, None, "no QA examples (the file is empty)")
     if corpus is not None:
         check_ids_in_corpus(corpus, referenced)
-    return examples
+    return check_empty_answers(examples, places, path, empty_answers)
+
+
+def empty_answer(answer: str) -> bool:
+    """An answer that SQuAD's normalisation (`normalize_answer`: lower case, no articles, no ASCII punctuation)
+    leaves empty or without a letter or digit ("The", "a", "—"): an empty prediction would match it."""
+    from rag_train.eval.metrics import normalize_answer
+
+    return not any(ch.isalnum() for ch in normalize_answer(answer))
+
+
+def check_empty_answers(examples: list[QAExample], places: list[str], source: str | Path,
+                        policy: str = "warn") -> list[QAExample]:
+    """Apply `data.empty_answers` to the answers that normalise to nothing (`empty_answer`): `warn` keeps them and
+    logs how many and the first few; `drop` removes them, and the questions left without an answer, and logs it;
+    `error` raises a DataError with the count and the first few. Returns the examples to use."""
+    if policy not in EMPTY_ANSWER_POLICIES:
+        raise DataError(f"data.empty_answers={policy!r} is not one of {list(EMPTY_ANSWER_POLICIES)}")
+    found = [(place, answer) for example, place in zip(examples, places) for answer in example.answers
+             if empty_answer(answer)]
+    if not found:
+        return examples
+    questions = sum(any(empty_answer(a) for a in ex.answers) for ex in examples)
+    only = sum(all(empty_answer(a) for a in ex.answers) for ex in examples)
+    shown = ", ".join(f"{place}: {answer!r}" for place, answer in found[:5])
+    what = (f"{source}: {len(found)} answer(s) of {questions} question(s) normalise to nothing (SQuAD's normalisation "
+            f"drops articles and punctuation), e.g. {shown}; an empty prediction would score EM 1 against them")
+    if policy == "error":
+        raise DataError(f"{what}. Fix the file, or set data.empty_answers=drop (remove them) or warn (keep them)")
+    if policy == "warn":
+        logger.warning("%s. Kept (data.empty_answers=warn); set data.empty_answers=drop to remove them or error to "
+                       "refuse the file", what)
+        return examples
+    kept = []
+    for example in examples:
+        answers = [a for a in example.answers if not empty_answer(a)]
+        if answers:
+            kept.append(QAExample(example.question, answers, example.id, example.gold_ids))
+    logger.warning("%s. Removed (data.empty_answers=drop), and with them %d question(s) that had no other answer",
+                   what, only)
+    if not kept:
+        raise DataError(f"{what}; data.empty_answers=drop left no question")
+    return kept
 
 
 def _offline_reason(repo: str) -> Optional[str]:
@@ -160,7 +208,7 @@ def _offline_reason(repo: str) -> Optional[str]:
     return outcome[0] if outcome else f"no answer from {url} within {_NETWORK_PROBE_SECONDS:.0f}s"
 
 
-def _load_hub(name: str, split: str, limit: Optional[int]) -> list[QAExample]:
+def _load_hub(name: str, split: str, limit: Optional[int], empty_answers: str = "warn") -> list[QAExample]:
     repo, config = HUB_DATASETS[name]
     instead = f"provide a local JSONL file instead, one object a line: {_LOCAL_FORMAT}"
     reason = _offline_reason(repo)
@@ -175,21 +223,23 @@ def _load_hub(name: str, split: str, limit: Optional[int]) -> list[QAExample]:
                         f"({type(exc).__name__}: {exc}); {instead}") from exc
     count = len(rows) if limit is None else min(limit, len(rows))
     source = f"{name}[{split}]"
-    return [qa_example_from_record(rows[i], source, i + 1, default_id=f"{name}-{split}-{i}")
-            for i in tqdm(range(count), desc=f"reading {source}", disable=count < 10_000)]
+    examples = [qa_example_from_record(rows[i], source, i + 1, default_id=f"{name}-{split}-{i}")
+                for i in tqdm(range(count), desc=f"reading {source}", disable=count < 10_000)]
+    return check_empty_answers(examples, [f"{source}:{i + 1}" for i in range(count)], source, empty_answers)
 
 
 def load_qa(source: str | Path, split: Optional[str] = None, corpus: Optional[Corpus] = None,
-            limit: Optional[int] = None) -> list[QAExample]:
+            limit: Optional[int] = None, empty_answers: str = "warn") -> list[QAExample]:
     """QA examples from a local JSONL file, parquet file or `datasets.save_to_disk` folder (same fields,
     one record a row), or a hub name (`nq_open`, `trivia_qa`, `hotpot_qa`; split
-    defaults to `train`). With `corpus`, every gold passage id must be in it."""
+    defaults to `train`). With `corpus`, every gold passage id must be in it. Answers that normalise to nothing
+    are kept with a warning, dropped or refused by `empty_answers` (`data.empty_answers`: `check_empty_answers`)."""
     if limit is not None and limit <= 0:
         raise DataError(f"{source}: limit must be > 0, got {limit}")
     path = Path(source)
     if path.is_file() or path.is_dir():
-        return _load_local(path, corpus, limit)
+        return _load_local(path, corpus, limit, empty_answers)
     if str(source) in HUB_DATASETS:
-        return _load_hub(str(source), split or "train", limit)
+        return _load_hub(str(source), split or "train", limit, empty_answers)
     raise DataError(f"{source}: not a file and not one of the hub names {sorted(HUB_DATASETS)}; "
                     f"expected a JSONL file, one object a line: {_LOCAL_FORMAT}")

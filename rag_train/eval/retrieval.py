@@ -49,15 +49,17 @@ class EvalSet:
             seen.add(qid)
 
 
-def load_eval_set(source: str | Path, corpus: Corpus, limit: Optional[int] = None) -> EvalSet:
+def load_eval_set(source: str | Path, corpus: Corpus, limit: Optional[int] = None,
+                  empty_answers: str = "warn") -> EvalSet:
     """A retrieval evaluation set from any supported file: a supervised set (DPR with positive_ctxs, MS MARCO
     or BEIR judgements: recall / MRR / nDCG / MAP, and answer recall where answers are given) or a plain QA
     set (`{question, answers}` JSONL / parquet / datasets folder, e.g. NQ-open test: answer recall)."""
     path = Path(source)
     first = next(read_jsonl(path), (0, {}))[1] if path.suffix.lower() == ".jsonl" and path.is_file() else None
     plain_qa = first is not None and "positive_ctxs" not in first
-    if plain_qa or path.suffix.lower() == ".parquet" or (path / "state.json").is_file():
-        examples = load_qa(path, corpus=corpus, limit=limit)
+    saved_dataset = path.is_dir() and ((path / "state.json").is_file() or any(path.glob("*.arrow")))
+    if plain_qa or path.suffix.lower() == ".parquet" or saved_dataset:  # a damaged datasets folder is named there
+        examples = load_qa(path, corpus=corpus, limit=limit, empty_answers=empty_answers)
         return EvalSet([e.question for e in examples], [e.id for e in examples],
                        [dict.fromkeys(e.gold_ids, 1) for e in examples], [e.answers for e in examples])
     examples = load_retrieval(path, corpus=corpus, limit=limit)

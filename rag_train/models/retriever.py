@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from rag_train.config import ConfigError, RetrieverConfig
-from rag_train.io import atomic_directory, atomic_write_json, folder_checksums, read_json, verify_checksums
+from rag_train.io import (atomic_directory, atomic_write_json, folder_checksums, read_json, state_bytes,
+                          verify_checksums)
 
 SAVE_FORMAT_VERSION = 1
 META_FILE = "dual_encoder.json"
@@ -212,9 +213,11 @@ class DualEncoder(nn.Module):
     def save(self, directory: Union[str, Path]) -> None:
         """Write `query/` + `passage/` (or `shared/`) sentence-transformers folders and dual_encoder.json.
 
-        Written into a temporary sibling and swapped in, so an existing save is never half-overwritten.
+        Written into a temporary sibling and swapped in, so an existing save is never half-overwritten; a full
+        disk or a read-only folder raises StorageError naming `directory` and the space the save needs.
         """
-        with atomic_directory(directory) as tmp:
+        needed = state_bytes(self.query_encoder, None if self.shared_towers else self.passage_encoder) + 2**20
+        with atomic_directory(directory, "saving the retriever to", needed=needed) as tmp:
             towers = {"shared": self.query_encoder} if self.shared_towers else {
                 "query": self.query_encoder, "passage": self.passage_encoder}
             for name, tower in towers.items():

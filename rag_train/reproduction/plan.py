@@ -16,7 +16,7 @@ from rag_train.strategies import reads
 from rag_train.train.lm_pretrain import LMPretrainConfig, pretrain_toy_lm
 from rag_train.train.schema import RetrieverTrainConfig
 from rag_train.experiments import run_once
-from rag_train.io import atomic_write_json
+from rag_train.io import atomic_write_json, read_json, remove_temporaries_of
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository: its configs/ and scripts/
 RETRIEVER_CONFIG = ROOT / "configs" / "toy" / "retriever.yaml"
@@ -82,8 +82,9 @@ class Run:
     overrides: list[str] = field(default_factory=list)
 
     def metrics(self) -> Optional[dict]:
+        """The finished run's metrics.json (CorruptFileError naming it when it is truncated or corrupt), else None."""
         path = self.out / "metrics.json"
-        return json.loads(path.read_text()) if path.is_file() else None
+        return read_json(path) if path.is_file() else None
 
     def execute(self, threads: Optional[int] = None) -> dict:
         return run_once(ROOT / "scripts" / self.script, self.config, self.out, self.overrides, threads=threads)
@@ -207,17 +208,17 @@ class Plan:
             "table1": {i: {s: found([self.table1(i, s, seed) for seed in self.seeds]) for s in TABLE1} for i in INITS},
             "table3": {s: found([self.table3(s, seed) for seed in self.seeds]) for s in TABLE3},
             "ablation": {h: found([self.ablation(h, seed) for seed in self.seeds]) for h in self.hidden},
-            "synthetic": json.loads(synthetic.read_text()) if synthetic.is_file() else None,
+            "synthetic": read_json(synthetic) if synthetic.is_file() else None,
         }
 
     def invocations(self) -> list[dict]:
         """The log of earlier invocations that ran sections into this folder (the report lists their commands)."""
         log = self.runs / INVOCATIONS
-        return json.loads(log.read_text()) if log.is_file() else []
+        return read_json(log) if log.is_file() else []
 
     def log_invocation(self, entry: dict) -> None:
         """Appends to the log as read now, not at start: another invocation may have appended meanwhile."""
         invocations = self.invocations()
         invocations.append(entry)
-        self.runs.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(self.runs / INVOCATIONS, invocations)
+        remove_temporaries_of(self.runs / INVOCATIONS)  # a killed invocation's, not a running one's: writes take ms
+        atomic_write_json(self.runs / INVOCATIONS, invocations)  # makes the folder

@@ -25,10 +25,14 @@ def _axes(ncols: int, width: float = 4.6):
 
 
 def _save(plt, fig, path: Path) -> str:
-    path.parent.mkdir(parents=True, exist_ok=True)
+    from rag_train.io import atomic_open
+
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        with atomic_open(path, "wb") as handle:  # a full disk or read-only folder: StorageError naming the file
+            fig.savefig(handle, dpi=110, format="png")
+    finally:
+        plt.close(fig)
     return path.name
 
 

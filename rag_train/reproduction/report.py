@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from rag_train.experiments import cell, mean_std
+from rag_train.io import atomic_write_text, remove_temporaries_of
 from rag_train.reproduction.metrics import (DATASET_LABELS, DATASETS, em_curve, mean_em, mean_of, recall,
                                            retrieval_curve, seed_mean_curve)
 from rag_train.reproduction.plan import CURVES, INIT_LABELS, INITS, RLM_CURVES, TABLE1, TABLE3
@@ -348,6 +349,9 @@ def invocation_table(invocations: list[dict]) -> list[str]:
 def write_report(results: dict, meta: dict, out: Path) -> Path:
     """docs/reproduction.md (+ figures/reproduction/*.png) from collected metrics; returns the markdown path."""
     figures = out / "figures" / "reproduction"
+    for name in ("table1_recall.png", "table3_em.png", "ablation_hidden.png", "curves.png"):  # a killed report's
+        remove_temporaries_of(figures / name)
+    remove_temporaries_of(out / "reproduction.md")
     references = {s: results["table1"]["random"].get(s) or [] for s in ("stale", "exhaustive")}
     plots = {
         "table1": plot_table1(results["table1"], figures / "table1_recall.png"),
@@ -496,8 +500,7 @@ def write_report(results: dict, meta: dict, out: Path) -> Path:
     else:
         lines += ["_(not run: `--only synthetic`)_", ""]
     path = out / "reproduction.md"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(lines).rstrip() + "\n")
+    atomic_write_text(path, "\n".join(lines).rstrip() + "\n")  # StorageError naming it on a full disk
     return path
 
 

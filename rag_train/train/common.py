@@ -8,6 +8,8 @@ of processes, each process takes its contiguous slice of it, and resuming needs 
 
 from __future__ import annotations
 
+import errno
+import functools
 import hashlib
 import math
 import os
@@ -24,10 +26,12 @@ from accelerate.utils import id_tensor_storage, set_seed
 
 from rag_train.buffer.embed import CorpusPasses
 from rag_train.config import ConfigError, save_config, to_yaml
-from rag_train.io import (CorruptFileError, StorageError, atomic_write_json, folder_checksums, fsync_tree, read_json,
-                          remove_stale_temporaries, sha256_file, verify_checksums)
+from rag_train.io import (CorruptFileError, StorageError, atomic_write_json, errno_of, folder_checksums, free_space,
+                          fsync_tree, read_json, remove_stale_temporaries, sha256_file, size_text, state_bytes,
+                          tree_size, usual_modes, verify_checksums, write_fault, write_step)
 from rag_train.launch import make_accelerator
-from rag_train.train.run_dir import CHECKPOINTS, CONFIG_FILE, LOGS, claim_directory, remove_previous_run
+from rag_train.train.run_dir import (CHECKPOINTS, CONFIG_FILE, CORPUS_RECORD, LOGS, RUN_OUTPUTS, claim_directory,
+                                    remove_previous_run)
 from rag_train.train.trainable import check_deepspeed_config, deepspeed_stage
 
 LATEST = "latest.json"  # informative pointer; the newest complete step-* folder is what resumes
@@ -144,22 +148,45 @@ class TrainingRun:
         set_seed(cfg.train.seed, device_specific=False)
         self.guard = NonFiniteGuard(cfg.train.max_bad_steps)  # the recipe sets aux_max_loss from its strategy
         self.history: list[dict] = []  # evaluations during training; checkpointed, so resuming keeps it
-        self.totals: dict[str, list[float]] = {}  # per-step values a recipe averages at the end; checkpointed too
+        self.totals: dict[str, list] = {}  # per-step values / records a recipe reports at the end; checkpointed too
         self.model: Optional[torch.nn.Module] = None  # the prepared module (`prepare`)
         self.passes = CorpusPasses(self.accelerator.print)  # whole-corpus embedding passes, for metrics.json
         self.started = time.time()
         self.accelerator.register_save_state_pre_hook(drop_tied_aliases)
         claim_directory(cfg, self.dir)  # every process reads; nothing is written before all of them have looked
+        # what was there before this run, so that a run stopped by bad input can take back what it wrote (`release`)
+        self.fresh = cfg.train.overwrite or not any((self.dir / name).exists() for name in RUN_OUTPUTS)
+        self.made = {name: not (self.dir / name).exists() for name in (".", LOGS, CORPUS_RECORD)}
+        _OPENED.append(self)
         self.accelerator.wait_for_everyone()
         if self.accelerator.is_main_process:
             if cfg.train.overwrite:
                 remove_previous_run(self.dir)
             self._tidy_checkpoints()
-            self.dir.mkdir(parents=True, exist_ok=True)
+            with write_step("creating the run directory", self.dir):
+                self.dir.mkdir(parents=True, exist_ok=True)
             save_config(cfg, self.dir / CONFIG_FILE)
         self.accelerator.wait_for_everyone()
         if cfg.train.tracker:
             self.accelerator.init_trackers(project, config=_flat_config(cfg))
+
+    def release(self) -> None:
+        """After a stop on bad input (`releases_on_input_fault`): a run that started in a directory holding no run
+        and wrote nothing worth keeping (its only run output is the config.yaml it wrote) takes back config.yaml,
+        corpus.json and logs/, and the directory if it made it, so the corrected command runs in the same folder
+        instead of being refused as another run. Anything else (a buffer, checkpoints, warm starts) is kept."""
+        if not self.fresh or not self.accelerator.is_main_process or not self.dir.is_dir():
+            return
+        if [name for name in RUN_OUTPUTS if (self.dir / name).exists()] != [CONFIG_FILE]:
+            return
+        (self.dir / CONFIG_FILE).unlink()
+        if self.made[CORPUS_RECORD]:
+            (self.dir / CORPUS_RECORD).unlink(missing_ok=True)
+        if self.made[LOGS]:
+            shutil.rmtree(self.dir / LOGS, ignore_errors=True)
+        remove_stale_temporaries(self.dir)
+        if self.made["."] and not any(self.dir.iterdir()):
+            self.dir.rmdir()
 
     # -- agreement between processes ----------------------------------------------------------------
 
@@ -234,8 +261,7 @@ class TrainingRun:
         never arrived is put back; temporary folders of unfinished saves and temporary files are removed."""
         root = self.dir / CHECKPOINTS
         if not root.is_dir():
-            if self.dir.is_dir():
-                remove_stale_temporaries(self.dir)
+            remove_stale_temporaries(self.dir, recursive=True)  # a killed buffer build's, evaluation's, save's
             return
         for old in root.glob(".old-step-*"):
             final = root / old.name[len(".old-"):]
@@ -245,8 +271,7 @@ class TrainingRun:
                 os.replace(old, final)
         for tmp in root.glob(".tmp-step-*"):
             shutil.rmtree(tmp, ignore_errors=True)
-        remove_stale_temporaries(root)  # e.g. `.latest.json.*.tmp` of a write a kill interrupted
-        remove_stale_temporaries(self.dir)
+        remove_stale_temporaries(self.dir, recursive=True)  # e.g. `.latest.json.*.tmp` of a write a kill interrupted
 
     def checkpoints(self) -> list[Path]:
         """Finished checkpoints, oldest first. A folder only gets its `step-*` name once complete (it is
@@ -279,9 +304,10 @@ class TrainingRun:
         if self.accelerator.is_main_process:
             with self._write_failure(final, tmp):
                 atomic_write_json(tmp / TRAINER_STATE, {"guard": self.guard.state_dict(), "history": self.history,
-                                                        "totals": self.totals})
+                                                        "totals": self.totals, "corpus_passes": self.passes.records})
                 atomic_write_json(tmp / STEP_FILE, {"step": step})
                 atomic_write_json(tmp / CHECKSUMS, {"step": step, "files": folder_checksums(tmp, exclude=(CHECKSUMS,))})
+                usual_modes(tmp)  # safetensors writes 0600 files
                 fsync_tree(tmp)
             old = root / f".old-{final.name}"
             if final.exists():  # re-saving a step (a resumed run that had finished): swap, never delete first
@@ -297,27 +323,33 @@ class TrainingRun:
 
     @contextmanager
     def _write_failure(self, final: Path, tmp: Path) -> Iterator[None]:
-        """A write into checkpoint folder `tmp` that fails (a full disk or quota surfaces from torch as
-        `RuntimeError: [enforce fail at inline_container.cc]`, from safetensors as `SafetensorError`) becomes
-        a StorageError naming the folder, the filesystem and its free space; the half-written folder is
-        removed, the previous checkpoint is left as it was."""
+        """A write into checkpoint folder `tmp` that fails for lack of space or permission (a full disk or quota
+        surfaces from torch as `RuntimeError: [enforce fail at inline_container.cc]`, from safetensors as
+        `SafetensorError ... (os error 28)`) becomes a StorageError naming the folder, the space a checkpoint
+        needs (the previous one's size, else the trained weights and optimizer state), the filesystem and its free
+        space; the half-written folder is removed, the previous checkpoint is left as it was."""
         try:
             yield
         except Exception as exc:
-            text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            written = isinstance(exc, OSError) or type(exc).__name__ == "SafetensorError" or (
-                isinstance(exc, RuntimeError) and any(m in str(exc) for m in ("inline_container", "PytorchStreamWriter",
-                                                                               "write failed", "No space left")))
-            if not written:
+            if not write_fault(exc):
                 raise
-            shutil.rmtree(tmp, ignore_errors=True)
-            free = shutil.disk_usage(self.dir).free
+            text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             previous = self.latest_checkpoint()
-            raise StorageError(
-                f"writing checkpoint {final.name} into {tmp} failed: {text[:300]}. {free / 2**20:.1f} MiB are free on "
-                f"the filesystem of {self.dir} (a full disk or quota is the usual cause). The unfinished folder was "
-                f"removed; {'the previous checkpoint ' + str(previous) + ' is intact' if previous else 'no earlier checkpoint exists'} "
-                "(free space, then train.resume=true).") from exc
+            needed = tree_size(previous) if previous is not None else (
+                3 * state_bytes(self.model) if self.model is not None else None)
+            place, free = free_space(self.dir)
+            shutil.rmtree(tmp, ignore_errors=True)
+            if write_fault(exc) == "permission":
+                why = f"not writable: {place} is on a read-only filesystem or this user may not write there"
+            else:
+                why = (f"it needs about {size_text(needed)}, {free / 2**20 if free is not None else float('nan'):.1f} "
+                       f"MiB are free on the filesystem of {self.dir} (a full disk or quota is the usual cause)")
+            error = StorageError(
+                f"writing checkpoint {final.name} into {tmp} failed: {text[:300]}. {why[0].upper() + why[1:]}. The "
+                f"unfinished folder was removed; {'the previous checkpoint ' + str(previous) + ' is intact' if previous else 'no earlier checkpoint exists'} "
+                "(free space, then train.resume=true).")
+            error.errno = errno_of(exc) or (errno.ENOSPC if write_fault(exc) == "space" else errno.EACCES)
+            raise error from exc
 
     def verify_checkpoint(self, path: Path) -> None:
         """CorruptFileError naming the first file of checkpoint `path` that is missing, truncated or altered."""
@@ -348,6 +380,9 @@ class TrainingRun:
         self.history[:] = state["history"]
         for key, values in state["totals"].items():
             self.totals.setdefault(key, [])[:] = values
+        # the corpus passes made before the checkpoint, then those this process made before loading it (a resumed
+        # buffer build, the warm start's recall): metrics.json lists every pass the run is known to have made
+        self.passes.records[:0] = state.get("corpus_passes", [])
         step = int(read_json(path / STEP_FILE)["step"])
         self.guard.calls = step
         self.accelerator.print(f"resumed from {path} at step {step}")
@@ -390,6 +425,38 @@ def drop_tied_aliases(models: list, weights: list[dict], output_dir: str) -> Non
                 del state[name]
             else:
                 kept.add(storage)
+
+
+_OPENED: list[TrainingRun] = []  # runs opened by the recipe calls in progress (`releases_on_input_fault`)
+
+
+def releases_on_input_fault(recipe: Callable) -> Callable:
+    """Decorator for a recipe's entry function: when it stops on bad input (what entry scripts exit 2 for: config,
+    data, buffer, checkpoint, model path), the runs it opened `release` what they wrote if that is nothing worth
+    keeping, so a corrected rerun into the same folder is not refused. Any other stop leaves the run as it is."""
+    @functools.wraps(recipe)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        mark = len(_OPENED)
+        try:
+            return recipe(*args, **kwargs)
+        except Exception as exc:
+            if is_input_fault(exc):
+                for run in reversed(_OPENED[mark:]):
+                    run.release()
+            raise
+        finally:
+            del _OPENED[mark:]
+
+    return wrapped
+
+
+def is_input_fault(exc: BaseException) -> bool:
+    """A fault of the input (exit status 2 in the entry scripts), not of the machine or the numbers."""
+    from rag_train.buffer.store import BufferError
+    from rag_train.data.errors import DataError
+    from rag_train.models.reader import ReaderLoadError
+
+    return isinstance(exc, (ConfigError, DataError, BufferError, CorruptFileError, ReaderLoadError))
 
 
 def _flat_config(cfg: Any) -> dict[str, Any]:
@@ -525,9 +592,10 @@ def _deepspeed_step(accelerator: Accelerator, loss: torch.Tensor, guard: NonFini
 
 def save_pretrained_atomic(directory: Path, *objects: Any) -> None:
     """`save_pretrained` of each object (model, tokenizer) into one folder, written beside and swapped in."""
-    from rag_train.io import atomic_directory
+    from rag_train.io import atomic_directory, state_bytes
 
-    with atomic_directory(directory) as tmp:
+    needed = state_bytes(*(obj for obj in objects if isinstance(obj, torch.nn.Module))) + 2**20
+    with atomic_directory(directory, "saving", needed=needed) as tmp:
         for obj in objects:
             obj.save_pretrained(str(tmp))
 

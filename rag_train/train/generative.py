@@ -37,7 +37,7 @@ from rag_train.generative.trie import Trie
 from rag_train.io import atomic_write_json, read_json
 from rag_train.data.tokenizer import load_tokenizer
 from rag_train.train.common import (TrainingRun, global_batch, linear_warmup, local_slice, optimizer_step,
-                                    save_pretrained_atomic)
+                                    releases_on_input_fault, save_pretrained_atomic)
 from rag_train.train.trainable import Trainable
 
 CE_POINTER = "ce.json"  # in a checkpoint / the saved generator: which stored CE table goes with the weights
@@ -111,6 +111,7 @@ def _examples(path: str, corpus: Corpus, targets: Targets, limit: Optional[int])
     return [ex.question for ex in examples], [targets.gold(corpus, ex) for ex in examples]
 
 
+@releases_on_input_fault
 def train_generative(cfg: GenerativeConfig) -> dict:
     run = TrainingRun(cfg, "generative")
     acc = run.accelerator
@@ -142,24 +143,29 @@ def train_generative(cfg: GenerativeConfig) -> dict:
     total = contrastive + cfg.train.steps
     epoch_steps = max(1, len(train_questions) // cfg.train.batch_size)
     rebuild_every = max(1, round(cfg.np.rebuild_every_epochs * epoch_steps)) if cfg.np.variant == "async" else 0
-    ce_builds = []
+    ce_builds = run.totals.setdefault("ce_builds", [])  # checkpointed with the run: a resumed run keeps the earlier ones
 
-    def use_table(table: CETable) -> OutputSpace:
+    def use_table(table: CETable, record: bool = True) -> OutputSpace:
         generator.set_ce(table.vectors, table.row_token, cfg.np.decoder_inputs)
-        ce_builds.append({"step": step, "directory": str(table.directory), "rows": len(table.vectors)})
+        if record:
+            ce_builds.append({"step": step, "directory": str(table.directory), "rows": len(table.vectors)})
         return OutputSpace.np_decoding(table, eos)
 
     if not cfg.np.enabled:
         space = OutputSpace.vanilla(targets, eos)
-    elif step:  # resuming: the table the checkpoint was trained with
+    elif step:  # resuming: the table the checkpoint was trained with (recorded in ce_builds when it was built)
         pointer = read_json(run.latest_checkpoint() / CE_POINTER)
-        space = use_table(load_ce_table(Path(pointer["directory"]), targets_fingerprint=targets.fingerprint))
+        inside = pointer.get("in_run")  # a table in the run's own folder is found there, wherever the run moved
+        directory = run.dir / inside if inside and (run.dir / inside).is_dir() else Path(pointer["directory"])
+        space = use_table(load_ce_table(directory, targets_fingerprint=targets.fingerprint), record=False)
     else:
         space = use_table(ensure_ce(run, generator, targets, corpus, tokenizer, cfg))
 
     def save_pointer(folder: Path) -> None:
         if acc.is_main_process and space.table is not None:
-            atomic_write_json(folder / CE_POINTER, {"directory": str(space.table.directory)})
+            table = Path(space.table.directory).resolve()
+            inside = table.relative_to(run.dir.resolve()).as_posix() if run.dir.resolve() in table.parents else None
+            atomic_write_json(folder / CE_POINTER, {"directory": str(space.table.directory), "in_run": inside})
 
     def evaluate() -> dict:
         """Each process beam-searches its share of every dev set; the rankings are gathered."""
@@ -173,7 +179,7 @@ def train_generative(cfg: GenerativeConfig) -> dict:
             out[name] = ranking_metrics(ranked, gold, cfg.eval.recall_at)
         return out
 
-    history = []
+    history = run.history  # restored by run.resume(), checkpointed by run.save()
     if cfg.train.eval_every and step == 0:
         history.append({"step": 0, **evaluate()})
     started, first_step = time.time(), step
@@ -217,7 +223,7 @@ def train_generative(cfg: GenerativeConfig) -> dict:
     main = next(iter(final.values()))
     metrics = {"r_precision": main["r_precision"], "recall": main["recall"], "datasets": final,
                "decoding": f"np-{cfg.np.variant}" if cfg.np.enabled else "vanilla", "targets": len(targets),
-               "ce_rows": len(space.table.vectors) if space.table is not None else None, "ce_builds": ce_builds,
+               "ce_rows": len(space.table.vectors) if space.table is not None else None, "ce_builds": list(ce_builds),
                "steps": step, "steps_per_second": (step - first_step) / train_seconds if step > first_step else None,
                "history": history}
     run.log(_flat({"step": step, **final}), step)

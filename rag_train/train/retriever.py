@@ -35,12 +35,14 @@ from rag_train.models.retriever import DualEncoder
 from rag_train.strategies import REGISTRY, StrategyContext, build_strategy
 from rag_train.train.batching import MicroBatch, StepParts, check_batching, tower_grad_norms
 from rag_train.train.schema import RetrieverTrainConfig
-from rag_train.train.common import TrainingRun, global_batch, linear_warmup, local_slice, optimizer_step
+from rag_train.train.common import (TrainingRun, global_batch, linear_warmup, local_slice, optimizer_step,
+                                    releases_on_input_fault)
 from rag_train.train.memory import PeakMemory
 from rag_train.train.trainable import Trainable, deepspeed_stage, full_weights, save_parts
 from rag_train.train.passages import ensure_buffer
 
 
+@releases_on_input_fault
 def train_retriever(cfg: RetrieverTrainConfig, final_eval: bool = True) -> dict:
     """Algorithm 1. `final_eval=False` skips the closing corpus pass (the RLM's warm start: its dev recall
     comes from the stale buffer, which is this retriever's embedding of the corpus)."""
@@ -59,7 +61,8 @@ def train_retriever(cfg: RetrieverTrainConfig, final_eval: bool = True) -> dict:
         acc.print(f"warning: eval.recall_at={k} is larger than the corpus {corpus.path} ({len(corpus)} passages): "
                   f"recall@{k} is reported over the whole corpus (= recall@{len(corpus)})")
     train_set = [ex for path in files.train for ex in load_retrieval(path, corpus=corpus)][: cfg.data.max_train_examples]
-    dev_sets = {dataset_name(p): load_eval_set(p, corpus, limit=cfg.data.max_eval_examples) for p in files.dev}
+    dev_sets = {dataset_name(p): load_eval_set(p, corpus, limit=cfg.data.max_eval_examples,
+                                               empty_answers=cfg.data.empty_answers) for p in files.dev}
 
     model = DualEncoder.from_config(cfg.retriever, tokenizer=cfg.retriever.tokenizer or files.tokenizer)
     buffer_dir = ensure_buffer(run, cfg.buffer, model, corpus) if REGISTRY[cfg.strategy.name].needs_buffer else None

@@ -46,7 +46,7 @@ from rag_train.data.tokenizer import load_tokenizer
 from rag_train.strategies import REGISTRY, StrategyContext, build_strategy
 from rag_train.train.schema import RLMConfig
 from rag_train.train.common import (TrainingRun, global_batch, linear_warmup, local_slice, optimizer_step,
-                                    save_pretrained_atomic, seed_stage)
+                                    releases_on_input_fault, save_pretrained_atomic, seed_stage)
 from rag_train.train.gate import RetrieverGate
 from rag_train.train.trainable import Trainable, full_weights, save_parts
 from rag_train.train.passages import ensure_buffer
@@ -104,8 +104,11 @@ class RLMRecipe:
                              {"retriever.model": cfg.retriever.model, "reader.model": cfg.reader.model})
         corpus = Corpus.open(files.passages)
         self.run.check_corpus(corpus)  # k <= corpus size, same corpus on every process: before any long work
-        self.train_set = [ex for path in files.train for ex in load_qa(path, corpus=corpus)][: cfg.data.max_train_examples]
-        self.dev_sets = {dataset_name(p): load_qa(p, corpus=corpus, limit=cfg.data.max_eval_examples) for p in files.dev}
+        policy = cfg.data.empty_answers
+        self.train_set = [ex for path in files.train for ex in load_qa(path, corpus=corpus, empty_answers=policy)
+                          ][: cfg.data.max_train_examples]
+        self.dev_sets = {dataset_name(p): load_qa(p, corpus=corpus, limit=cfg.data.max_eval_examples,
+                                                  empty_answers=policy) for p in files.dev}
         tokenizer = load_tokenizer(cfg.reader.tokenizer or files.tokenizer)
 
         # The stale buffer is the warm-started retriever's embedding of the corpus: built once, it also gives that
@@ -339,6 +342,7 @@ class RLMRecipe:
         return result
 
 
+@releases_on_input_fault
 def train_rlm(cfg: RLMConfig) -> dict:
     """Run the recipe end to end; returns what metrics.json holds."""
     recipe = RLMRecipe(cfg)

@@ -26,7 +26,8 @@ from rag_train.data.corpus import Corpus
 from rag_train.data.qa import QAExample
 from rag_train.data.sources import DataFiles
 from rag_train.eval.retrieval import rank_passages
-from rag_train.io import atomic_directory, atomic_write_json
+from rag_train.io import (CorruptFileError, atomic_directory, atomic_write_json, folder_checksums, read_json,
+                          state_bytes, verify_checksums)
 from rag_train.models.retriever import DualEncoder
 from rag_train.train.common import TrainingRun, global_batch, linear_warmup, seed_stage
 from rag_train.train.schema import RLMConfig, RetrieverTrainConfig
@@ -54,7 +55,13 @@ def stage_settings(cfg: RLMConfig, name: str) -> dict:
     return json.loads(json.dumps(settings))
 
 
-def record_stage(cfg: RLMConfig, out: Path, name: str) -> None:
+STAGE_CHECKSUMS = "checksums.json"  # sha256 + size of a saved stage's files (the reader's), checked before it is reused
+
+
+def record_stage(cfg: RLMConfig, out: Path, name: str, checksums: bool = False) -> None:
+    """The settings a stage was made with; `checksums`: also a record of the files already in `out` (its model)."""
+    if checksums:
+        atomic_write_json(out / STAGE_CHECKSUMS, {"files": folder_checksums(out, exclude=(STAGE_SETTINGS,))})
     atomic_write_json(out / STAGE_SETTINGS, stage_settings(cfg, name))
 
 
@@ -136,7 +143,8 @@ def warm_start_recall(cfg: RLMConfig, files: DataFiles, run: TrainingRun, retrie
     out = stage_dir(cfg, run, "warm_start_retriever")
     rcfg = _retriever_stage_config(cfg, files, out)
     dev = resolve_data(rcfg.data, run.accelerator, ["retrieval-train"], ["retrieval-dev"]).dev
-    sets = {dataset_name(p): load_eval_set(p, corpus, limit=rcfg.data.max_eval_examples) for p in dev}
+    sets = {dataset_name(p): load_eval_set(p, corpus, limit=rcfg.data.max_eval_examples,
+                                           empty_answers=rcfg.data.empty_answers) for p in dev}
     retriever.to(run.accelerator.device)
     if buffer_dir is not None:
         metrics = evaluate_retrieval(retriever, corpus, sets, rcfg.eval.recall_at, run.accelerator,
@@ -189,7 +197,18 @@ def warm_start_reader(cfg: RLMConfig, reader: torch.nn.Module, tokenizer, corpus
     run.accelerator.wait_for_everyone()
     if finished:
         check_stage(cfg, out, "warm_start_reader")
-        reader.load_state_dict(type(reader).from_pretrained(out).state_dict())
+        hint = f"move {out} aside to train the stage again"
+        if (out / STAGE_CHECKSUMS).is_file():  # a truncated or altered file is named, nothing is loaded
+            try:
+                verify_checksums(out, read_json(out / STAGE_CHECKSUMS)["files"], out / STAGE_CHECKSUMS)
+            except CorruptFileError as exc:
+                raise CorruptFileError(f"the warm-started reader is damaged: {exc}; {hint}") from None
+        try:
+            saved = type(reader).from_pretrained(out)
+        except Exception as exc:  # a stage saved before its files had checksums
+            raise CorruptFileError(f"{out}: the warm-started reader cannot be loaded ({type(exc).__name__}: "
+                                   f"{str(exc).splitlines()[0][:200] if str(exc) else ''}); {hint}") from None
+        reader.load_state_dict(saved.state_dict())
         run.accelerator.print(f"warm-start reader: {out}")
         return
     seed_stage(cfg.train.seed, "warm_start_reader")
@@ -238,7 +257,7 @@ def warm_start_reader(cfg: RLMConfig, reader: torch.nn.Module, tokenizer, corpus
             bar.set_postfix(loss=f"{loss.item():.3f}")
             run.log({"warm_start/reader_loss": loss.item()}, step)
     if run.accelerator.is_main_process:  # written beside, then renamed: a folder here is a finished stage
-        with atomic_directory(out) as tmp:
+        with atomic_directory(out, "saving the warm-started reader to", needed=state_bytes(reader) + 2**20) as tmp:
             reader.save_pretrained(tmp)
-            record_stage(cfg, tmp, "warm_start_reader")
+            record_stage(cfg, tmp, "warm_start_reader", checksums=True)
     run.accelerator.wait_for_everyone()
