@@ -3,12 +3,14 @@ launch one training run as its own process, reuse it once finished, and summaris
 
 from __future__ import annotations
 
-import json
+import os
 import statistics
 import subprocess
+import sys
 from pathlib import Path
 from typing import Optional
 
+from rag_train.io import read_json
 from rag_train.launch import launch_command
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -17,16 +19,24 @@ ROOT = Path(__file__).resolve().parents[1]
 def run_once(script: str | Path, config: Optional[str | Path], out: str | Path, overrides: list[str],
              processes: int = 1, threads: Optional[int] = None) -> dict:
     """Metrics of the run in `out`: launched (and resumed from its last checkpoint if it was interrupted)
-    unless `out/metrics.json` shows it finished already."""
+    unless `out/metrics.json` shows it finished already. One process runs as `python SCRIPT` with accelerate's CPU
+    settings in its environment (as `accelerate launch --cpu` would set them), so that a failed run's own exit
+    status reaches the caller (`subprocess.CalledProcessError`); several go through `accelerate launch`."""
     out = Path(out)
     metrics = out / "metrics.json"
     if not metrics.is_file():
         config_args = [] if config is None else ["--config", config]
-        cmd = launch_command(script, *config_args, *overrides, f"train.output_dir={out}", "train.resume=true",
-                             processes=processes, threads=threads)
-        print("+", " ".join(cmd), flush=True)
-        subprocess.run(cmd, check=True)
-    return json.loads(metrics.read_text())
+        args = [*config_args, *overrides, f"train.output_dir={out}", "train.resume=true"]
+        env = None
+        if processes == 1:  # the script itself, with what `accelerate launch --cpu` sets: its own exit status (2-5)
+            cmd = [sys.executable, str(script), *map(str, args)]  # reaches the caller, not the launcher's 1
+            env = {**os.environ, "ACCELERATE_USE_CPU": "true", "ACCELERATE_MIXED_PRECISION": "no",
+                   "ACCELERATE_DYNAMO_BACKEND": "no", **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
+        else:
+            cmd = launch_command(script, *args, processes=processes, threads=threads)
+        print("+", " ".join(map(str, cmd)), flush=True)
+        subprocess.run(cmd, check=True, env=env)
+    return read_json(metrics)
 
 
 def mean_std(values: list[float]) -> tuple[float, Optional[float]]:

@@ -22,7 +22,8 @@ the default 3 seeds about 35 min (a 300-step run is 40-70 s); table3 is dominate
 and by the RLM's in-loop evaluations, roughly 45-60 min more with configs/toy/rlm.yaml as of this writing; the
 synthetic grid reuses docs/figures/synthetic/results.json (about 5 min when it has to be rerun).
 
-Every training run is its own process (`accelerate launch --num_processes 1 --cpu`) with its own folder
+Every training run is its own process (`python scripts/train_*.py` with the environment `accelerate launch
+--num_processes 1 --cpu` would set, so that a failed run's exit status is this script's) with its own folder
 under --runs; a finished run (metrics.json there) is reused and an interrupted one is launched again with
 train.resume=true (from its last checkpoint if it saved one; finished RLM warm-start stages are kept), so an
 interrupted reproduction continues where it stopped. The report always covers every

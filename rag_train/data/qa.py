@@ -21,6 +21,7 @@ from typing import Iterator, Optional
 from tqdm.auto import tqdm
 
 from rag_train.data.corpus import Corpus
+from rag_train.data.answers import normalize_answer
 from rag_train.data.arrow_corpus import is_arrow_source, table_records
 from rag_train.data.errors import DataError, data_error, row_ref
 
@@ -141,8 +142,6 @@ def _load_local(path: Path, corpus: Optional[Corpus], limit: Optional[int],
 def empty_answer(answer: str) -> bool:
     """An answer that SQuAD's normalisation (`normalize_answer`: lower case, no articles, no ASCII punctuation)
     leaves empty or without a letter or digit ("The", "a", "—"): an empty prediction would match it."""
-    from rag_train.eval.metrics import normalize_answer
-
     return not any(ch.isalnum() for ch in normalize_answer(answer))
 
 

@@ -29,7 +29,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from rag_train.config import ConfigError, DataConfig
-from rag_train.io import atomic_open, atomic_write_json
+from rag_train.io import atomic_open, atomic_write_json, remove_stale_temporaries
 
 TOY_VERSION = 3  # 2: tokenizer pieces from BPE (whole-word answers); 3: hotpotqa redesigned, old one = mentor_bridge
 SECTIONS = 2  # passages per person: 0 = origins and work, 1 = music, taste and mentor
@@ -614,6 +614,7 @@ def ensure_toy_world(data_cfg: DataConfig, tokenizer_vocab: int = 2000, workers:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not _is_current(paths, expected):
             _refuse_to_replace(paths, expected, data_cfg)
+            remove_stale_temporaries(out_dir)  # a killed generation's (the lock keeps other writers out)
             progress = os.environ.get("RANK", "0") == "0" and os.environ.get("LOCAL_RANK", "0") == "0"
             generate_toy_world(out_dir, data_cfg.toy_passages, data_cfg.toy_seed,
                                tokenizer_vocab=tokenizer_vocab, progress=progress, workers=workers)

@@ -10,8 +10,6 @@
 
 from __future__ import annotations
 
-import re
-import string
 import unicodedata
 from typing import Iterable, Sequence
 
@@ -19,18 +17,11 @@ import ir_measures
 import regex
 from ir_measures import AP, R, RR, nDCG
 
+from rag_train.data.answers import normalize_answer  # noqa: F401  (SQuAD's, used by the loaders too)
 from rag_train.eval.trec import Qrels, Run
 
-_ARTICLES = re.compile(r"\b(a|an|the)\b")
-_PUNCTUATION = set(string.punctuation)
 # DPR SimpleTokenizer: runs of letters / numbers / marks, or any other single non-space character.
 _DPR_TOKEN = regex.compile(r"([\p{L}\p{N}\p{M}]+)|([^\p{Z}\p{C}])", flags=regex.IGNORECASE | regex.UNICODE | regex.MULTILINE)
-
-
-def normalize_answer(text: str) -> str:
-    """Lower case, drop punctuation, drop articles a/an/the, collapse whitespace (SQuAD v1.1 order)."""
-    text = "".join(ch for ch in text.lower() if ch not in _PUNCTUATION)
-    return " ".join(_ARTICLES.sub(" ", text).split())
 
 
 def exact_match(prediction: str, answers: Iterable[str]) -> float:
