@@ -242,8 +242,15 @@ class TrainConfig:
     # then stops the run with a timeout error instead of a silent hang (a dead one stops it at once)
     collective_timeout: int = 1800
     tracker: Optional[str] = "tensorboard"  # any accelerate tracker name, or None
+    # torch threads of each CPU process: `auto` = the cores this process may use (os.sched_getaffinity) divided
+    # by the processes on the machine, unless OMP_NUM_THREADS or `accelerate launch --num_cpu_threads_per_process`
+    # asks for a count (accelerate launch's own OMP_NUM_THREADS=1 default is not a request); N = N threads.
+    # GPU processes keep the launcher's setting (rag_train/launch.py)
+    cpu_threads: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.cpu_threads != "auto" and not (self.cpu_threads.isdigit() and int(self.cpu_threads) > 0):
+            raise ConfigError(f"train.cpu_threads={self.cpu_threads!r} must be auto or a positive number of threads")
         for key in ("steps", "batch_size", "lr", "temperature", "log_every", "max_bad_steps", "collective_timeout"):
             check_positive("train", key, getattr(self, key))
         for key in ("warmup_steps", "eval_every", "save_every", "weight_decay", "max_grad_norm", "seed"):

@@ -10,7 +10,14 @@ stops the others at once.
 Under a DeepSpeed launch (`--config_file configs/accelerate/deepspeed_zero{2,3}.yaml`) on a machine without a
 GPU the processes also form a gloo group: accelerate 1.x only starts DeepSpeed with `cpu=False` and a named
 backend there, and DeepSpeed's CPU accelerator falls back to gloo when oneCCL is absent. That is how the
-tests run ZeRO-2 / ZeRO-3 on CPU."""
+tests run ZeRO-2 / ZeRO-3 on CPU.
+
+Threads: `accelerate launch` puts OMP_NUM_THREADS into the environment of every process it starts, 1 unless the
+user set OMP_NUM_THREADS or `--num_cpu_threads_per_process` (with `--cpu`, physical cores / processes when that is
+more than 1), so torch would usually compute on one core. A CPU process therefore sets torch's intra-op threads itself
+(`cpu_threads`, i.e. `train.cpu_threads`): `auto` gives each process its share of the cores it may run on
+(`os.sched_getaffinity`) divided by the processes on this machine, unless the user asked for a count through
+OMP_NUM_THREADS or the launcher's flag; a number is taken as asked. GPU processes keep the launcher's setting."""
 
 from __future__ import annotations
 
@@ -32,13 +39,51 @@ def deepspeed_launch() -> bool:
     return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
 
 
+def available_cores() -> int:
+    """CPUs this process may run on (its affinity mask, which `taskset` and container cpusets narrow)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def launcher_default_threads() -> bool:
+    """True when OMP_NUM_THREADS is `accelerate launch`'s default rather than a request: the launcher (this
+    process's parent, also under its torchrun launcher) had no OMP_NUM_THREADS in its own environment and no
+    `--num_cpu_threads_per_process` on its command line. False where that cannot be read: the value counts as asked."""
+    if "OMP_NUM_THREADS" not in os.environ or "ACCELERATE_DYNAMO_BACKEND" not in os.environ:  # not from the launcher
+        return False
+    parent = Path("/proc") / str(os.getppid())
+    try:
+        environ = (parent / "environ").read_bytes().split(b"\0")
+        argv = (parent / "cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    if b"launch" not in argv or not any(b"accelerate" in arg for arg in argv):
+        return False
+    return not (any(item.startswith(b"OMP_NUM_THREADS=") for item in environ)
+                or any(arg.startswith(b"--num_cpu_threads_per_process") for arg in argv))
+
+
+def cpu_threads(setting: str | int, local_processes: int) -> Optional[int]:
+    """torch threads for each of `local_processes` CPU processes on this machine: `setting` if a number; for
+    `auto` the available cores shared out (at least one each), or None (leave torch as it is) when the user set
+    OMP_NUM_THREADS or the launcher's thread flag."""
+    if str(setting) != "auto":
+        return int(setting)
+    if "OMP_NUM_THREADS" in os.environ and not launcher_default_threads():
+        return None
+    return max(1, available_cores() // max(1, local_processes))
+
+
 def make_accelerator(timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S, find_unused_parameters: bool = False,
-                     **kwargs) -> Accelerator:
+                     threads: str | int = "auto", **kwargs) -> Accelerator:
     """An Accelerator (gloo on CPU-only multi-process launches) whose collectives time out after `timeout_s`.
     The timeout is fixed when the process group is created: the first Accelerator of a process decides.
 
     `find_unused_parameters`: DDP tolerates parameters that get no gradient in a step (the RLM's retriever
-    before its gate opens); DDP leaves their gradients at None, so the optimizer skips them as on one process."""
+    before its gate opens); DDP leaves their gradients at None, so the optimizer skips them as on one process.
+    `threads`: torch threads of a CPU process (`cpu_threads`; `train.cpu_threads` in the recipes)."""
     multi_process = int(os.environ.get("WORLD_SIZE", "1")) > 1
     no_gpu = not torch.cuda.is_available()
     deepspeed = deepspeed_launch()
@@ -57,6 +102,12 @@ def make_accelerator(timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S, find_unuse
         from transformers.integrations import unset_hf_deepspeed_config
 
         unset_hf_deepspeed_config()
+    if accelerator.device.type == "cpu":
+        count = cpu_threads(threads, int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes)))
+        if count is not None and count != torch.get_num_threads():
+            accelerator.print(f"torch threads per process: {count} (was {torch.get_num_threads()}; cpu_threads={threads}, "
+                              f"{available_cores()} cores available)")
+            torch.set_num_threads(count)
     return accelerator
 
 

@@ -14,10 +14,11 @@ def main() -> None:
                         help="train questions per family (default min(passages, 100000))")
     parser.add_argument("--dev-questions", type=int, default=None, help="dev questions per family (default min(max(100, passages // 10), 5000))")
     parser.add_argument("--tokenizer-vocab", type=int, default=2000, help="0 = do not train a tokenizer")
+    parser.add_argument("--workers", type=int, default=1, help="processes rendering the passages (same bytes)")
     args = parser.parse_args()
     try:
         paths = generate_toy_world(args.out, args.passages, args.seed, args.questions, args.dev_questions,
-                                   tokenizer_vocab=args.tokenizer_vocab or None)
+                                   tokenizer_vocab=args.tokenizer_vocab or None, workers=args.workers)
     except ValueError as exc:
         parser.error(str(exc))
     for name, path in paths.items():

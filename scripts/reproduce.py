@@ -6,9 +6,11 @@
     python scripts/reproduce.py --report-only                   # rewrite the report from finished runs
 
 Sections (--only):
-  table1    Algorithm 1 (paper Table 1): in-batch, stale, corrector, exhaustive, SNM, negative cache, from a
-            random init (the paper's T5) and from a retrieval-pretrained one (its GTR: a tiny retriever first
-            trained supervised, in-batch, on ANOTHER toy world, toy_seed=1, with other entities);
+  table1    Algorithm 1 (paper Table 1): in-batch, stale, corrector, exhaustive, SNM, negative cache, Dynnibal,
+            trainable cache, from three inits: random (no paper counterpart), LM-pretrained (the paper's T5: a
+            tiny T5 trained by span corruption on the world's passages, scripts/pretrain_toy_lm.py) and
+            retrieval-pretrained (its GTR: a tiny retriever first trained supervised, in-batch, on ANOTHER toy
+            world, toy_seed=1, with other entities);
   table3    Algorithm 2 (paper Table 3): closed book, frozen retriever, corrector, exhaustive, all from one
             shared warm start (`warm_start.from_run`); EM on the three toy datasets, steps/s;
   ablation  corrector hidden size (paper Table 2): steps/s and recall, random init;

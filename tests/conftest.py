@@ -2,6 +2,8 @@
 
 import pytest
 
+from rag_train.strategies import reads
+
 from rag_train.data.toy import generate_toy_world
 from rag_train.data.tokenizer import load_tokenizer
 
@@ -31,3 +33,9 @@ def recipe_toy_dir(tmp_path_factory):
     directory = tmp_path_factory.mktemp("recipe-toy")
     ensure_toy_world(DataConfig(toy_dir=str(directory), toy_passages=RECIPE_TOY_PASSAGES))
     return directory
+
+
+def read_by(name: str, values: dict) -> dict:
+    """`values` ({"strategy.key": v, ...} overrides) without the strategy keys that strategy `name` does not read:
+    a test passes only what its strategy reads, so a ConfigWarning about an unread key is a real finding."""
+    return {key: value for key, value in values.items() if reads(name, key)}

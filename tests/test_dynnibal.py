@@ -1,27 +1,34 @@
-"""Dynnibal (seed 001): SG-tree invariants against brute-force distances, FindClustering's partition and the
-proposal against a hand computation, the exact sampler against the softmax (chi-square), MH against its exact
-n-step distribution and the independent-MH bound, Nyström exactness and drift recovery, the config checks, and
-Algorithm 1 end to end with metrics.json and a bitwise resume."""
+"""Dynnibal (seed 001): SG-tree invariants against brute-force distances, FindClustering against a brute-force walk
+of the trees (it expands, each tree's frontier within its cap, a partition) and Alg. 2's start level, the proposal
+against a hand computation, the exact sampler against the softmax (chi-square), MH against its exact n-step
+distribution and the independent-MH bound, Nyström exactness and drift recovery, the config checks, and Algorithm 1
+end to end: metrics.json, a bitwise resume, the warm-start / full-refresh schedule against a hand count, and SIGKILLs
+across both resumed bitwise."""
 
 from __future__ import annotations
 
 import json
+import signal
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 from scipy import stats
 
 from rag_train.buffer import nystrom
 from rag_train.buffer.sg_tree import (SGTree, build_forest, find_clustering, metropolis_hastings, proposal_probabilities,
-                                      rejection_sample)
+                                      rejection_sample, start_level)
 from rag_train.config import ConfigError
 from rag_train.strategies.dynnibal import DynnibalConfig
+from rag_train.train.retriever import train_retriever
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_train_retriever import LANDMARKS, NYSTROM_SAMPLES, REFRESH, STEPS, config, weights  # noqa: E402
+from test_faults import FAULTY, results, run_script  # noqa: E402
+from test_train_retriever import (CONFIG, LANDMARKS, NYSTROM_SAMPLES, PASSAGES, REFRESH, STEPS, config,  # noqa: E402
+                                  overrides, weights)
 
 
 def unit(rng, n, d):
@@ -95,14 +102,71 @@ def test_invariants_hold_after_updates_within_the_bound():
     assert violations(tree.update(moved), moved, members) == []
 
 
+def walk(tree: SGTree, node: int, query: np.ndarray, points: np.ndarray, deepest: int, start) -> list[int]:
+    """Brute force, without a cap: Alg. 2's clustering under `node` by recursion through child lists (nodes
+    above `start` always split; below, a node splits unless it is at level <= deepest or frozen)."""
+    kids = list(range(tree.child_lo[node], tree.child_hi[node]))
+    if not kids:
+        return [node]
+    above = start is not None and tree.level[node] > start
+    frozen = np.linalg.norm(query - points[tree.centre[node]]) > tree.base ** tree.level[node] + tree.base ** deepest
+    if not above and (tree.level[node] <= deepest or frozen):
+        return [node]
+    return [leaf for k in kids for leaf in walk(tree, k, query, points, deepest, start)]
+
+
+def under(tree: SGTree, node: int) -> list[int]:
+    """The points under a node: its leaf buckets, reached through child lists."""
+    kids = range(tree.child_lo[node], tree.child_hi[node])
+    return tree.members(node).tolist() if not len(kids) else [p for k in kids for p in under(tree, k)]
+
+
+def as_sets(clusters) -> set[frozenset]:
+    return {frozenset(m) for m in clusters}
+
+
+def test_find_clustering_expands_to_the_brute_force_walk_and_is_a_partition():
+    rng = np.random.default_rng(2)
+    points = clustered(rng, 600, 8)
+    forest = build_forest(points, 3, rng, 1.05, 5, 4)
+    query = points[11]
+    for deepest, start in [(-14, None), (-3, None), (-14, 2)]:
+        expected = [(t, n) for t, tree in enumerate(forest) for n in walk(tree, 0, query, points, deepest, start)]
+        whole = find_clustering(forest, points, query, deepest, max_clusters=10**9, start=start)
+        assert as_sets(whole.members) == as_sets(under(forest[t], n) for t, n in expected)
+        assert len(whole.rep) > 3 * 5  # it expanded beyond the roots' children
+        depth = {(t, 0): 0 for t in range(3)}
+        for t, tree in enumerate(forest):  # depth of every node by walking from the root
+            for n in range(1, len(tree.centre)):
+                depth[(t, n)] = depth[(t, int(tree.parent[n]))] + 1
+        assert sorted(whole.depth.tolist()) == sorted(depth[key] for key in expected)
+    # capped: each tree's frontier grows from its root up to the cap, never past it, still a partition
+    for cap in (5, 12, 40):
+        clustering = find_clustering(forest, points, query, max_clusters=cap)
+        counts = np.bincount(np.concatenate(clustering.members), minlength=len(points))
+        assert (counts == 1).all()  # every target in exactly one cluster
+        owner = {frozenset(under(tree, n)): t for t, tree in enumerate(forest) for n in range(len(tree.centre))}
+        per_tree = np.bincount([owner[frozenset(m.tolist())] for m in clustering.members], minlength=3)
+        assert (per_tree <= cap).all() and (per_tree > 1).all()  # every tree expanded, within the cap
+        assert per_tree.sum() > cap - 5  # and used most of it (an expansion adds at most children - 1 < 5)
+        assert clustering.depth.max() >= 1
+    # the closest k clusters: by the representative's distance to the query, against a brute-force sort
+    clustering = find_clustering(forest, points, query, max_clusters=40)
+    near = clustering.closest(7, points, query)
+    distance = np.linalg.norm(points[clustering.rep] - query, axis=1)
+    assert set(near.rep.tolist()) == set(clustering.rep[np.argsort(distance)[:7]].tolist())
+    assert as_sets(near.members) <= as_sets(clustering.members) and len(near.members) == 7
+    assert clustering.closest(0, points, query) is clustering
+
+
 def test_find_clustering_is_a_partition_and_the_proposal_is_the_papers():
     rng = np.random.default_rng(2)
     points = clustered(rng, 500, 8)
     forest = build_forest(points, 3, rng, 1.05, 5, 4)
-    query, beta = 3 * points[7], 4.0
-    for cap in (3, 20, 60):
+    query, beta = points[7], 12.0  # a query among the targets: far ones (e.g. 3 x points[7]) freeze every root
+    for cap in (20, 60):
         clustering = find_clustering(forest, points, query, deepest=-14, max_clusters=cap)
-        assert len(clustering.rep) <= max(cap, 3)
+        assert 3 < len(clustering.rep) <= 3 * cap  # it expanded; each tree's frontier within the cap
         counts = np.bincount(np.concatenate(clustering.members), minlength=len(points))
         assert (counts == 1).all()  # every target in exactly one cluster
         q = proposal_probabilities(clustering, beta, len(points))
@@ -116,6 +180,36 @@ def test_find_clustering_is_a_partition_and_the_proposal_is_the_papers():
         gap = np.abs(points @ query - rep_score[owner])
         assert (gap <= np.linalg.norm(query) * clustering.radius[owner] + 1e-9).all()
     assert len(find_clustering(forest, points, query, 20, 1000).rep) == 3  # deepest level above the roots
+
+
+def test_start_level_is_the_papers_max_and_bounds_the_clusters():
+    for beta, base in [(20.0, 1.05), (2.0, 1.5), (7.0, 2.0)]:
+        for log_gamma in (0.01, 1.0, 13.5, 40.0, 80.0):
+            bound = log_gamma / (2 * beta)
+            brute = max(level for level in range(-400, 400) if base ** level <= bound)
+            assert start_level(float(np.exp(log_gamma)), beta, base) == brute
+    assert start_level(float(np.exp(2 * 2.0 * 1.5 ** 3)), 2.0, 1.5) in (2, 3)  # b^l = bound exactly: rounding
+    assert start_level(0.0, 20.0, 1.05) is None
+    with pytest.raises(ValueError, match="gamma must be > 1"):
+        start_level(0.5, 20.0, 1.05)
+    # the frontier at level l: every cluster has level <= l or is a leaf, so P / Q <= e^(2 beta b^l) <= gamma
+    rng = np.random.default_rng(7)
+    points = clustered(rng, 400, 6)
+    points /= np.linalg.norm(points, axis=1, keepdims=True)
+    forest = build_forest(points, 2, rng, 1.2, 4, 3)
+    beta, gamma = 3.0, float(np.exp(2 * 3.0 * 0.3))
+    level = start_level(gamma, beta, 1.2)
+    query = points[5]
+    clustering = find_clustering(forest, points, query, deepest=level, max_clusters=10**9, start=level)
+    tree_of = {frozenset(under(tree, n)): (tree, n) for tree in forest for n in range(len(tree.centre))}
+    for members in clustering.members:
+        tree, n = tree_of[frozenset(members.tolist())]
+        assert tree.level[n] <= level or tree.child_hi[n] == tree.child_lo[n]
+    p = softmax(points, query, beta)
+    q = proposal_probabilities(clustering, beta, len(points))
+    assert (p / q).max() <= gamma * (1 + 1e-9)
+    roots = find_clustering(forest, points, query, deepest=level, max_clusters=10**9)
+    assert len(clustering.rep) > len(roots.rep)  # starting at l splits more than starting at the roots
 
 
 def softmax(points, query, beta):
@@ -195,15 +289,27 @@ def test_regression_recovers_a_linear_drift():
 
 
 @pytest.mark.parametrize("key,value", [("landmarks", 0), ("nystrom_samples", -1), ("trees", 0), ("mh_chains", 0),
-                                        ("tree_base", 1.0), ("max_clusters", 0), ("nystrom_ridge", -1.0)])
+                                        ("tree_base", 1.0), ("max_clusters", 0), ("nystrom_ridge", -1.0),
+                                        ("allowed_error", 0.5), ("top_clusters", -1), ("sampling_temperature", -0.1),
+                                        ("warm_start_steps", -1), ("full_refresh_step", 4000)])
 def test_config_errors_name_the_key(key, value):
     with pytest.raises(ConfigError, match=f"strategy.{key}"):
         DynnibalConfig(name="dynnibal", **{key: value})
 
 
+def test_a_forest_that_could_never_expand_is_refused():
+    """A root splits into at least tree_children clusters: a per-tree cap below that is refused by name; the
+    defaults (100 trees, 100 clusters per tree) and the toy's are accepted."""
+    with pytest.raises(ConfigError, match=r"strategy.max_clusters=15 is below strategy.tree_children=16: .*could expand"):
+        DynnibalConfig(name="dynnibal", max_clusters=15)
+    assert DynnibalConfig(name="dynnibal").max_clusters == DynnibalConfig(name="dynnibal").trees == 100
+    DynnibalConfig(name="dynnibal", trees=4, max_clusters=16)
+
+
 def test_algorithm_1_trains_and_resumes_bitwise(recipe_toy_dir, tmp_path):
-    """Dynnibal in Algorithm 1: metrics.json carries its memory and re-encoding counts; 3 steps + resume to 6
-    (its cache, forest and generator restored from the checkpoint) equals 6 steps in one go."""
+    """Dynnibal in Algorithm 1 from step 0 (no warm start, no full refresh): metrics.json carries its memory and
+    re-encoding counts; 3 steps + resume to 6 (its cache, forest and generator restored from the checkpoint) equals 6
+    steps in one go."""
     extra = {"train.warmup_steps": 4}
     whole = train(recipe_toy_dir, tmp_path / "whole", **{"train.save_every": 3, **extra})
     written = json.loads((tmp_path / "whole" / "metrics.json").read_text())
@@ -223,6 +329,65 @@ def test_algorithm_1_trains_and_resumes_bitwise(recipe_toy_dir, tmp_path):
 
 
 def train(toy_dir, out, steps=STEPS, **extra):
-    from rag_train.train.retriever import train_retriever
-
     return train_retriever(config(toy_dir, out, "dynnibal", steps=steps, **extra))
+
+
+# The paper's schedule in miniature: uniform negatives for steps 1-3, then every target encoded (Alg. 6) after
+# step 3, a Nyström refresh after step 4 (w = REFRESH = 2; none after step 2, still in the warm start), every target
+# encoded again after step 5 (the full refresh), a Nyström refresh after step 6. Checkpoints after steps 2 and 4.
+SCHEDULE = {"strategy.warm_start_steps": 3, "strategy.full_refresh_step": 5, "train.save_every": 2,
+            "train.warmup_steps": 4}
+PER_REFRESH = LANDMARKS + NYSTROM_SAMPLES
+REENCODED = [0, 0, PASSAGES, PASSAGES + PER_REFRESH, 2 * PASSAGES + PER_REFRESH, 2 * PASSAGES + 2 * PER_REFRESH]
+
+
+@pytest.fixture(scope="module")
+def scheduled(recipe_toy_dir, tmp_path_factory) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("scheduled") / "run"
+    return out, train(recipe_toy_dir, out, **SCHEDULE)
+
+
+def test_the_schedule_fires_at_the_configured_steps(scheduled):
+    """The strategy log per step against the hand count above: which steps sampled, the targets encoded so far;
+    FindClustering expanded (clusters per question beyond the 2 roots, depth > 0) once Dynnibal runs."""
+    _, metrics = scheduled
+    log = metrics["strategy_log"]
+    assert log["step"] == [1, 2, 3, 4, 5, 6]
+    assert log["dynnibal/sampled"] == [0, 0, 0, 1, 1, 1]
+    assert log["dynnibal/reencoded"] == REENCODED
+    assert all(c > 2 for c in log["dynnibal/clusters_per_query"][3:]) and log["dynnibal/clusters_per_query"][:3] == [0] * 3
+    assert all(d > 0 for d in log["dynnibal/frontier_depth"][3:])
+    summary = metrics["strategy_summary"]
+    assert metrics["reembedded_passages"] == summary["reencoded"] == REENCODED[-1]
+    assert summary["full_encodings"] == 2 and summary["refreshes"] == 2
+    assert summary["sampled_questions"] == 3 * 4  # steps 4-6, batch 4
+    assert summary["clusters_per_query"] == pytest.approx(np.mean(log["dynnibal/clusters_per_query"][3:]))
+
+
+@pytest.mark.slow
+def test_killed_across_the_warm_start_and_the_full_refresh_resumes_bitwise(recipe_toy_dir, tmp_path, scheduled):
+    """SIGKILL after step 4 (last checkpoint: step 2, inside the warm start), resume and SIGKILL after step 6 (last
+    checkpoint: step 4, before the full refresh), resume to the end: the straight run's metrics and weights,
+    bitwise. The warm start is the uniform strategy: the step-2 checkpoint holds a 2-step uniform run's weights."""
+    out = tmp_path / "run"
+    args = [sys.executable, FAULTY, "--config", CONFIG]
+    proc = run_script([*args, *overrides(recipe_toy_dir, out, "dynnibal", **SCHEDULE)], "kill:step:4")
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    assert sorted(p.name for p in (out / "checkpoints").glob("step-*")) == ["step-00000002"]
+    uniform = train_retriever(config(recipe_toy_dir, tmp_path / "uniform", "uniform", steps=2,
+                                     **{"train.warmup_steps": 4}))
+    assert uniform["steps"] == 2
+    a = load_file(str(out / "checkpoints" / "step-00000002" / "model.safetensors"))
+    b = load_file(str(tmp_path / "uniform" / "checkpoints" / "step-00000002" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[key], b[key]) for key in a)
+
+    proc = run_script([*args, *overrides(recipe_toy_dir, out, "dynnibal", **SCHEDULE, **{"train.resume": "true"})],
+                      "kill:step:4")  # the 4th step of this process: step 6
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    assert sorted(p.name for p in (out / "checkpoints").glob("step-*")) == ["step-00000002", "step-00000004"]
+    resumed = train(recipe_toy_dir, out, **SCHEDULE, **{"train.resume": "true"})
+    assert results(resumed) == results(scheduled[1])
+    a, b = weights(scheduled[0]), weights(out)
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key

@@ -14,7 +14,7 @@ from scipy.stats import chisquare
 
 from rag_train.buffer.build import build_buffer
 from rag_train.buffer.store import Buffer
-from rag_train.config import BufferConfig, RetrieverConfig, TinyModelConfig
+from rag_train.config import BufferConfig, ConfigError, RetrieverConfig, TinyModelConfig
 from rag_train.data.corpus import Corpus
 from rag_train.models.retriever import DualEncoder, format_passage
 from rag_train.data.tokenizer import train_tokenizer
@@ -315,3 +315,93 @@ def test_algorithm_1_loss_matches_hand_computation(world):
     np.testing.assert_allclose(loss.item(), hand, rtol=1e-10)
     np.testing.assert_allclose(q.grad.numpy(), d_logits @ pn, rtol=1e-8, atol=1e-12)
     np.testing.assert_allclose(p.grad.numpy(), d_logits.T @ qn, rtol=1e-8, atol=1e-12)
+
+
+DYNNIBAL = dict(warm_start_steps=0, full_refresh_step=0, landmarks=32, nystrom_samples=8, trees=2, tree_children=4,
+                tree_leaf=2, max_clusters=20, mh_chains=5)  # 32 landmarks span the 32-d vectors: the cache is exact
+
+
+def test_dynnibal_negatives_score_higher_than_uniform_ones(world):
+    """Under the current model (here the buffer's), by brute-force scoring of every passage: the negatives Dynnibal
+    samples at a low sampling temperature outscore uniform ones (drawn, and in expectation), stay below the exact
+    top-k, and fall to the uniform level when the sampling temperature (not the loss's) is raised."""
+    rng = np.random.default_rng(0)
+    questions = [" ".join(rng.choice(WORDS, 4)) for _ in range(32)]
+    positives = torch.arange(32) % ROWS
+    means = {}
+    for temperature in (0.05, 100.0):
+        strategy, model = make(world, "dynnibal", sampling_temperature=temperature, **DYNNIBAL)
+        with torch.no_grad():
+            queries = model.eval().encode_queries(questions).float()
+        scores = (queries.double() @ fresh_embedding(model, world["corpus"], range(ROWS)).double().T).numpy()
+        strategy.positives = positives
+        sampled = strategy.retrieve_global(queries, 5).numpy()
+        negative = sampled != positives.numpy()[:, None]  # padding: the chains found fewer than 5 other targets
+        assert negative.mean() > 0.5
+        means[temperature] = np.take_along_axis(scores, sampled, 1)[negative].mean()
+        logged = strategy.logged_values()
+        assert logged["dynnibal/sampled"] == 1.0 and logged["dynnibal/clusters_per_query"] > 2  # beyond the roots
+    uniform = np.take_along_axis(scores, strategy.uniform_rows(32 * 5).reshape(32, 5).numpy(), 1).mean()
+    off_positive = np.ones_like(scores, dtype=bool)
+    off_positive[np.arange(32), positives.numpy()] = False
+    expected_uniform = scores[off_positive].mean()
+    best = np.sort(np.where(off_positive, scores, -np.inf), axis=1)[:, -5:].mean()
+    assert means[0.05] > max(uniform, expected_uniform) + 0.05
+    assert means[0.05] <= best + 1e-12
+    assert abs(means[100.0] - expected_uniform) < means[0.05] - expected_uniform - 0.05  # beta ~ 0: near uniform
+
+
+def test_dynnibal_refuses_a_forest_whose_roots_split_past_the_cap(world):
+    """max_clusters = tree_children passes the config check, but covering can make every root split further: on
+    orthonormal targets (all pairwise sqrt(2) apart) a root's net must take every point. The strategy refuses
+    such a forest when it builds it, since FindClustering could only return the roots."""
+    strategy, _ = make(world, "dynnibal", **{**DYNNIBAL, "max_clusters": 4})
+    assert strategy.low is not None  # the buffer's forest fits the cap
+    with pytest.raises(ConfigError, match=r"strategy.max_clusters=4: every SG tree's root splits into more clusters "
+                                          r"\(20 or more\)"):
+        strategy.start(strategy.projection, np.eye(ROWS, dtype=np.float32))
+
+
+def step_cache(strategy, queries, positives, step):
+    """One Algorithm 1 step of the trainable cache as the recipe drives it: subset, forward (auxiliary), update."""
+    subset = strategy.subset(queries, positives)
+    assert strategy.auxiliary_loss(queries, subset.rows, None, None) is None  # nothing for the optimizer
+    strategy.after_step(step)
+    return subset
+
+
+def test_trainable_cache_moves_the_touched_rows_by_the_gradient(world, tmp_path):
+    """Rows of the step's subset move by exactly -lr x dL_C/dC (the truncated softmax over the subset with the cached
+    rows, by hand in float64), every other row stays bitwise; retrieval then goes through the moved rows (brute
+    force); the state survives a checkpoint bitwise, and the next step is the same from it."""
+    lr, temperature = 0.3, 0.5
+    strategy, model = make(world, "trainable_cache", temperature=temperature, uniform_negatives=2, row_lr=lr)
+    queries, positives = queries_of(model), torch.tensor([4, 8, 15, 16])
+    before = strategy.vectors.clone()
+    assert torch.equal(before, stale_matrix(world))  # the buffer at the start
+    subset = step_cache(strategy, queries, positives, 1)
+    rows = subset.rows.numpy()
+
+    q, cached = queries.double().numpy(), before.double().numpy()[rows]
+    logits = q @ cached.T / temperature
+    probs = np.exp(logits - logits.max(axis=1, keepdims=True))
+    probs /= probs.sum(axis=1, keepdims=True)
+    onehot = np.zeros_like(probs)
+    onehot[np.arange(len(q)), subset.positive_index.numpy()] = 1.0
+    grad = (probs - onehot).T @ q / len(q) / temperature
+    moved = strategy.vectors[subset.rows]
+    np.testing.assert_allclose(moved.double().numpy(), cached - lr * grad, rtol=0, atol=1e-6)
+    assert (moved != before[subset.rows]).any(dim=1).all()  # every touched row moved
+    untouched = torch.ones(ROWS, dtype=torch.bool)
+    untouched[subset.rows] = False
+    assert untouched.sum() > 0 and torch.equal(strategy.vectors[untouched], before[untouched])
+    assert strategy.logged_values()["trainable_cache/rows"] == len(rows) == strategy.summary()["updated_rows"]
+    assert torch.equal(strategy.retrieve_global(queries, 5), brute_topk(queries, strategy.vectors, 5))
+
+    strategy.save(tmp_path)
+    resumed, _ = make(world, "trainable_cache", temperature=temperature, uniform_negatives=2, row_lr=lr)
+    resumed.load(tmp_path)
+    assert torch.equal(resumed.vectors, strategy.vectors) and resumed.updated_rows == strategy.updated_rows
+    for s in (strategy, resumed):
+        step_cache(s, queries, positives, 2)
+    assert torch.equal(resumed.vectors, strategy.vectors) and not torch.equal(strategy.vectors[subset.rows], moved)

@@ -90,7 +90,11 @@ for name, schema, extra in [("bad_key", RetrieverTrainConfig, ["strategy.first_r
         out[name] = str(exc)
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
-    load_config(RetrieverTrainConfig, config, [*args, "strategy.name=stale"])
+    load_config(RetrieverTrainConfig, config, [*args, "strategy.name=stale", "strategy.refresh_every=2",
+                                               "strategy.snm_targets=50", "strategy.cache_size=32",
+                                               "strategy.cache_refresh=8", "strategy.corrector.hidden=16",
+                                               "strategy.landmarks=8", "strategy.nystrom_samples=32",
+                                               "strategy.trees=2", "strategy.mh_chains=8"])
 out["warned"] = [str(w.message) for w in caught]
 cfg = load_config(RetrieverTrainConfig, config, [*args, "strategy.first_row=7", "train.output_dir=" + sys.argv[1] + "/run"])
 metrics = train_retriever(cfg)
@@ -112,7 +116,7 @@ def test_a_new_strategy_is_one_file(recipe_toy_dir, tmp_path):
     assert out["bad_key"] == "strategy.first_row=-1 must be >= 0"  # its own validation
     assert "is not one of the strategies the RLM recipe (Algorithm 2) takes" in out["rlm"]  # its declared limit
     assert out["too_large"].startswith("strategy.first_row=100000 is larger than the corpus")  # its corpus limit
-    # the stale run is told about each strategy key of the overrides that it does not read
+    # the stale run is told about each key of another strategy given to it that it does not read
     warned = {w.split("does not read strategy.")[1].split(" ")[0] for w in out["warned"]}
     assert warned == {"refresh_every", "snm_targets", "cache_size", "cache_refresh", "corrector", "landmarks",
                       "nystrom_samples", "trees", "mh_chains"}
@@ -126,7 +130,8 @@ def test_every_strategy_declares_its_keys_and_recipes():
         own = {spec.name for spec in dataclasses.fields(cls.config)}
         assert own <= {spec.name for spec in dataclasses.fields(StrategyConfig)}
         assert {key for key, names in OWNERS.items() if name in names} == own - {"name", "top_k", "uniform_negatives"}
-    assert {n for n, c in REGISTRY.items() if 2 not in c.algorithms} == {"in_batch", "negative_cache", "dynnibal"}
+    assert {n for n, c in REGISTRY.items() if 2 not in c.algorithms} == {"in_batch", "negative_cache", "dynnibal",
+                                                                          "trainable_cache"}
     assert {n for n, c in REGISTRY.items() if 1 not in c.algorithms} == {"frozen", "closed_book"}
     assert OWNERS["refresh_every"] == ("dynnibal", "exhaustive", "snm") and OWNERS["cache_size"] == ("negative_cache",)
 

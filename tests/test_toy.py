@@ -49,6 +49,16 @@ def test_same_seed_gives_byte_identical_world_and_chunking_does_not_matter(tmp_p
     assert other["passages"].read_bytes() != first["passages"]
 
 
+def test_passages_rendered_in_worker_processes_are_the_same_bytes(tmp_path, monkeypatch):
+    serial = generate_toy_world(tmp_path / "a", 600, seed=3, progress=False, tokenizer_vocab=None, questions=20,
+                                dev_questions=10)
+    monkeypatch.setattr(toy, "CHUNK", 97)  # 7 chunks over 3 workers: their results must land in row order
+    parallel = generate_toy_world(tmp_path / "b", 600, seed=3, progress=False, tokenizer_vocab=None, questions=20,
+                                  dev_questions=10, workers=3)
+    assert parallel["passages"].read_bytes() == serial["passages"].read_bytes()
+    assert len(parallel["passages"].read_text().splitlines()) == 600
+
+
 def test_passages_are_short_unique_people_two_each(toy_world, passages):
     rows = list(passages.values())
     assert len(rows) == 2000 and [p["id"] for p in rows] == [f"p{i}" for i in range(2000)]

@@ -19,6 +19,7 @@ from rag_train.strategies.base import Strategy
 from rag_train.train.retriever import train_retriever
 from rag_train.train.schema import RetrieverTrainConfig
 from rag_train.launch import launch_command
+from conftest import read_by
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "toy" / "retriever.yaml"
@@ -28,7 +29,7 @@ LANDMARKS, NYSTROM_SAMPLES = 8, 32  # dynnibal: re-encodes both every REFRESH st
 
 
 def overrides(toy_dir: Path, out: Path, name: str, steps: int = STEPS, **extra) -> list[str]:
-    values = {
+    values = {**read_by(name, {
         "data.toy_dir": toy_dir, "data.toy_passages": PASSAGES, "data.max_eval_examples": 20,
         "data.max_train_examples": 200, "retriever.tiny.d_model": 32, "retriever.tiny.d_ff": 64,
         "retriever.tiny.d_kv": 8, "retriever.tiny.num_heads": 4, "retriever.tiny.num_layers": 1,
@@ -38,8 +39,10 @@ def overrides(toy_dir: Path, out: Path, name: str, steps: int = STEPS, **extra) 
         "strategy.snm_targets": SNM_TARGETS, "strategy.cache_size": 32, "strategy.cache_refresh": CACHE_REFRESH,
         "strategy.landmarks": LANDMARKS, "strategy.nystrom_samples": NYSTROM_SAMPLES, "strategy.trees": 2,
         "strategy.mh_chains": 8, "strategy.corrector.hidden": 16, "buffer.shard_rows": 128, "buffer.embed_batch_size": 64,
-        "eval.batch_size": 64, **extra,
-    }
+        "eval.batch_size": 64})}
+    if name == "dynnibal":  # from step 0 and without a full refresh, unless a test schedules them
+        values.update({"strategy.warm_start_steps": 0, "strategy.full_refresh_step": 0})
+    values.update(extra)
     return [f"{key}={value}" for key, value in values.items()]
 
 
@@ -120,7 +123,8 @@ def test_resume_reaches_the_uninterrupted_run(recipe_toy_dir, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["corrector", "dynnibal"])  # dynnibal: the same MH samples on every process
+@pytest.mark.parametrize("name", ["corrector", "dynnibal", "trainable_cache"])  # dynnibal: the same MH samples on
+# every process; trainable_cache: each process updates its shard of the cache by the gradient reduced over processes
 def test_two_processes_match_one(recipe_toy_dir, tmp_path, name):
     args = overrides(recipe_toy_dir, tmp_path / "two", name)
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")

@@ -20,6 +20,7 @@ from rag_train.config import TinyModelConfig, load_config
 from rag_train.losses import perplexity_distillation
 from rag_train.models.retriever import DualEncoder
 from rag_train.launch import launch_command
+from conftest import read_by
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "toy" / "rlm.yaml"
@@ -28,7 +29,7 @@ STEPS, TOP_K = 4, 4
 
 def overrides(toy_dir: Path, out: Path, name: str, steps: int = STEPS, **extra) -> list[str]:
     tiny = {"d_model": 32, "d_ff": 64, "d_kv": 8, "num_heads": 4, "num_layers": 1}
-    values = {
+    values = {**read_by(name, {
         "data.toy_dir": toy_dir, "data.toy_passages": 300, "data.max_eval_examples": 8, "data.max_train_examples": 200,
         **{f"retriever.tiny.{k}": v for k, v in tiny.items()}, "retriever.max_passage_length": 48,
         **{f"reader.tiny.{k}": v for k, v in tiny.items()}, "reader.tiny.num_decoder_layers": 1,
@@ -38,8 +39,7 @@ def overrides(toy_dir: Path, out: Path, name: str, steps: int = STEPS, **extra) 
         "train.eval_every": 0, "train.log_every": 1, "strategy.name": name, "strategy.top_k": TOP_K,
         "strategy.refresh_every": 2, "strategy.corrector.hidden": 16, "buffer.shard_rows": 128,
         "buffer.embed_batch_size": 64, "eval.batch_size": 16, "pdist_gate": 0.0,
-        "min_embedding_spread": 0.0, **extra,
-    }
+        "min_embedding_spread": 0.0}), **extra}
     return [f"{key}={value}" for key, value in values.items()]
 
 

@@ -21,6 +21,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import torch
@@ -116,10 +117,11 @@ def long_passages(toy_passages: Path, out: Path, count: int, join: int = 12) -> 
 
 
 def time_both(model: DualEncoder, corpus: Corpus, batch_size: int, workers: int, device: torch.device,
-              repeats: int) -> tuple[float, float, float]:
-    """Best seconds of embed_rows and of SentenceTransformer.encode over all of `corpus`, and the largest
-    difference between their vectors."""
-    tower, rows = model.passage_encoder, np.arange(len(corpus))
+              repeats: int, rows: Optional[np.ndarray] = None) -> tuple[float, float, float]:
+    """Best seconds of embed_rows and of SentenceTransformer.encode over `rows` of `corpus` (default all), and
+    the largest difference between their vectors."""
+    tower = model.passage_encoder
+    rows = np.arange(len(corpus)) if rows is None else rows
     texts = [format_passage(p) for p in corpus.passages(rows)]  # ST gets its texts in memory: its reads are free
     tower.max_seq_length = model.max_passage_length
     best_ours = best_st = float("inf")

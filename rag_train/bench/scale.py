@@ -16,6 +16,7 @@ timed by wrapping the functions the recipe calls, only while its training loop r
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import resource
 import threading
@@ -28,7 +29,8 @@ import torch
 
 import rag_train.strategies.base as strategy_base
 import rag_train.train.rlm as rlm
-from rag_train.config import DataConfig, RLMConfig, load_config
+from rag_train.config import DataConfig, load_config
+from rag_train.train.schema import RLMConfig
 from rag_train.data.corpus import Corpus
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -55,6 +57,7 @@ class Probe:
         self.phase = "setup"
         self.peak_rss: dict[str, int] = defaultdict(int)
         self.peak_children: dict[str, int] = defaultdict(int)
+        self.peak_device: dict[str, int] = defaultdict(int)
         self.seconds: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
         self.in_loop = False
@@ -74,9 +77,14 @@ class Probe:
                 pass
 
     def enter(self, phase: str) -> None:
+        self.close_phase()
         self.phase = phase
         self.phase_started.setdefault(phase, time.perf_counter())
+
+    def close_phase(self) -> None:
+        """Record the device memory peak of the phase now ending, and start the next one's from here."""
         if torch.cuda.is_available():
+            self.peak_device[self.phase] = max(self.peak_device[self.phase], torch.cuda.max_memory_allocated())
             torch.cuda.reset_peak_memory_stats()
 
     def timed(self, name: str, fn, loop_only: bool = True):
@@ -96,9 +104,15 @@ class Probe:
         self._thread.join()
 
 
-def instrument(probe: Probe) -> None:
-    """Wrap what the RLM recipe calls (module attributes, so only its own uses are timed)."""
+@contextlib.contextmanager
+def instrumented(probe: Probe):
+    """Wrap what the RLM recipe calls (module attributes, so only its own uses are timed) while inside; the
+    originals come back on leaving, so a process that goes on (the GPU report's stages, tests) is untouched."""
     ensure_buffer, global_batch, evaluate_qa = rlm.ensure_buffer, rlm.global_batch, rlm.evaluate_qa
+    saved = [(rlm, name, getattr(rlm, name)) for name in ("ensure_buffer", "global_batch", "evaluate_qa",
+                                                          "has_answer", "fid_inputs")]
+    saved += [(Corpus, "passages", Corpus.passages), (strategy_base, "search", strategy_base.search),
+              (strategy_base, "embed_rows", strategy_base.embed_rows)]
 
     def on_buffer(*args, **kwargs):
         probe.enter("buffer build")
@@ -121,6 +135,11 @@ def instrument(probe: Probe) -> None:
     Corpus.passages = probe.timed("passage reads", Corpus.passages)
     strategy_base.search = probe.timed("buffer search", strategy_base.search)
     strategy_base.embed_rows = probe.timed("re-embedding (refresh)", strategy_base.embed_rows)
+    try:
+        yield probe
+    finally:
+        for owner, name, original in saved:
+            setattr(owner, name, original)
 
 
 def run_stage(name: str, cfg: RLMConfig, probe: Probe) -> dict:
@@ -129,18 +148,25 @@ def run_stage(name: str, cfg: RLMConfig, probe: Probe) -> dict:
     if (out / "scale-stage.json").is_file():
         print(f"{name}: finished earlier, reused ({out})")
         return json.loads((out / "scale-stage.json").read_text())
+    probe.stop()
     probe.__init__()
     probe.enter("warm start")
     started = time.perf_counter()
     metrics = rlm.train_rlm(cfg)
+    ended = time.perf_counter()
+    probe.close_phase()
     probe.stop()
-    record = {"run": name, "wall_seconds": round(time.perf_counter() - started, 1),
+    starts = sorted(probe.phase_started.items(), key=lambda item: item[1])
+    phase_seconds = {name: round((starts[i + 1][1] if i + 1 < len(starts) else ended) - start, 2)
+                     for i, (name, start) in enumerate(starts)}
+    record = {"run": name, "wall_seconds": round(ended - started, 1), "phase_seconds": phase_seconds,
               "steps": metrics["steps"], "steps_per_second": metrics["steps_per_second"],
               "corpus_passes": metrics["corpus_passes"], "reembedded_passages": metrics["reembedded_passages"],
               "em": metrics["em"],
               "peak_rss_gib": {k: round(v / 2**30, 2) for k, v in probe.peak_rss.items()},
               "peak_worker_rss_gib": {k: round(v / 2**30, 2) for k, v in probe.peak_children.items()},
-              "peak_device_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if torch.cuda.is_available() else None,
+              "peak_device_gib": ({k: round(v / 2**30, 2) for k, v in probe.peak_device.items()}
+                                  if torch.cuda.is_available() else None),
               "loop_host_seconds": {k: round(v, 2) for k, v in probe.seconds.items()},
               "loop_calls": dict(probe.calls)}
     loop = metrics["steps"] / metrics["steps_per_second"] if metrics["steps_per_second"] else None
@@ -172,20 +198,20 @@ def main(argv=None) -> None:
     print(stages)
 
     probe = Probe()
-    instrument(probe)
     common = [f"data.toy_dir={root / 'toy'}", f"data.toy_passages={args.rows}", "train.tracker=null",
               "train.eval_every=0", "train.save_every=0", *args.overrides]
     config = ROOT / "configs" / "toy" / "rlm.yaml"
     first = root / "run-corrector"
     corrector = load_config(RLMConfig, config, common + [f"train.output_dir={first}", f"train.steps={args.steps}",
                                                          "strategy.name=corrector"])
-    if args.only != "exhaustive":
-        stages.append(run_stage("corrector", corrector, probe))
     exhaustive = load_config(RLMConfig, config, common + [
         f"train.output_dir={root / 'run-exhaustive'}", f"train.steps={args.refresh_every}",
         "strategy.name=exhaustive", f"strategy.refresh_every={args.refresh_every}",
         f"buffer.path={first / 'buffer'}", f"warm_start.from_run={first}"])
-    if args.only != "corrector":
-        stages.append(run_stage("exhaustive", exhaustive, probe))
+    with instrumented(probe):
+        if args.only != "exhaustive":
+            stages.append(run_stage("corrector", corrector, probe))
+        if args.only != "corrector":
+            stages.append(run_stage("exhaustive", exhaustive, probe))
     (root / f"scale{'-' + args.only if args.only else ''}.json").write_text(json.dumps(stages, indent=1))
     print(json.dumps(stages, indent=1))

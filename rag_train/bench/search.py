@@ -264,8 +264,9 @@ def peak_beyond(device: torch.device, baseline: int, fn) -> float:
 
 
 @torch.no_grad()
-def corrector_breakdown(queries, rows, corrector, args, device, full_s: float) -> None:
-    """Where corrector-full's time goes: each kernel of one chunk timed alone, times the number of chunks."""
+def corrector_breakdown(queries, rows, corrector, args, device, full_s: float) -> dict[str, float]:
+    """Where corrector-full's time goes: each kernel of one chunk timed alone, times the number of chunks
+    (seconds per kernel; the unfused ones, for comparison, are not part of the search)."""
     dtype = rows.dtype
     block = rows[: args.chunk]
     chunks = -(-rows.shape[0] // args.chunk)
@@ -282,18 +283,21 @@ def corrector_breakdown(queries, rows, corrector, args, device, full_s: float) -
         ("second layer (W2^T q) a", lambda: fp32_mm(q_hidden, hidden.t()), True),
         ("chunk top-k", lambda: _chunk_topk(scores, args.k), True),
     ]
-    total = 0.0
+    total, timed = 0.0, {}
     for name, fn, in_search in parts:
         seconds = best_time(fn, args.repeats, device=device) * chunks
+        timed[name] = seconds
         total += seconds if in_search else 0.0
         print(f"  {name:<26} {seconds * 1e3:8.1f} ms over {chunks} chunks ({seconds / full_s:.0%} of the search)"
               f"{'' if in_search else '  [unfused, for comparison]'}")
     print(f"  {'sum of the search parts':<26} {total * 1e3:8.1f} ms; the rest ({(full_s - total) * 1e3:.1f} ms): "
           f"bias add, merges, launches")
+    return timed
 
 
-def device_part(args) -> None:
-    """The buffer on the device: ours against plain torch on the same rows and queries."""
+def device_part(args) -> dict:
+    """The buffer on the device: ours against plain torch on the same rows and queries. Returns the printed
+    figures, and the top-k rows of query 0 of both searches (for a check against brute force)."""
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
     print(f"device: {name}, torch {torch.__version__}, buffer {args.rows} x {args.dim} {args.dtype}, "
@@ -315,7 +319,8 @@ def device_part(args) -> None:
     plain_s = best_time(lambda: plain_exact(queries, rows, args.k), args.repeats, device=device)
     exact_gib = peak_beyond(device, baseline, lambda: ours("exact"))
     plain_gib = peak_beyond(device, baseline, lambda: plain_exact(queries, rows, args.k))
-    overlap = same_ids(ours("exact"), plain_exact(queries, rows, args.k))
+    exact_rows = ours("exact")
+    overlap = same_ids(exact_rows, plain_exact(queries, rows, args.k))
     read_gbs = buffer_bytes / exact_s / 1e9
     print(f"exact           ours {exact_s * 1e3:.1f} ms  plain topk(q @ B^T) {plain_s * 1e3:.1f} ms  ratio "
           f"{exact_s / plain_s:.2f}  (same ids {overlap:.4f}); reads the buffer at {read_gbs:.0f} GB/s = "
@@ -329,12 +334,22 @@ def device_part(args) -> None:
         naive_s = best_time(naive, args.repeats, device=device)
         full_gib = peak_beyond(device, baseline, lambda: ours("corrector_full"))
         naive_gib = peak_beyond(device, baseline, naive)
-        overlap = same_ids(ours("corrector_full"), naive())
+        full_rows = ours("corrector_full")
+        full_overlap = same_ids(full_rows, naive())
     tflops_full = args.rows * corrector_flops_per_row(args.dim, args.hidden, args.batch) / full_s / 1e12
     print(f"corrector_full  ours {full_s * 1e3:.1f} ms  plain h(B) chunks {naive_s * 1e3:.1f} ms  ratio "
-          f"{full_s / naive_s:.2f}  (same ids {overlap:.4f}); {tflops_full:.1f} TFLOP/s = {tflops_full / tflops:.2f} "
-          f"x GEMM peak; extra memory ours {full_gib:.2f} GiB, plain {naive_gib:.2f} GiB")
-    corrector_breakdown(queries, rows, corrector, args, device, full_s)
+          f"{full_s / naive_s:.2f}  (same ids {full_overlap:.4f}); {tflops_full:.1f} TFLOP/s = "
+          f"{tflops_full / tflops:.2f} x GEMM peak; extra memory ours {full_gib:.2f} GiB, plain {naive_gib:.2f} GiB")
+    breakdown = corrector_breakdown(queries, rows, corrector, args, device, full_s)
+    return {"device_name": name, "gemm_tflops": tflops, "copy_gbs": copy_gbs, "buffer_gib": buffer_bytes / 2**30,
+            "exact": {"seconds": exact_s, "plain_seconds": plain_s, "same_ids_as_plain": overlap,
+                      "read_gbs": read_gbs, "fraction_of_copy_bandwidth": 2 * read_gbs / copy_gbs,
+                      "extra_gib": exact_gib, "plain_extra_gib": plain_gib, "top_rows_query0": exact_rows[0].tolist()},
+            "corrector_full": {"seconds": full_s, "plain_seconds": naive_s, "same_ids_as_plain": full_overlap,
+                               "tflops": tflops_full, "fraction_of_peak": tflops_full / tflops,
+                               "extra_gib": full_gib, "plain_extra_gib": naive_gib,
+                               "top_rows_query0": full_rows[0].tolist()},
+            "corrector_breakdown_seconds": breakdown}
 
 
 def main(argv=None) -> None:

@@ -353,13 +353,15 @@ def check_invariants(tree: SGTree, points: np.ndarray, tol: float = 1e-9) -> lis
 
 @dataclass
 class Clustering:
-    """A partition of all targets of a forest into clusters (FindClustering's frontier), for one query.
-    Cluster c: representative `rep[c]` (its node's centre), its targets `members[c]`, its radius."""
+    """A set of clusters of a forest's targets (FindClustering's frontier: a partition of all of them), for one
+    query. Cluster c: representative `rep[c]` (its node's centre), its targets `members[c]`, its radius and the
+    depth of its node below its tree's root."""
 
     rep: np.ndarray  # [C] point id of each cluster's representative
     radius: np.ndarray  # [C]
     members: list[np.ndarray]  # point ids of each cluster
     rep_score: np.ndarray  # [C] <q, rep>
+    depth: np.ndarray  # [C] edges from the tree's root to the cluster's node (0: the root itself)
 
     @property
     def sizes(self) -> np.ndarray:
@@ -372,42 +374,78 @@ class Clustering:
             out[m] = c
         return out
 
+    def closest(self, k: int, points: np.ndarray, query: np.ndarray) -> "Clustering":
+        """The k clusters whose representatives are closest to the query (the paper's practical recipe samples
+        from those only); all of them when k is 0 or at least their number. Ties go to the earlier cluster."""
+        if k <= 0 or k >= len(self.rep):
+            return self
+        keep = np.sort(np.argsort(np.linalg.norm(points[self.rep] - query, axis=1), kind="stable")[:k])
+        return Clustering(rep=self.rep[keep], radius=self.radius[keep], members=[self.members[c] for c in keep],
+                          rep_score=self.rep_score[keep], depth=self.depth[keep])
+
+
+def start_level(allowed_error: float, beta: float, base: float) -> Optional[int]:
+    """Alg. 2, line 3: l = max{l in Z : b^l <= log(gamma) / (2 beta)}, the coarsest level whose clustering keeps
+    max_y P(y|x) / Q(y|x) <= gamma (Prop. 2: a cluster of radius b^l moves a score by at most b^l, the ratio by
+    e^(2 beta b^l)). None for gamma = 0 (no bound: the frontier starts at the roots); gamma must otherwise be > 1."""
+    if allowed_error == 0:
+        return None
+    if not allowed_error > 1:
+        raise ValueError(f"the allowed error gamma must be > 1 (a bound on P / Q), got {allowed_error}")
+    bound = math.log(allowed_error) / (2 * beta)
+    level = math.floor(math.log(bound) / math.log(base))
+    while base ** (level + 1) <= bound:  # exact max{} despite rounding in the logarithms
+        level += 1
+    while base ** level > bound:
+        level -= 1
+    return level
+
 
 def find_clustering(forest: list[SGTree], points: np.ndarray, query: np.ndarray, deepest: int = -14,
-                    max_clusters: int = 100) -> Clustering:
-    """Algorithm 2 (FindClustering) over a forest: the frontier starts at the roots; the frontier node whose
-    targets can score highest (<q, centre> + ||q|| maxd) is replaced by its children, while the frontier stays
-    within `max_clusters`. Nodes at level <= `deepest` are not expanded, nor nodes frozen by the paper's rule
-    ||q - centre|| > b^level + b^deepest (all their targets are farther than b^deepest from q). The frontier is a
-    partition of all targets of the forest."""
+                    max_clusters: int = 100, start: Optional[int] = None) -> Clustering:
+    """Algorithm 2 (FindClustering) on every tree of a forest, each tree's frontier capped at `max_clusters`
+    clusters (the paper's cap for its single tree). A tree's frontier starts at its root; nodes above level
+    `start` (Alg. 2's l, see `start_level`; None: none) are expanded first, as the frontier is initialised to
+    the clustering at level l; then the frontier node whose targets can score highest (<q, centre> + ||q|| maxd)
+    is replaced by its children, as long as the tree's frontier stays within the cap. Below l, nodes at level
+    <= `deepest` (m) are not expanded, nor nodes frozen by the paper's rule ||q - centre|| > b^level + b^m (all
+    their targets are farther than b^m from q). An expansion over the cap is skipped (the node stays one
+    cluster; smaller expansions may still fit). The frontiers together are a partition of all targets."""
     qnorm = float(np.linalg.norm(query))
-    heap, frontier = [], [(t, 0) for t in range(len(forest))]  # the roots
+    heap: list[tuple[int, float, int, int]] = []
+    size = [1] * len(forest)  # clusters on each tree's frontier
+    depth = {(t, 0): 0 for t in range(len(forest))}  # the roots
 
     def push(t: int, node: int) -> None:
         tree = forest[t]
-        if tree.child_hi[node] == tree.child_lo[node] or tree.level[node] <= deepest:
+        if tree.child_hi[node] == tree.child_lo[node]:
             return
         c = points[tree.centre[node]]
-        if np.linalg.norm(query - c) > tree.base ** tree.level[node] + tree.base ** deepest:
+        bound = float(query @ c) + qnorm * tree.radius[node]
+        if start is not None and tree.level[node] > start:
+            heapq.heappush(heap, (0, -bound, t, node))  # above l: part of the initial clustering's descent
             return
-        heapq.heappush(heap, (-(float(query @ c) + qnorm * tree.radius[node]), t, node))
+        if tree.level[node] <= deepest or np.linalg.norm(query - c) > tree.base ** tree.level[node] + tree.base ** deepest:
+            return
+        heapq.heappush(heap, (1, -bound, t, node))
 
-    for t, node in frontier:
-        push(t, node)
-    alive = set(frontier)
+    for t in range(len(forest)):
+        push(t, 0)
     while heap:
-        _, t, node = heapq.heappop(heap)
+        _, _, t, node = heapq.heappop(heap)
         kids = forest[t].children(node)
-        if len(alive) - 1 + len(kids) > max_clusters:
-            continue  # over the cap: stays one cluster (others may still fit)
-        alive.remove((t, node))
+        if size[t] - 1 + len(kids) > max_clusters:
+            continue
+        size[t] += len(kids) - 1
+        below = depth.pop((t, node)) + 1
         for k in kids:
-            alive.add((t, k))
+            depth[(t, k)] = below
             push(t, k)
-    chosen = sorted(alive)
+    chosen = sorted(depth)
     rep = np.array([forest[t].centre[n] for t, n in chosen], dtype=np.int64)
     return Clustering(rep=rep, radius=np.array([forest[t].radius[n] for t, n in chosen]),
-                      members=[forest[t].members(n) for t, n in chosen], rep_score=points[rep] @ query)
+                      members=[forest[t].members(n) for t, n in chosen], rep_score=points[rep] @ query,
+                      depth=np.array([depth[key] for key in chosen], dtype=np.int64))
 
 
 def proposal_logits(clustering: Clustering, beta: float) -> np.ndarray:

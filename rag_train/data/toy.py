@@ -17,6 +17,7 @@ import hashlib
 import itertools
 import json
 import math
+import multiprocessing
 import os
 import shutil
 import tempfile
@@ -434,13 +435,38 @@ def _write_jsonl(path: Path, rows: Iterator[list[dict]]) -> None:
             handle.write("".join(json.dumps(row) + "\n" for row in chunk))
 
 
-def _passage_chunks(world: ToyWorld, progress: bool) -> Iterator[list[dict]]:
+def _passage_lines(world: ToyWorld, start: int, stop: int) -> str:
+    """Passage rows start..stop as JSONL text."""
+    rows = np.arange(start, stop)
+    titles, texts = world.render(rows)
+    return "".join(json.dumps({"id": f"p{r}", "title": t, "text": x}) + "\n"
+                   for r, t, x in zip(rows.tolist(), titles, texts))
+
+
+@functools.lru_cache(maxsize=1)
+def _worker_world(passages: int, seed: int) -> ToyWorld:
+    return ToyWorld(passages, seed)
+
+
+def _worker_passage_lines(passages: int, seed: int, bounds: tuple[int, int]) -> str:
+    return _passage_lines(_worker_world(passages, seed), *bounds)
+
+
+def _passage_texts(world: ToyWorld, progress: bool, workers: int) -> Iterator[str]:
+    """The passages file's text chunk by chunk, in row order. With `workers` > 1 the chunks are rendered in that
+    many processes (rendering is a pure function of the rows: the bytes are the same)."""
+    bounds = [(start, min(start + CHUNK, world.passages)) for start in range(0, world.passages, CHUNK)]
     with tqdm(total=world.passages, unit="passage", desc="toy passages", disable=not progress) as bar:
-        for start in range(0, world.passages, CHUNK):
-            rows = np.arange(start, min(start + CHUNK, world.passages))
-            titles, texts = world.render(rows)
-            yield [{"id": f"p{r}", "title": t, "text": x} for r, t, x in zip(rows.tolist(), titles, texts)]
-            bar.update(len(rows))
+        if workers > 1 and len(bounds) > 1:
+            render = functools.partial(_worker_passage_lines, world.passages, world.seed)
+            with multiprocessing.get_context("spawn").Pool(min(workers, len(bounds))) as pool:
+                for (start, stop), text in zip(bounds, pool.imap(render, bounds)):
+                    yield text
+                    bar.update(stop - start)
+            return
+        for start, stop in bounds:
+            yield _passage_lines(world, start, stop)
+            bar.update(stop - start)
 
 
 def _question_chunks(world: ToyWorld, family: str, split: str, count: int, progress: bool, retrieval: bool):
@@ -488,11 +514,13 @@ def generate_toy_world(
     dev_questions: Optional[int] = None,
     tokenizer_vocab: Optional[int] = 2000,
     progress: bool = True,
+    workers: int = 1,
 ) -> dict[str, Path]:
     """Write a toy world into `out_dir` (files in docs/toy_world.md); manifest.json is written last.
 
     `questions` / `dev_questions`: questions per family and split (defaults: `default_question_counts`).
-    `tokenizer_vocab=None` skips training the tokenizer.
+    `tokenizer_vocab=None` skips training the tokenizer. `workers` > 1 renders the passages in that many
+    processes (the same bytes; the passages are what grows with the world, the questions stop at 100k a family).
     """
     world = ToyWorld(passages, seed)
     default_train, default_dev = default_question_counts(passages)
@@ -506,7 +534,9 @@ def generate_toy_world(
             counts[f"{family}-{split}"] = min(default if asked is None else asked, cap)
     paths = toy_paths(out_dir)
     paths["manifest"].unlink(missing_ok=True)  # a half-regenerated world must never look finished
-    _write_jsonl(paths["passages"], _passage_chunks(world, progress))
+    with atomic_open(paths["passages"], "w") as handle:
+        for text in _passage_texts(world, progress, workers):
+            handle.write(text)
     for name, count in counts.items():
         family, split = name.split("-")
         _write_jsonl(paths[name], _question_chunks(world, family, split, count, progress, retrieval=False))
@@ -571,10 +601,10 @@ def _refuse_to_replace(paths: dict[str, Path], expected: dict, data_cfg: DataCon
         "data.toy_dir, or set data.toy_regenerate=true to replace it.")
 
 
-def ensure_toy_world(data_cfg: DataConfig, tokenizer_vocab: int = 2000) -> dict[str, Path]:
+def ensure_toy_world(data_cfg: DataConfig, tokenizer_vocab: int = 2000, workers: int = 1) -> dict[str, Path]:
     """Paths of the toy world in `data_cfg.toy_dir`, generating it first if missing or damaged. A complete world
     of other parameters there is replaced only with `data.toy_regenerate=true`. A file lock makes concurrent
-    callers (e.g. several ranks) generate it once."""
+    callers (e.g. several ranks) generate it once; `workers` as in `generate_toy_world`."""
     out_dir = Path(data_cfg.toy_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = toy_paths(out_dir)
@@ -587,5 +617,5 @@ def ensure_toy_world(data_cfg: DataConfig, tokenizer_vocab: int = 2000) -> dict[
             remove_stale_temporaries(out_dir)  # a killed generation's (the lock keeps other writers out)
             progress = os.environ.get("RANK", "0") == "0" and os.environ.get("LOCAL_RANK", "0") == "0"
             generate_toy_world(out_dir, data_cfg.toy_passages, data_cfg.toy_seed,
-                               tokenizer_vocab=tokenizer_vocab, progress=progress)
+                               tokenizer_vocab=tokenizer_vocab, progress=progress, workers=workers)
     return paths

@@ -11,6 +11,7 @@ Weights save and load as plain T5; the CE lives in its own stored table.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Optional
 
@@ -21,6 +22,9 @@ from transformers.modeling_outputs import BaseModelOutput, Seq2SeqLMOutput
 
 from rag_train.generative.ce_table import START_ROW
 from rag_train.models.reader import ReaderLoadError, hub_offline
+
+# the decoding cache's name in model outputs: `cache` in transformers 5, `past_key_values` before
+CACHE = "cache" if "cache" in {spec.name for spec in dataclasses.fields(Seq2SeqLMOutput)} else "past_key_values"
 
 
 class GenerativeT5(T5ForConditionalGeneration):
@@ -60,12 +64,14 @@ class GenerativeT5(T5ForConditionalGeneration):
         return decoder_states
 
     def forward(self, input_ids=None, attention_mask=None, decoder_input_ids=None, decoder_attention_mask=None,
-                encoder_outputs=None, past_key_values=None, labels=None, use_cache=None, **kwargs) -> Seq2SeqLMOutput:
+                encoder_outputs=None, labels=None, use_cache=None, **kwargs) -> Seq2SeqLMOutput:
+        """T5's forward; with Np Decoding, logits over the CE table. The decoding cache is passed through in
+        `kwargs` under the name the installed transformers uses (`cache` in 5.x, `past_key_values` before), never
+        named here: naming one of them makes transformers warn about the deprecated name or about both."""
         if not self.np_decoding:
             return super().forward(input_ids=input_ids, attention_mask=attention_mask,
                                    decoder_input_ids=decoder_input_ids, decoder_attention_mask=decoder_attention_mask,
-                                   encoder_outputs=encoder_outputs, past_key_values=past_key_values, labels=labels,
-                                   use_cache=use_cache, **kwargs)
+                                   encoder_outputs=encoder_outputs, labels=labels, use_cache=use_cache, **kwargs)
         if encoder_outputs is None:
             encoder_outputs = self.encoder(input_ids=input_ids, attention_mask=attention_mask)
         elif not isinstance(encoder_outputs, BaseModelOutput):
@@ -73,15 +79,15 @@ class GenerativeT5(T5ForConditionalGeneration):
         if labels is not None and decoder_input_ids is None:
             decoder_input_ids = self._shift_right(labels)
         decoded = self.decoder(inputs_embeds=self.row_embeddings(decoder_input_ids),
-                               attention_mask=decoder_attention_mask, past_key_values=past_key_values,
+                               attention_mask=decoder_attention_mask,
                                encoder_hidden_states=encoder_outputs.last_hidden_state,
                                encoder_attention_mask=attention_mask, use_cache=use_cache, **kwargs)
         logits = self.output_states(decoded.last_hidden_state) @ self.ce.T
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
-        return Seq2SeqLMOutput(loss=loss, logits=logits, past_key_values=decoded.past_key_values,
-                               encoder_last_hidden_state=encoder_outputs.last_hidden_state)
+        return Seq2SeqLMOutput(loss=loss, logits=logits, encoder_last_hidden_state=encoder_outputs.last_hidden_state,
+                               **{CACHE: getattr(decoded, CACHE)})
 
     def first_output_state(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """[B, d] the first decoder output embedding (decoder start only), scaled as for logits: CONTRA's query."""

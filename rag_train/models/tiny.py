@@ -12,6 +12,7 @@ def tiny_t5_config(
     tiny: TinyModelConfig,
     feed_forward_proj: str = "gated-gelu",
     dropout_rate: float = 0.0,
+    tie_word_embeddings: bool = True,
 ) -> T5Config:
     """A T5 config sized by `tiny`, with the vocabulary and special ids of `tokenizer`.
 
@@ -19,6 +20,7 @@ def tiny_t5_config(
     dropout is off because tiny models are trained for a few hundred steps where it only slows learning.
     Embeddings are tied (T5 v1.0 style: decoder output scaled by d_model**-0.5) so a randomly initialised
     model starts near uniform (loss ~ log vocab) instead of with huge logits from an untied N(0, 1) head.
+    `tie_word_embeddings=False, dropout_rate=0.1` is T5 v1.1 / lm-adapt's own choice (the toy LM pre-training).
     """
     if tokenizer.pad_token_id is None or tokenizer.eos_token_id is None:
         raise ValueError("tokenizer needs pad and eos tokens for a T5 (pad doubles as decoder start)")
@@ -35,5 +37,5 @@ def tiny_t5_config(
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         decoder_start_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=True,
+        tie_word_embeddings=tie_word_embeddings,
     )

@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Optional
 
 from rag_train.config import load_config
+from rag_train.strategies import reads
+from rag_train.train.lm_pretrain import LMPretrainConfig, pretrain_toy_lm
 from rag_train.train.schema import RetrieverTrainConfig
 from rag_train.experiments import run_once
 from rag_train.io import atomic_write_json, read_json, remove_temporaries_of
@@ -19,10 +21,12 @@ from rag_train.io import atomic_write_json, read_json, remove_temporaries_of
 ROOT = Path(__file__).resolve().parents[2]  # the repository: its configs/ and scripts/
 RETRIEVER_CONFIG = ROOT / "configs" / "toy" / "retriever.yaml"
 RLM_CONFIG = ROOT / "configs" / "toy" / "rlm.yaml"
+LM_CONFIG = ROOT / "configs" / "toy" / "lm.yaml"
 SECTIONS = ("table1", "table3", "ablation", "curves", "synthetic")
-INITS = ("random", "pretrained")
-INIT_LABELS = {"random": "random init (paper: T5-base)", "pretrained": "retrieval-pretrained init (paper: GTR-base)"}
-TABLE1 = ("in_batch", "stale", "corrector", "exhaustive", "snm", "negative_cache")
+INITS = ("random", "lm", "pretrained")
+INIT_LABELS = {"random": "random init (no counterpart in the paper)", "lm": "LM-pretrained init (paper: T5-base)",
+               "pretrained": "retrieval-pretrained init (paper: GTR-base)"}
+TABLE1 = ("in_batch", "stale", "corrector", "exhaustive", "snm", "negative_cache", "dynnibal", "trainable_cache")
 TABLE3 = ("closed_book", "frozen", "corrector", "exhaustive")
 CURVES = ("stale", "corrector", "exhaustive")
 RLM_CURVES = ("frozen", "corrector", "exhaustive")
@@ -36,6 +40,7 @@ class Budget:
 
     retriever: tuple[str, ...]  # every Algorithm 1 run (Table 1, ablation)
     pretrain: tuple[str, ...]  # the GTR stand-in's supervised pretraining on the other world
+    lm: tuple[str, ...]  # the T5 stand-in: span corruption on this world's passages (configs/toy/lm.yaml)
     rlm: tuple[str, ...]  # every Algorithm 2 run
     synthetic: tuple[str, ...]  # scripts/synthetic_corrector.py arguments
     seeds: tuple[int, ...]
@@ -46,6 +51,7 @@ class Budget:
 FULL = Budget(
     retriever=("train.steps=300", "train.eval_every=50", "strategy.refresh_every=50"),
     pretrain=("strategy.name=in_batch", "train.steps=300", "train.batch_size=32", "train.eval_every=0"),
+    lm=(),
     rlm=("strategy.refresh_every=50", "train.eval_every=100"),
     synthetic=(),
     seeds=(0, 1, 2),
@@ -55,6 +61,7 @@ QUICK = Budget(
     retriever=("train.steps=12", "train.eval_every=6", "strategy.refresh_every=6", "strategy.snm_targets=100",
                "strategy.cache_size=64", "strategy.cache_refresh=8"),
     pretrain=("strategy.name=in_batch", "train.steps=12", "train.eval_every=0"),
+    lm=("steps=6", "batch_size=8", "warmup_steps=2"),
     rlm=("train.steps=6", "train.eval_every=3", "strategy.refresh_every=3", "warm_start.reader_steps=8",
          "warm_start.reader_copy_steps=4", "warm_start.retriever_steps=6", "data.max_eval_examples=16"),
     synthetic=("--quick",),
@@ -98,9 +105,9 @@ class Plan:
     def __init__(self, runs: Path, budget: Budget, seeds: list[int], hidden: list[int], out: Path):
         self.runs, self.budget, self.seeds, self.hidden, self.out = runs, budget, seeds, hidden, out
         self.default_hidden = load_config(RetrieverTrainConfig, RETRIEVER_CONFIG).strategy.corrector.hidden
-        world = [] if budget.toy_passages is None else [f"data.toy_dir={runs / 'toy-world'}",
-                                                          f"data.toy_passages={budget.toy_passages}"]
-        self.common = ["train.tracker=null", *world]
+        self.world = [] if budget.toy_passages is None else [f"data.toy_dir={runs / 'toy-world'}",
+                                                               f"data.toy_passages={budget.toy_passages}"]
+        self.common = ["train.tracker=null", *self.world]
 
     def pretrain(self) -> Run:
         """The GTR stand-in: Algorithm 1 with in-batch negatives on a toy world with other entities (toy_seed=1)."""
@@ -110,11 +117,16 @@ class Plan:
         return Run("train_retriever.py", RETRIEVER_CONFIG, self.runs / "pretrain",
                    ["train.tracker=null", *other, *self.budget.pretrain])
 
+    def lm(self) -> LMPretrainConfig:
+        """The T5 stand-in: span corruption on this world's own passages, no labels (cached beside the world)."""
+        return load_config(LMPretrainConfig, LM_CONFIG, [*self.world, *self.budget.lm])
+
     def table1(self, init: str, strategy: str, seed: int, extra: tuple[str, ...] = ()) -> Run:
-        model = [f"retriever.model={self.pretrain().out / 'retriever'}"] if init == "pretrained" else []
+        model = {"random": [], "lm": [f"retriever.model={self.lm().folder()}"],
+                 "pretrained": [f"retriever.model={self.pretrain().out / 'retriever'}"]}[init]
+        budget = [o for o in self.budget.retriever if reads(strategy, o.split("=", 1)[0])]
         return Run("train_retriever.py", RETRIEVER_CONFIG, self.runs / "table1" / init / f"{strategy}-seed{seed}",
-                   [*self.common, *self.budget.retriever, *model, f"strategy.name={strategy}", f"train.seed={seed}",
-                    *extra])
+                   [*self.common, *budget, *model, f"strategy.name={strategy}", f"train.seed={seed}", *extra])
 
     def ablation(self, hidden: int, seed: int) -> Run:
         if hidden == self.default_hidden:  # the Table 1 corrector run is this very run
@@ -156,6 +168,9 @@ class Plan:
             section_started = time.time()
             if section == "synthetic":
                 self.run_synthetic()
+            if section in ("table1", "curves"):
+                built = pretrain_toy_lm(self.lm())
+                print(f"[reproduce] toy LM {'reused' if built['reused'] else 'trained'}: {built['folder']}", flush=True)
             for run in self.section(section):
                 if run.out in done:
                     continue

@@ -50,7 +50,7 @@ def _bars(ax, groups: list[str], series: dict[str, list[list[float]]], ylabel: s
 
 
 def plot_table1(table1: dict, path: Path) -> Optional[str]:
-    inits = [i for i in INITS if any(table1[i].values())]
+    inits = [i for i in INITS if any(table1.get(i, {}).values())]
     if not inits:
         return None
     plt, fig, axes = _axes(len(inits))
@@ -95,7 +95,7 @@ def _curve_panel(ax, runs_by_strategy: dict[str, list[dict]], curve, ylabel: str
 
 def plot_curves(table1: dict, table3: dict, path: Path) -> Optional[str]:
     panels = [(f"R@1, {INIT_LABELS[i]}", {s: table1[i][s] for s in CURVES}, retrieval_curve, "R@1 (%)")
-              for i in INITS if any(table1[i].get(s) for s in CURVES)]
+              for i in INITS if any(table1.get(i, {}).get(s) for s in CURVES)]
     if any(table3.get(s) for s in RLM_CURVES):
         panels.append(("RLM: EM, mean of the 3 datasets", {s: table3[s] for s in RLM_CURVES}, em_curve, "EM (%)"))
     if not panels:

@@ -57,6 +57,13 @@ def _section_fields() -> tuple[list[tuple[str, Any, dataclasses.Field]], dict[st
 _FIELDS, OWNERS = _section_fields()
 
 
+def reads(name: str, key: str) -> bool:
+    """False for a `strategy.<key>` that is another strategy's own key (strategy `name` would warn that it does not
+    read it); True for every other config key. Drivers that pass one set of overrides to every strategy filter by it."""
+    section, _, own = key.partition(".")
+    return section != "strategy" or name in OWNERS.get(own.split(".")[0], (name,))
+
+
 def _check(self) -> None:
     check_choice("strategy", "name", self.name, tuple(REGISTRY))
     self.selected()

@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator, Optional
 import numpy as np
 import torch
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import id_tensor_storage, set_seed
 
 from rag_train.buffer.embed import CorpusPasses
 from rag_train.config import ConfigError, save_config, to_yaml
@@ -138,7 +138,8 @@ class TrainingRun:
         self.dir = Path(cfg.train.output_dir)
         self.accelerator = make_accelerator(
             mixed_precision=cfg.train.mixed_precision, log_with=cfg.train.tracker, project_dir=str(self.dir / LOGS),
-            timeout_s=cfg.train.collective_timeout, find_unused_parameters=find_unused_parameters)
+            timeout_s=cfg.train.collective_timeout, find_unused_parameters=find_unused_parameters,
+            threads=cfg.train.cpu_threads)
         world = self.accelerator.num_processes
         if cfg.train.batch_size % world:
             raise ConfigError(f"train.batch_size={cfg.train.batch_size} must be divisible by the {world} processes")
@@ -151,6 +152,7 @@ class TrainingRun:
         self.model: Optional[torch.nn.Module] = None  # the prepared module (`prepare`)
         self.passes = CorpusPasses(self.accelerator.print)  # whole-corpus embedding passes, for metrics.json
         self.started = time.time()
+        self.accelerator.register_save_state_pre_hook(drop_tied_aliases)
         claim_directory(cfg, self.dir)  # every process reads; nothing is written before all of them have looked
         # what was there before this run, so that a run stopped by bad input can take back what it wrote (`release`)
         self.fresh = cfg.train.overwrite or not any((self.dir / name).exists() for name in RUN_OUTPUTS)
@@ -405,6 +407,24 @@ class TrainingRun:
         recipe may run inside another (the RLM's retriever warm start); entry scripts destroy it at exit."""
         for tracker in self.accelerator.trackers:
             tracker.finish()
+
+
+def drop_tied_aliases(models: list, weights: list[dict], output_dir: str) -> None:
+    """`save_state` hook: keep one name per tied tensor (T5's shared embedding is also each stack's
+    `embed_tokens` and the `lm_head`), the first in the state dict, as transformers' `save_pretrained` does.
+    accelerate would drop the same names itself, but logs "Removed shared tensor ... This should be OK" on
+    every checkpoint; loading (safetensors `load_model`) fills the aliases back in through the tie."""
+    for state in weights:
+        kept: set = set()
+        for name in list(state):
+            tensor = state[name]
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            storage = id_tensor_storage(tensor)
+            if storage in kept:
+                del state[name]
+            else:
+                kept.add(storage)
 
 
 _OPENED: list[TrainingRun] = []  # runs opened by the recipe calls in progress (`releases_on_input_fault`)

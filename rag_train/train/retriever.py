@@ -53,7 +53,8 @@ def train_retriever(cfg: RetrieverTrainConfig, final_eval: bool = True) -> dict:
     if option.own_backward and deepspeed_stage(acc) is not None:
         raise ConfigError(f"batching.name={cfg.batching.name!r} runs several backward passes per optimizer step, which "
                           "DeepSpeed's engine (it steps inside each backward) cannot; use batching.name=plain")
-    files = resolve_data(cfg.data, acc, ["retrieval-train"], ["retrieval-dev"])
+    files = resolve_data(cfg.data, acc, ["retrieval-train"], ["retrieval-dev"],
+                         {"retriever.model": cfg.retriever.model})
     corpus = Corpus.open(files.passages)
     run.check_corpus(corpus)  # k <= corpus size, same corpus on every process: before any long work
     for k in sorted(k for k in set(cfg.eval.recall_at) if k > len(corpus)):

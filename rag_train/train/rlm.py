@@ -100,7 +100,8 @@ class RLMRecipe:
         """Data, the warm-started reader and retriever (stand-ins for pre-training), the rest of the training
         state (`setup_training`), then the latest checkpoint when resuming."""
         cfg, acc = self.cfg, self.accelerator
-        files = resolve_data(cfg.data, acc, TOY_TRAIN_SETS, TOY_DEV_SETS)
+        files = resolve_data(cfg.data, acc, TOY_TRAIN_SETS, TOY_DEV_SETS,
+                             {"retriever.model": cfg.retriever.model, "reader.model": cfg.reader.model})
         corpus = Corpus.open(files.passages)
         self.run.check_corpus(corpus)  # k <= corpus size, same corpus on every process: before any long work
         policy = cfg.data.empty_answers

@@ -19,10 +19,11 @@ LOGS = "logs"  # tracker output (<run>/logs/<recipe>/): never inside a folder th
 RUN_OUTPUTS = (CONFIG_FILE, "metrics.json", CHECKPOINTS, "retriever", "reader", "predictions", "eval",
                "warm_start_retriever", "warm_start_reader")
 # Config keys a resumed run may change: they do not alter what is computed (where the run lives, bookkeeping,
-# evaluation cadence, and train.steps, which continues the same schedule: data order is a function of (seed, step)).
+# evaluation cadence, and train.steps, which continues the same schedule: data order is a function of (seed, step);
+# the CPU thread count changes only the order of float reductions).
 RESUME_SAFE_KEYS = ("train.resume", "train.overwrite", "train.output_dir", "train.steps", "train.eval_every",
                     "train.log_every", "train.save_every", "train.tracker", "train.collective_timeout",
-                    "train.max_bad_steps", "buffer.verify")
+                    "train.cpu_threads", "train.max_bad_steps", "buffer.verify")
 
 
 def claim_directory(cfg: Any, directory: Path) -> None:

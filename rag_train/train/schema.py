@@ -12,6 +12,7 @@ from typing import Optional
 
 from rag_train.config import (BatchingConfig, BufferConfig, ConfigError, DataConfig, EvalConfig, ReaderConfig, RetrieverConfig,
                               TrainConfig, absolute_path, check_choice, check_positive)
+from rag_train.data.sources import TOY_LM_MANIFEST
 from rag_train.strategies import StrategyConfig, require_algorithm, require_search
 
 FINE_TUNING_MAX_LR = 1e-4  # above this, AdamW steps wreck a pretrained encoder within a few steps
@@ -19,7 +20,8 @@ FINE_TUNING_MAX_LR = 1e-4  # above this, AdamW steps wreck a pretrained encoder 
 
 def warn_if_lr_wrecks_pretrained(retriever: RetrieverConfig, key: str, lr: float) -> None:
     """Warn when a pretrained retriever (anything but `tiny`) is to be trained at a from-scratch learning rate."""
-    if retriever.model != "tiny" and lr > FINE_TUNING_MAX_LR:
+    toy_lm = (Path(retriever.model) / TOY_LM_MANIFEST).is_file()  # a tiny toy model trains at toy rates
+    if retriever.model != "tiny" and not toy_lm and lr > FINE_TUNING_MAX_LR:
         warnings.warn(
             f"retriever.model={retriever.model!r} is a pretrained checkpoint, and {key}={lr:g} is far above the "
             f"rates pretrained encoders are fine-tuned at (1e-5 to 5e-5 with AdamW; > {FINE_TUNING_MAX_LR:g} here "

@@ -1,0 +1,13 @@
+"""Under `accelerate launch` (or plain python): set up the process as every recipe does (`make_accelerator` with
+`threads=argv[1]`) and print one JSON line per process with torch's thread count, for tests/test_threads.py."""
+
+import json
+import sys
+
+import torch
+
+from rag_train.launch import make_accelerator
+
+if __name__ == "__main__":
+    accelerator = make_accelerator(threads=sys.argv[1])
+    print(json.dumps({"rank": accelerator.process_index, "threads": torch.get_num_threads()}), flush=True)

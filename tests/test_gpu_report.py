@@ -1,0 +1,288 @@
+"""scripts/gpu_report.py (rag_train/bench/gpu_report.py): `--device cpu --quick --stage all` runs every stage at toy
+size in a fresh process, and each fragment's numbers are checked against an independent computation (token counts
+from the toy tokenizer, encoder FLOPs by hand, a float64 brute-force top-k, the reader's parameters from plain
+transformers, the toy world's own files); the process imports nothing the GPU image lacks beyond the carried wheels;
+`--assemble` lists exactly the stages whose fragments exist; wheels resolve and install as documented."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import subprocess
+import sys
+import textwrap
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from rag_train.bench import gpu_report
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def lacking_on_gpu_image() -> set[str]:
+    """The project's dependencies (extras included) that are neither on the GPU image nor among the wheels."""
+    import importlib.metadata
+
+    from packaging.requirements import Requirement
+
+    declared = {gpu_report.normalise(Requirement(x).name) for x in importlib.metadata.requires("rag-train")}
+    carried = {gpu_report.normalise(spec.split("==")[0]) for spec in gpu_report.wheel_requirements()}
+    return declared - gpu_report.GPU_IMAGE - carried
+
+
+def site_view_without(names: set[str], view: Path) -> dict[str, str]:
+    """{site-packages folder: a folder of links to all its entries except the files of the installed
+    distributions `names`}: put in its place on sys.path, those distributions are gone, as on the GPU image
+    (import, importlib.util.find_spec and importlib.metadata all miss them)."""
+    import importlib.metadata
+
+    hidden: dict[Path, set[str]] = {}
+    for name in names:
+        try:
+            dist = importlib.metadata.distribution(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        site = Path(dist.locate_file("")).resolve()
+        hidden.setdefault(site, set()).update(
+            Path(f).parts[0] for f in dist.files or [] if not str(f).startswith(".."))
+    views = {}
+    for i, (site, entries) in enumerate(hidden.items()):
+        folder = view / str(i)
+        folder.mkdir(parents=True)
+        for entry in site.iterdir():
+            if entry.name not in entries:
+                (folder / entry.name).symlink_to(entry)
+        views[str(site)] = str(folder)
+    return views
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    """All four stages, as CI runs them, in a process of their own in which the project's dependencies that the
+    GPU image lacks (and no wheel carries) are hidden; also the top-level modules it imported."""
+    tmp = tmp_path_factory.mktemp("gpu-report")
+    out, work = tmp / "fragments", tmp / "work"
+    hidden = lacking_on_gpu_image()
+    views = site_view_without(hidden, tmp / "site-view")
+    code = textwrap.dedent(f"""
+        import importlib, json, os, sys
+        views = {views!r}
+        sys.path[:] = [views.get(os.path.realpath(p), p) for p in sys.path]
+        importlib.invalidate_caches()
+        from rag_train.bench.gpu_report import main
+        main(["--device", "cpu", "--quick", "--stage", "all", "--out", {str(out)!r}, "--work", {str(work)!r},
+              "--wheels-dir", {str(tmp / "no-wheels")!r}])
+        print("MODULES " + json.dumps(sorted({{m.split(".")[0] for m in sys.modules}})))
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    modules = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("MODULES "))[8:])
+    records = {name: json.loads((out / f"{name}.json").read_text()) for name in gpu_report.STAGES}
+    return {"out": out, "work": work, "modules": modules, "records": records, "hidden": hidden, "views": views}
+
+
+def test_every_stage_wrote_its_fragments_on_cpu_quick(quick_run):
+    for name, record in quick_run["records"].items():
+        assert record["stage"] == name and record["quick"] is True
+        assert record["environment"]["device"] == "cpu"
+        markdown = (quick_run["out"] / f"{name}.md").read_text()
+        assert markdown.startswith(f"## {name}:") and "device: cpu (quick)" in markdown
+
+
+def test_embed_counts_every_passage_at_exactly_its_length_and_the_rates_follow(quick_run):
+    from transformers import AutoTokenizer
+
+    record = quick_run["records"]["embed"]
+    work = quick_run["work"] / "embed"
+    tokenizer = AutoTokenizer.from_pretrained(str(work / "toy" / "tokenizer"))
+    peak = record["gemm_peak_flops"]
+    assert [(r["shape"], r["length"]) for r in record["results"]] == [("tiny", 64), ("tiny", 128), ("tiny", 256)]
+    for r in record["results"]:
+        rows = [json.loads(line) for line in (work / f"long-{r['length']}.jsonl").read_text().splitlines()]
+        assert len(rows) >= r["passages"]
+        lengths = [len(tokenizer(row["text"])["input_ids"]) for row in rows[: r["passages"]]]
+        assert min(lengths) > r["length"]  # every passage is truncated: the forward sees exactly length tokens each
+        assert r["profile"]["rows"] == r["passages"] and r["profile"]["tokens"] == r["passages"] * r["length"]
+        # the toy tower by hand: d 64, 4 heads x 16, gated feed-forward 128 (3 matrices), 2 layers
+        n = r["length"]
+        flops = 2 * (2 * n * (4 * 64 * 64 + 3 * 64 * 128) + 2 * 2 * n * n * 64)
+        assert r["flops_per_passage"] == flops
+        assert r["ours_passages_per_s"] == pytest.approx(r["passages"] / r["ours_seconds"])
+        assert r["ours_fraction_of_peak"] == pytest.approx(flops * r["passages"] / r["ours_seconds"] / peak)
+        assert r["max_abs_diff"] < 1e-4  # embed_rows and SentenceTransformer.encode give the same vectors
+        assert sum(r["profile"]["share"].values()) == pytest.approx(1.0)
+    assert record["goals"][0]["value"] is None and all(goal["met"] is None for goal in record["goals"])
+
+
+def test_search_top_k_equals_a_float64_brute_force(quick_run):
+    from rag_train.bench.search import make_corrector
+
+    record = quick_run["records"]["search"]
+    s = record["settings"]
+    rows = torch.randn(s["rows"], s["dim"], generator=torch.Generator().manual_seed(s["seed"]))
+    rows = torch.nn.functional.normalize(rows, dim=1).double()
+    query = torch.nn.functional.normalize(torch.randn(s["batch"], s["dim"], generator=torch.Generator().manual_seed(
+        s["seed"] + 1)), dim=1)[0].double()
+    corrector = make_corrector(s["dim"], s["hidden"], s["seed"]).double()
+    w1, b1, w2, b2 = (p.detach() for p in (corrector.first.weight, corrector.first.bias, corrector.second.weight,
+                                           corrector.second.bias))
+    corrected = rows + torch.relu(rows @ w1.t() + b1) @ w2.t() + b2  # h(b) = b + W2 relu(W1 b + c1) + c2
+    for mode, vectors in (("exact", rows), ("corrector_full", corrected)):
+        brute = np.argsort(-(vectors @ query).numpy(), kind="stable")[: s["k"]]
+        assert sorted(record["results"][mode]["top_rows_query0"]) == sorted(brute.tolist()), mode
+        assert record["results"][mode]["same_ids_as_plain"] == 1.0
+
+
+def test_step_runs_the_recipe_at_1_and_4_questions_with_the_stated_models(quick_run):
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    results = quick_run["records"]["step"]["results"]
+    assert [r["shape"]["batch"] for r in results] == [1, 4]
+    reader = T5ForConditionalGeneration(T5Config(vocab_size=1000, d_model=64, d_ff=128, d_kv=16, num_heads=4,
+                                                 num_layers=2, num_decoder_layers=2, feed_forward_proj="gated-gelu",
+                                                 tie_word_embeddings=False))
+    for r in results:
+        assert r["parameters"]["reader"] == sum(p.numel() for p in reader.parameters())
+        assert r["parameters"]["corrector"] == 2 * 64 * 32 + 32 + 64  # h: 64 -> 32 -> 64
+        assert r["check"]["allclose"] is True
+        for logged in r["step"]["logged"]:
+            assert {"reader_loss", "retriever_loss", "corrector_loss"} <= set(logged)
+            assert all(math.isfinite(logged[k]) for k in ("reader_loss", "retriever_loss", "corrector_loss"))
+        assert r["likelihoods"]["saving_s"] == pytest.approx(r["likelihoods"]["reencode_median_s"]
+                                                             - r["likelihoods"]["reuse_median_s"])
+
+
+def test_scale_runs_the_main_job_over_the_whole_generated_world(quick_run):
+    record = quick_run["records"]["scale"]
+    r = record["results"]
+    rows = record["settings"]["rows"]
+    world = quick_run["work"] / "scale" / f"toy-{rows}" / "passages.jsonl"
+    assert r["rows"] == rows == len(world.read_text().splitlines())
+    run = r["run"]
+    assert [(p["reason"], p["rows"]) for p in run["corpus_passes"]] == [("stale buffer build", rows),
+                                                                       ("final evaluation", rows)]
+    assert run["steps"] == record["settings"]["steps"] == run["loop_calls"]["buffer search"]
+    factor = gpu_report.TARGET_ROWS / rows
+    assert r["projection"]["generate"] == pytest.approx(r["generate_seconds"] * factor)
+    assert r["projection"]["buffer build"] == pytest.approx(run["corpus_passes"][0]["seconds"] * factor)
+
+
+def test_stages_ran_without_what_the_gpu_image_lacks(quick_run):
+    """The run above had the lacking dependencies hidden (datasets, deepspeed, ... where installed here) and still
+    imported the carried ones (omegaconf: the config) from their usual place."""
+    import importlib.metadata
+
+    assert {"datasets", "fastapi", "uvicorn"} <= quick_run["hidden"]
+    assert "omegaconf" not in quick_run["hidden"] and "omegaconf" in quick_run["modules"]
+    owners = importlib.metadata.packages_distributions()
+    imported = {gpu_report.normalise(d) for m in quick_run["modules"] for d in owners.get(m, [])}
+    assert not imported & quick_run["hidden"]
+    assert quick_run["views"]  # something was hidden: datasets is installed where the tests run
+
+
+def test_assemble_lists_exactly_the_stages_present(quick_run, tmp_path):
+    doc = tmp_path / "all.md"
+    gpu_report.main(["--assemble", "--out", str(quick_run["out"]), "--doc", str(doc)])
+    text = doc.read_text()
+    for name in gpu_report.STAGES:
+        assert f"\n## {name}:" in text
+    assert text.count("device: cpu (quick)") == len(gpu_report.STAGES)
+    assert "Missing stages: none." in text and "GPU figures pending a GPU session" in text
+
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    for name in ("embed", "search"):
+        for suffix in (".json", ".md"):
+            shutil.copy(quick_run["out"] / f"{name}{suffix}", partial)
+    gpu_report.main(["--assemble", "--out", str(partial), "--doc", str(doc)])
+    text = doc.read_text()
+    assert "\n## embed:" in text and "\n## search:" in text
+    assert "\n## step:" not in text and "\n## scale:" not in text
+    assert "Missing stages: step, scale." in text
+    assert "| step | **missing** |" in text and "| scale | **missing** |" in text
+
+
+def test_list_and_bad_input(capsys, tmp_path, monkeypatch):
+    gpu_report.main(["--stage", "list"])
+    listed = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in listed] == [*gpu_report.STAGES, "all"]
+    assert listed[-1].split()[1] == f"~{sum(s.minutes for s in gpu_report.STAGES.values()):g}"
+
+    with pytest.raises(SystemExit) as exit_info:
+        gpu_report.main(["--assemble", "--out", str(tmp_path)])
+    assert exit_info.value.code == gpu_report.INPUT_FAULT_EXIT
+    assert capsys.readouterr().err.strip() == f"error: {tmp_path}: no stage fragments (<stage>.json) to assemble"
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exit_info:
+        gpu_report.main(["--stage", "search", "--device", "cuda", "--out", str(tmp_path),
+                         "--wheels-dir", str(tmp_path / "none")])
+    assert exit_info.value.code == gpu_report.INPUT_FAULT_EXIT
+    assert capsys.readouterr().err.strip().startswith("error: --device cuda, but torch sees no CUDA device")
+
+    with pytest.raises(SystemExit) as exit_info:  # GPU sizes on a CPU: refused before any work
+        gpu_report.main(["--stage", "search", "--device", "cpu", "--out", str(tmp_path),
+                         "--wheels-dir", str(tmp_path / "none")])
+    assert exit_info.value.code == gpu_report.INPUT_FAULT_EXIT
+    assert capsys.readouterr().err.strip().startswith("error: --device cpu runs only with --quick")
+    assert not list(tmp_path.iterdir())  # no fragment written
+
+
+def test_wheel_requirements_follow_requirements_beyond_the_image():
+    needs = {"faiss-cpu": ["numpy", "packaging"],
+             "omegaconf": ["PyYAML>=5.1", "antlr4-python3-runtime==4.9.*; python_version < '3.13'",
+                           "dataclasses; python_version < '3.7'"],
+             "ir-measures": ["pytrec-eval-terrier>=0.5", "cwl-eval>=1.0; extra == 'cwl'"],
+             "pytrec-eval-terrier": ["numpy", "scipy"], "antlr4-python3-runtime": None}
+    versions = {"faiss-cpu": "1.8", "omegaconf": "2.3.0", "ir-measures": "0.4.3", "pytrec-eval-terrier": "0.5.11",
+                "antlr4-python3-runtime": "4.9.3"}
+    assert gpu_report.wheel_requirements(needs.get, versions.__getitem__) == [
+        "antlr4-python3-runtime==4.9.3", "faiss-cpu==1.8", "ir-measures==0.4.3", "omegaconf==2.3.0",
+        "pytrec-eval-terrier==0.5.11"]
+
+
+def test_install_wheels_installs_only_what_is_missing(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setenv("PYTHONPATH", "")
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    name = "rag_train_probe_pkg"
+    with zipfile.ZipFile(wheels / f"{name}-0.1-py3-none-any.whl", "w") as whl:
+        whl.writestr(f"{name}/__init__.py", "VALUE = 42\n")
+        whl.writestr(f"{name}-0.1.dist-info/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1\n")
+        whl.writestr(f"{name}-0.1.dist-info/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+                                                    "Tag: py3-none-any\n")
+        whl.writestr(f"{name}-0.1.dist-info/RECORD", "")
+    (wheels / "numpy-0.0-py3-none-any.whl").write_bytes(b"not a wheel: numpy is installed, so never opened")
+    target = tmp_path / "site"
+    assert gpu_report.install_wheels(wheels, target) == [gpu_report.normalise(name)]
+    assert sys.path[0] == str(target)
+    import importlib
+
+    assert importlib.import_module(name).VALUE == 42
+    sys.modules.pop(name)
+    assert gpu_report.install_wheels(tmp_path / "absent", target) == []
+
+
+def test_the_gpu_sizes_are_accepted_by_the_code_they_configure():
+    """The GPU-size settings never run here: what can be checked without a GPU is that the benchmarks' own
+    parsers and the config loader accept them, so a lease is not spent on a typo."""
+    from rag_train.bench import rlm_step, search
+    from rag_train.bench.embed import SHAPES
+    from rag_train.config import load_config
+    from rag_train.train.schema import RLMConfig
+
+    args = search.parse_args(gpu_report.SEARCH_GPU + ["--device", "cuda"])
+    assert (args.rows, args.dim, args.hidden, args.batch, args.dtype) == (28_000_000, 768, 8192, 64, "bf16")
+    for batch in gpu_report.STEP_BATCHES:
+        args = rlm_step.parse_args(gpu_report.STEP_GPU + ["--batch", str(batch), "--device", "cpu"])
+        assert (args.size, args.passages, args.passage_length, args.dtype, args.checkpointing, args.batch) == (
+            "base", 32, 256, "bf16", True, batch)
+    assert set(gpu_report.EMBED_GPU["shapes"]) <= set(SHAPES) == {"tiny", "small", "base"}
+    cfg = load_config(RLMConfig, ROOT / "configs" / "toy" / "rlm.yaml", gpu_report.SCALE_GPU["overrides"])
+    assert (cfg.buffer.embed_workers, cfg.warm_start.reader_steps, cfg.pdist_gate) == (8, 200, 0.0)

@@ -1,0 +1,55 @@
+"""A CPU run uses the cores it is given (issue 31): `accelerate launch` exports OMP_NUM_THREADS=1 unless asked
+otherwise, and the run's setup replaces that default with the available cores shared out between the processes on
+the machine, but keeps a count the user asked for (OMP_NUM_THREADS, the launcher's flag, `train.cpu_threads`).
+Real processes, counted against the test's own affinity mask."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rag_train.config import ConfigError, load_config
+from rag_train.launch import launch_command
+from rag_train.train.schema import RLMConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "tests" / "dist" / "threads.py"
+CORES = len(os.sched_getaffinity(0))  # the children inherit this mask
+
+
+def threads_of(cmd: list[str], omp: str | None = None) -> list[int]:
+    """torch threads of each process `cmd` starts, by rank; `omp`: OMP_NUM_THREADS in the launcher's environment."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    env["PYTHONPATH"] = str(ROOT)
+    if omp is not None:
+        env["OMP_NUM_THREADS"] = omp
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return [entry["threads"] for entry in sorted(lines, key=lambda entry: entry["rank"])]
+
+
+@pytest.mark.skipif(CORES < 2, reason="one available core: every rule gives one thread")
+def test_one_process_takes_every_core_unless_a_count_was_asked_for():
+    assert threads_of(launch_command(SCRIPT, "auto")) == [CORES]  # the launcher's injected OMP_NUM_THREADS=1
+    assert threads_of(launch_command(SCRIPT, "auto"), omp="1") == [1]  # the user's OMP_NUM_THREADS
+    assert threads_of(launch_command(SCRIPT, "auto", threads=1)) == [1]  # --num_cpu_threads_per_process 1
+    assert threads_of(launch_command(SCRIPT, "3"), omp="1") == [3]  # train.cpu_threads wins over both
+    assert threads_of([sys.executable, str(SCRIPT), "auto"], omp="1") == [1]  # no launcher: the variable is the user's
+
+
+@pytest.mark.slow
+def test_processes_on_one_machine_share_the_cores():
+    assert threads_of(launch_command(SCRIPT, "auto", processes=2)) == [max(1, CORES // 2)] * 2
+
+
+def test_cpu_threads_is_auto_or_a_positive_count():
+    assert load_config(RLMConfig, None, ["train.cpu_threads=4"]).train.cpu_threads == "4"
+    for bad in ("0", "-1", "two"):
+        with pytest.raises(ConfigError, match="train.cpu_threads"):
+            load_config(RLMConfig, None, [f"train.cpu_threads={bad}"])

@@ -1,0 +1,50 @@
+"""The suite's warnings mean something (issue 31): `pyproject.toml` makes the warnings that mean a bug (the
+project's ConfigWarning, transformers' deprecated `past_key_values`) errors, so they fail the test that raised
+them unless it asserts them. Checked by running pytest, with the project's settings, on a small test file in a
+fresh process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CASES = '''
+import warnings
+
+from rag_train.config import ConfigWarning
+
+
+def test_quiet():
+    pass
+
+
+def test_config_warning():
+    warnings.warn("override 'strategy.x=1': strategy 'y' does not read strategy.x", ConfigWarning)
+
+
+def test_deprecated_transformers_argument():
+    warnings.warn("`past_key_values` is deprecated and will be removed in version 5.40.0", FutureWarning)
+
+
+def test_expected_config_warning_asserted():
+    import pytest
+
+    with pytest.warns(ConfigWarning):
+        warnings.warn("asserted", ConfigWarning)
+'''
+
+
+def test_an_unexpected_warning_fails_its_test(tmp_path):
+    (tmp_path / "test_cases.py").write_text(CASES)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-c", str(ROOT / "pyproject.toml"),
+                           "--rootdir", str(tmp_path), "-rA", str(tmp_path / "test_cases.py")],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    outcome = {line.split("::")[-1].split()[0]: line.split()[0] for line in proc.stdout.splitlines()
+               if line.startswith(("PASSED", "FAILED"))}
+    assert outcome == {"test_quiet": "PASSED", "test_config_warning": "FAILED", "test_deprecated_transformers_argument": "FAILED",
+                       "test_expected_config_warning_asserted": "PASSED"}, proc.stdout[-3000:]
+    assert "ConfigWarning: override 'strategy.x=1'" in proc.stdout
