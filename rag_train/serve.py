@@ -367,14 +367,54 @@ def serve(export_dir: str | Path, host: str = "127.0.0.1", port: int = 8000, lim
     uvicorn.run(app, host=host, port=port, log_level=log_level, http=timed_protocol(limits.request_timeout_s))
 
 
+LINGER_S = 2.0  # a connection closed while its request body may still be arriving drains at most this long...
+LINGER_BYTES = 64 * 2**20  # ...or this many bytes before it is closed for good
+
+
+class _LingeringTransport:
+    """A transport whose `close()` is a lingering close while the client may still be sending its request body
+    (`still_sending()`): a close with unread bytes makes the kernel reset the connection, and a reset can discard
+    the answer queued just before it (the 413) before the client reads it. So the write side is shut first (the
+    answer, then FIN), what still arrives is read and dropped, and the socket is closed once the client closes its
+    side, after `LINGER_S` or after `LINGER_BYTES` (nginx's and Apache's lingering close)."""
+
+    def __init__(self, transport: Any, loop: asyncio.AbstractEventLoop, still_sending: Callable[[], bool]):
+        self._transport, self._loop, self._still_sending = transport, loop, still_sending
+        self.lingering, self.drained = False, 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+    def is_closing(self) -> bool:
+        return self.lingering or self._transport.is_closing()
+
+    def close(self) -> None:
+        if self.is_closing():
+            return
+        if not (self._still_sending() and self._transport.can_write_eof()):
+            self._transport.close()
+            return
+        self.lingering = True
+        self._transport.write_eof()  # the queued answer, then FIN
+        self._transport.resume_reading()  # keep draining: unread bytes at close() would reset the connection
+        self._loop.call_later(LINGER_S, self._transport.close)
+
+    def drain(self, data: bytes) -> None:
+        self.drained += len(data)
+        if self.drained > LINGER_BYTES:
+            self._transport.close()
+
+
 def timed_protocol(timeout_s: float) -> type:
-    """uvicorn's h11 protocol with a deadline for a request's headers and no reading of a body nobody will read.
+    """uvicorn's h11 protocol with a deadline for a request's headers, no reading of a body nobody will read, and a
+    lingering close.
 
     uvicorn closes an idle kept-alive connection after `timeout_keep_alive` (5 s), but a connection that sends
     nothing, or sends its headers a byte at a time, is held forever: here its headers must be complete within
     `timeout_s` of the connection opening or of their first byte, else it is closed (the body's deadline is the
     app's, `read_json_body`: 408). An answer sent before the request's body arrived in full (413, 408, 415, 404)
-    closes the connection: the rest of the body is never read."""
+    closes the connection: the rest of the body is not parsed, only drained for a moment (`_LingeringTransport`) so
+    that the client gets the answer before the connection goes."""
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -382,10 +422,14 @@ def timed_protocol(timeout_s: float) -> type:
         headers_timer: Optional[asyncio.TimerHandle] = None
 
         def connection_made(self, transport) -> None:
-            super().connection_made(transport)
+            super().connection_made(_LingeringTransport(transport, self.loop,
+                                                        lambda: self.conn.their_state is h11.SEND_BODY))
             self._arm()
 
         def data_received(self, data: bytes) -> None:
+            if self.transport.lingering:  # closing: what the client still sends is dropped, not parsed
+                self.transport.drain(data)
+                return
             super().data_received(data)
             if self.transport.is_closing():
                 self._disarm()
@@ -394,11 +438,16 @@ def timed_protocol(timeout_s: float) -> type:
             else:
                 self._disarm()
 
+        def eof_received(self):
+            if self.transport.lingering:
+                return None  # the client has closed its side too: the transport closes now
+            return super().eof_received()
+
         def on_response_complete(self) -> None:
             super().on_response_complete()
             if not self.transport.is_closing() and self.conn.their_state is h11.SEND_BODY:
                 getattr(self, "_unset_keepalive_if_required", lambda: None)()  # uvicorn's keep-alive timer
-                self.transport.close()  # answered before the body arrived: nothing more of it is read
+                self.transport.close()  # answered before the body arrived: nothing more of it is parsed
 
         def connection_lost(self, exc) -> None:
             self._disarm()
