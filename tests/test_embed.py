@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from rag_train.buffer.embed import PassageTokenizer, embed_rows, plan_batches
+from rag_train.buffer.embed import CHUNK_BATCHES, PassageTokenizer, chunk_batches, embed_rows, plan_batches
 from rag_train.config import RetrieverConfig, TinyModelConfig
 from rag_train.data.corpus import Corpus
 from rag_train.models.retriever import DualEncoder, format_passage
@@ -111,6 +111,15 @@ def test_workers_and_row_order(t5_world):
     assert torch.equal(in_process, in_workers)
     each = embed_rows(model, corpus, np.arange(len(corpus)), 4, torch.device("cpu"))
     torch.testing.assert_close(in_process, each[torch.from_numpy(rows)], atol=1e-6, rtol=0)  # other batches
+
+
+def test_chunk_batches_give_every_worker_two_items_by_hand():
+    assert CHUNK_BATCHES == 8
+    assert chunk_batches(28_000_000, 1024, 8) == 8  # a big corpus: whole 8-batch items
+    assert chunk_batches(65_536, 1024, 8) == 4  # 16 items of 4 batches for 8 workers
+    assert chunk_batches(4_096, 1024, 8) == 1  # 4 one-batch items, not one item that 7 workers wait beside
+    assert chunk_batches(90, 4, 2) == 6  # ceil(90 / (4 x 2 x 2)): the worker test above, 4 items
+    assert chunk_batches(10, 4, 0) == 8  # in process: items only amortise the tokeniser call
 
 
 def test_plan_batches_by_hand():

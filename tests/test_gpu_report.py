@@ -63,7 +63,7 @@ def site_view_without(names: set[str], view: Path) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
-    """All four stages, as CI runs them, in a process of their own in which the project's dependencies that the
+    """All five stages, as CI runs them, in a process of their own in which the project's dependencies that the
     GPU image lacks (and no wheel carries) are hidden; also the top-level modules it imported."""
     tmp = tmp_path_factory.mktemp("gpu-report")
     out, work = tmp / "fragments", tmp / "work"
@@ -117,6 +117,37 @@ def test_embed_counts_every_passage_at_exactly_its_length_and_the_rates_follow(q
         assert r["max_abs_diff"] < 1e-4  # embed_rows and SentenceTransformer.encode give the same vectors
         assert sum(r["profile"]["share"].values()) == pytest.approx(1.0)
     assert record["goals"][0]["value"] is None and all(goal["met"] is None for goal in record["goals"])
+
+
+def test_forward_rates_follow_the_hand_counted_flops_and_the_tokeniser_truncates(quick_run):
+    record = quick_run["records"]["forward"]
+    peak = record["gemm_peak_flops"]
+    assert [(r["shape"], r["length"]) for r in record["results"]] == [("tiny", 16), ("tiny", 32)]
+    for r in record["results"]:
+        n = r["length"]  # the toy tower by hand, as in the embed test above
+        flops = r["rows"] * 2 * (2 * n * (4 * 64 * 64 + 3 * 64 * 128) + 2 * 2 * n * n * 64)
+        assert r["autocast_fraction_of_peak"] == pytest.approx(flops / r["autocast_seconds"] / peak)
+        assert r["bf16_fraction_of_peak"] == pytest.approx(flops / r["bf16_seconds"] / peak)
+        shares = r["device_time_shares"]
+        assert sum(shares.values()) == pytest.approx(1.0) and set(shares) == set(gpu_report.KERNEL_CLASSES)
+        assert shares["GEMM, fp32"] > 0 and shares["GEMM, 16-bit"] == 0  # CPU: no autocast, every GEMM in fp32
+        assert r["min_cosine_bf16_vs_autocast"] > 0.99
+    assert [t["length"] for t in record["tokenise"]] == [16, 32]
+
+
+@pytest.mark.parametrize("name, kind", [
+    # kernel names read off an H100 profile of the base tower (docs/gpu_report.md) and CPU aten ops
+    ("sm80_xmma_gemm_f32f32_f32f32_f32_nn_n_tilesize64x64x8_stage3_warpsize1x4x1", "GEMM, fp32"),
+    ("nvjet_sm90_tst_192x192_64x4_2x1_v_bz_coopB_TNN", "GEMM, 16-bit"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "GEMM, 16-bit"),
+    ("void (anonymous namespace)::softmax_warp_forward<float, float, float, 8, false, false>", "softmax"),
+    ("fmha_cutlassF_bf16_aligned_64x64_rf_sm80(PyTorchMemEffAttention::AttentionKernel)", "fused attention"),
+    ("void at::native::vectorized_elementwise_kernel<8, at::native::CUDAFunctor_add<c10::BFloat16> >",
+     "the rest (elementwise, norms, copies)"),
+    ("aten::addmm", "GEMM, fp32"), ("aten::bmm", "GEMM, fp32"), ("aten::mul", "the rest (elementwise, norms, copies)"),
+])
+def test_kernel_classes(name, kind):
+    assert gpu_report.kernel_class(name) == kind
 
 
 def test_search_top_k_equals_a_float64_brute_force(quick_run):
@@ -203,8 +234,13 @@ def test_assemble_lists_exactly_the_stages_present(quick_run, tmp_path):
     text = doc.read_text()
     assert "\n## embed:" in text and "\n## search:" in text
     assert "\n## step:" not in text and "\n## scale:" not in text
-    assert "Missing stages: step, scale." in text
+    assert "Missing stages: forward, step, scale." in text
     assert "| step | **missing** |" in text and "| scale | **missing** |" in text
+    assert "## Findings" not in text
+    (partial / gpu_report.NOTES).write_text("## Findings\n\nwhy the figures are what they are\n")
+    gpu_report.main(["--assemble", "--out", str(partial), "--doc", str(doc)])
+    text = doc.read_text()  # the hand-written findings right after the summary table, before the first stage
+    assert text.index("Missing stages:") < text.index("## Findings\n\nwhy the figures") < text.index("\n## embed:")
 
 
 def test_list_and_bad_input(capsys, tmp_path, monkeypatch):
@@ -283,6 +319,7 @@ def test_the_gpu_sizes_are_accepted_by_the_code_they_configure():
         args = rlm_step.parse_args(gpu_report.STEP_GPU + ["--batch", str(batch), "--device", "cpu"])
         assert (args.size, args.passages, args.passage_length, args.dtype, args.checkpointing, args.batch) == (
             "base", 32, 256, "bf16", True, batch)
-    assert set(gpu_report.EMBED_GPU["shapes"]) <= set(SHAPES) == {"tiny", "small", "base"}
+    assert set(gpu_report.EMBED_GPU["shapes"]) | set(gpu_report.FORWARD_GPU["shapes"]) <= set(SHAPES) == {
+        "tiny", "small", "base"}
     cfg = load_config(RLMConfig, ROOT / "configs" / "toy" / "rlm.yaml", gpu_report.SCALE_GPU["overrides"])
     assert (cfg.buffer.embed_workers, cfg.warm_start.reader_steps, cfg.pdist_gate) == (8, 200, 0.0)

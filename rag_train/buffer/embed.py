@@ -142,11 +142,20 @@ def _quiet_worker(_: int) -> None:
     torch.set_num_threads(1)
 
 
+def chunk_batches(rows: int, batch_size: int, num_workers: int) -> int:
+    """Batches per worker item: CHUNK_BATCHES, or fewer when the rows would not give every worker two items (a
+    few big items leave the workers idle while the device waits for the first one: at 4,096 rows, batch 1,024 and 8
+    workers one 8-batch item made embed_rows 0.4x SentenceTransformer.encode on an H100, docs/gpu_report.md)."""
+    if num_workers <= 0:
+        return CHUNK_BATCHES
+    return max(1, min(CHUNK_BATCHES, -(-rows // (batch_size * 2 * num_workers))))
+
+
 def passage_loader(corpus: Corpus, rows: np.ndarray, tokenizer: PassageTokenizer, batch_size: int,
                    batch_tokens: int, num_workers: int, pin_memory: bool) -> DataLoader:
     """A DataLoader over the tokenised, length-bucketed batches of `rows` (one item = one chunk's batches)."""
     order = length_sorted_order(corpus.byte_lengths()[rows]) if len(rows) else np.zeros(0, dtype=np.int64)
-    step = batch_size * CHUNK_BATCHES
+    step = batch_size * chunk_batches(len(rows), batch_size, num_workers)
     chunks = [order[start: start + step] for start in range(0, len(order), step)]
     dataset = _Chunks(corpus, rows, chunks, tokenizer, batch_size, batch_tokens)
     workers = min(num_workers, len(chunks))
