@@ -365,7 +365,9 @@ def test_bad_config_through_the_script_exits_non_zero_before_work(tmp_path):
 
 
 @pytest.mark.parametrize("override, key", [({"strategy.top_k": 301}, "strategy.top_k=301"),
-                                           ({"retriever.model": "/no/such/model-dir"}, "/no/such/model-dir")])
+                                           # a pretrained checkpoint at a fine-tuning rate: no lr warning
+                                           ({"retriever.model": "/no/such/model-dir", "train.lr": 2e-5},
+                                            "/no/such/model-dir")])
 def test_impossible_config_fails_before_the_buffer_build(recipe_toy_dir, tmp_path, override, key):
     out = tmp_path / "run"
     with pytest.raises(ConfigError, match=key):

@@ -1,5 +1,5 @@
 """The suite's warnings mean something (issue 31): `pyproject.toml` makes the warnings that mean a bug (the
-project's ConfigWarning, transformers' deprecated `past_key_values`) errors, so they fail the test that raised
+project's ConfigWarning, any UserWarning, transformers' deprecated `past_key_values`) errors, so they fail the test that raised
 them unless it asserts them. Checked by running pytest, with the project's settings, on a small test file in a
 fresh process."""
 
@@ -29,6 +29,10 @@ def test_deprecated_transformers_argument():
     warnings.warn("`past_key_values` is deprecated and will be removed in version 5.40.0", FutureWarning)
 
 
+def test_user_warning():
+    warnings.warn("train.lr=0.001 is far above the rates pretrained encoders are fine-tuned at", UserWarning)
+
+
 def test_expected_config_warning_asserted():
     import pytest
 
@@ -46,5 +50,5 @@ def test_an_unexpected_warning_fails_its_test(tmp_path):
     outcome = {line.split("::")[-1].split()[0]: line.split()[0] for line in proc.stdout.splitlines()
                if line.startswith(("PASSED", "FAILED"))}
     assert outcome == {"test_quiet": "PASSED", "test_config_warning": "FAILED", "test_deprecated_transformers_argument": "FAILED",
-                       "test_expected_config_warning_asserted": "PASSED"}, proc.stdout[-3000:]
+                       "test_user_warning": "FAILED", "test_expected_config_warning_asserted": "PASSED"}, proc.stdout[-3000:]
     assert "ConfigWarning: override 'strategy.x=1'" in proc.stdout

@@ -29,6 +29,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import torch
@@ -57,6 +58,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu", help="cpu, or cuda for the on-device buffer benchmark")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="buffer dtype on the device")
+    parser.add_argument("--gemm-size", type=int, default=None,
+                        help="side of the square GEMM yardstick (default 8192 on CUDA, 2048 on CPU)")
     return parser.parse_args(argv)
 
 
@@ -204,9 +207,11 @@ def memmap_part(args) -> None:
         path.unlink(missing_ok=True)
 
 
-def device_yardsticks(device: torch.device, dtype: torch.dtype, repeats: int) -> tuple[float, float]:
-    """(GEMM TFLOP/s in `dtype` at 8192^3, or 2048^3 on CPU; copy GB/s counting bytes read + written)."""
-    size = 8192 if device.type == "cuda" else 2048
+def device_yardsticks(device: torch.device, dtype: torch.dtype, repeats: int,
+                      size: Optional[int] = None) -> tuple[float, float]:
+    """(GEMM TFLOP/s in `dtype` at size^3, by default 8192^3, or 2048^3 on CPU; copy GB/s counting bytes read +
+    written)."""
+    size = size or (8192 if device.type == "cuda" else 2048)
     a, b = (torch.randn(size, size, device=device, dtype=dtype) for _ in range(2))
     gemm_s = best_time(lambda: torch.mm(a, b), repeats, device=device)
     source = torch.empty(2**30 if device.type == "cuda" else 2**26, dtype=torch.uint8, device=device)
@@ -302,7 +307,7 @@ def device_part(args) -> dict:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
     print(f"device: {name}, torch {torch.__version__}, buffer {args.rows} x {args.dim} {args.dtype}, "
           f"{args.batch} queries, k={args.k}, corrector hidden {args.hidden}, chunk {args.chunk}")
-    tflops, copy_gbs = device_yardsticks(device, dtype, args.repeats)
+    tflops, copy_gbs = device_yardsticks(device, dtype, args.repeats, args.gemm_size)
     print(f"yardsticks      GEMM {tflops:.1f} TFLOP/s ({args.dtype}), copy {copy_gbs:.0f} GB/s (read + written)")
     rows = random_unit_rows(args.rows, args.dim, dtype, device, args.seed)
     queries = torch.nn.functional.normalize(
