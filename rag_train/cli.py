@@ -28,7 +28,7 @@ def exit_on_fault() -> Iterator[None]:
     the file, line, field or key) and a non-zero status, without a traceback; anything else propagates."""
     from rag_train.buffer.store import BufferError
     from rag_train.data.errors import DataError
-    from rag_train.export import ExportError
+    from rag_train.serving.export import ExportError
     from rag_train.io import CorruptFileError, StorageError
     from rag_train.models.reader import ReaderLoadError
 
@@ -112,7 +112,7 @@ def _export_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _serve_args(parser: argparse.ArgumentParser) -> None:
-    from rag_train.serve import ServeLimits
+    from rag_train.serving.serve import ServeLimits
 
     defaults = ServeLimits()
     parser.add_argument("--export", required=True, help="export directory (from export_retriever.py, with --faiss)")
@@ -141,14 +141,14 @@ def main(argv: Optional[list[str]] = None) -> None:
     args = parser.parse_args(argv)
     with exit_on_fault():
         if args.command == "export":
-            from rag_train.export import export_retriever
+            from rag_train.serving.export import export_retriever
 
             manifest = export_retriever(args.run, args.out, args.faiss, args.onnx, args.corpus, args.copy_corpus,
                                         args.nprobe, args.batch_size, args.overwrite)
             print(json.dumps({key: manifest[key] for key in ("towers", "dim", "corpus", "faiss", "onnx")
                               if key in manifest}, indent=2))
         else:
-            from rag_train.serve import ServeLimits, serve
+            from rag_train.serving.serve import ServeLimits, serve
 
             for name in ("max_queries", "max_query_chars", "max_k", "max_batch_queries", "port"):
                 if getattr(args, name) < 1:

@@ -4,7 +4,7 @@
 
 import argparse
 
-from rag_train.generative.compare import comparison_table
+from rag_train.analysis.generative_compare import comparison_table
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)

@@ -1,11 +1,11 @@
-"""How closely a finished Algorithm 1 run's corrector tracked its passage encoder (rag_train/eval/diagnose_retriever.py):
+"""How closely a finished Algorithm 1 run's corrector tracked its passage encoder (rag_train/analysis/diagnose_retriever.py):
 cosine / relative error of h(B) and B against fresh g(y) on the rows the corrector saw and never saw, and the
 overlap of their top-k with the fresh top-k.
 
     python scripts/diagnose_retriever.py --run runs/toy-retriever [--k 4[--k 4] [--questions 500] [--json out.json] [--fit-hidden 256 2048]
 """
 
-from rag_train.eval.diagnose_retriever import main
+from rag_train.analysis.diagnose_retriever import main
 
 if __name__ == "__main__":
     main()

@@ -1,10 +1,10 @@
 """Embed a corpus once into a stale buffer: `accelerate launch scripts/embed_corpus.py --config FILE [key=value ...]`.
 
-Rerun the same command to resume a killed build; see rag_train.embed_corpus.EmbedConfig for the keys.
+Rerun the same command to resume a killed build; see rag_train.serving.embed_corpus.EmbedConfig for the keys.
 """
 
 from rag_train.cli import exit_on_fault, parse_cli
-from rag_train.embed_corpus import EmbedConfig, embed_corpus
+from rag_train.serving.embed_corpus import EmbedConfig, embed_corpus
 from rag_train.launch import make_accelerator
 
 

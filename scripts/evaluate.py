@@ -25,7 +25,7 @@ from rag_train.models.reader import FiDReader
 from rag_train.models.retriever import DualEncoder
 from rag_train.data.tokenizer import load_tokenizer
 from rag_train.data.toy import TOY_DEV_SETS, TOY_TRAIN_SETS
-from rag_train.run_corpus import check_run_corpus
+from rag_train.train.run_corpus import check_run_corpus
 from rag_train.strategies import REGISTRY
 from rag_train.train.rlm import write_predictions
 from rag_train.train.schema import RLMConfig

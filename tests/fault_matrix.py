@@ -70,8 +70,8 @@ def zygote() -> None:
     import rag_train.train.retriever  # noqa: F401
     import rag_train.train.rlm  # noqa: F401
     import rag_train.train.generative  # noqa: F401
-    import rag_train.export  # noqa: F401
-    import rag_train.embed_corpus  # noqa: F401
+    import rag_train.serving.export  # noqa: F401
+    import rag_train.serving.embed_corpus  # noqa: F401
     import rag_train.reproduction.report  # noqa: F401
     import matplotlib.pyplot  # noqa: F401
 

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from rag_train.buffer.store import Buffer
 from rag_train.data.corpus import Corpus
-from rag_train.eval.diagnose_retriever import diagnose, latest_checkpoint, main
+from rag_train.analysis.diagnose_retriever import diagnose, latest_checkpoint, main
 from rag_train.eval.retrieval import load_eval_set
 from rag_train.models.retriever import DualEncoder
 from rag_train.strategies.corrector import CorrectorStrategy
@@ -153,7 +153,7 @@ def test_the_corrector_logs_its_tracking_per_step(corrector_run):
 
 def test_offline_fit_learns_a_drift_the_stale_vectors_miss():
     """fit_offline on a synthetic drift (g = normalised B rotated): its top-1 agrees with g far more often than B's."""
-    from rag_train.eval.diagnose_retriever import fit_offline
+    from rag_train.analysis.diagnose_retriever import fit_offline
 
     torch.manual_seed(0)
     stale = torch.nn.functional.normalize(torch.randn(400, 8), dim=1)

@@ -237,7 +237,7 @@ def test_disk_full_during_a_write_keeps_the_previous_file(tmp_path):
 
 def test_damaged_saved_model_export_and_metrics_are_named(tmp_path, reference):
     """The run's saved retriever, an export of it and its metrics.json: truncation is reported by file name."""
-    from rag_train.export import ExportError, export_retriever, load_manifest
+    from rag_train.serving.export import ExportError, export_retriever, load_manifest
     from rag_train.models.retriever import DualEncoder
 
     run = tmp_path / "run"

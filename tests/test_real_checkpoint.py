@@ -83,8 +83,8 @@ def _close(name: str, ours: np.ndarray, reference: np.ndarray) -> None:
 def test_minilm_trains_builds_a_buffer_exports_and_serves(minilm, toy_dir, tmp_path):
     from fastapi.testclient import TestClient
 
-    from rag_train.export import export_retriever
-    from rag_train.serve import create_app
+    from rag_train.serving.export import export_retriever
+    from rag_train.serving.serve import create_app
     from rag_train.train.retriever import train_retriever
 
     plain_queries, plain_passages = _plain(minilm, QUERY_TOKENS), _plain(minilm, PASSAGE_TOKENS)

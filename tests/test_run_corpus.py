@@ -18,7 +18,7 @@ from rag_train.config import DataConfig, save_config
 from rag_train.train.schema import RLMConfig
 from rag_train.data.corpus import Corpus
 from rag_train.data.toy import toy_paths
-from rag_train.export import ExportError, export_retriever
+from rag_train.serving.export import ExportError, export_retriever
 from rag_train.train.retriever import train_retriever
 from test_export import make_run
 from test_train_retriever import config
@@ -111,7 +111,7 @@ def test_evaluate_refuses_a_corpus_the_run_did_not_train_on(recipe_toy_dir, tmp_
 def test_the_server_refuses_a_corpus_changed_after_export(recipe_toy_dir, tmp_path):
     """The last link of run -> export -> serve: the export records the fingerprint export checked against the
     run, and the server refuses to start on a referenced corpus whose content changed since."""
-    from rag_train.serve import ExportedRetriever
+    from rag_train.serving.serve import ExportedRetriever
 
     toy = tmp_path / "toy"
     shutil.copytree(recipe_toy_dir, toy, ignore=shutil.ignore_patterns(".lock", "*.index"))

@@ -309,12 +309,12 @@ def test_leftovers_of_killed_writers_are_removed_on_resume(recipe_toy_dir, tmp_p
 def test_a_killed_export_is_cleaned_up_and_saved_folders_get_the_usual_modes(tmp_path, finished):
     """An export SIGKILLed while its folder is filled leaves a hidden temporary folder; the next export to the same
     place removes it. Saved models and exports get the umask's modes (mkdtemp's are 0700)."""
-    from rag_train.export import export_retriever
+    from rag_train.serving.export import export_retriever
 
     run = tmp_path / "run"
     shutil.copytree(finished[0], run, ignore=shutil.ignore_patterns("checkpoints", "buffer"))
     out = tmp_path / "exports" / "export"
-    killer = ("import os, sys, rag_train.export as e\n"
+    killer = ("import os, sys, rag_train.serving.export as e\n"
               "towers = e._write_towers\n"
               "def write_then_die(*a):\n"
               "    towers(*a); os.kill(os.getpid(), 9)\n"
@@ -338,7 +338,7 @@ def test_exported_and_saved_files_follow_the_umask(tmp_path, finished):
     """Issue 32: every file of an export, of the saved retriever and of a checkpoint gets 0666 & ~umask, like the
     other files of a run (safetensors >= 0.8 writes through a private temporary file: model.safetensors was 0600,
     unreadable by the serving user or the operator's group)."""
-    from rag_train.export import export_retriever
+    from rag_train.serving.export import export_retriever
 
     run = tmp_path / "run"
     shutil.copytree(finished[0], run, ignore=shutil.ignore_patterns("buffer"))

@@ -19,7 +19,7 @@ import torch
 from rag_train.buffer.embed import embed_rows
 from rag_train.buffer.search import search
 from rag_train.data.corpus import Corpus
-from rag_train.serve import MicroBatcher, ServeLimits, create_app, validation_detail
+from rag_train.serving.serve import MicroBatcher, ServeLimits, create_app, validation_detail
 from test_export import _isolated_python, exported
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -4,6 +4,7 @@ contextualized token embeddings built by an encoder over the targets). See docs/
 
 Layers, bottom up: `config` (keys), `targets` (identifiers, their tokens and contexts), `trie` (valid output
 paths), `ce_table` (build / reduce / store the CE table through the buffer machinery), `model` (the Np head on
-T5), `contrastive` (CONTRA's token-level stage), `search` (constrained beam search and metrics), `compare`
-(the same metrics for a dual encoder). The recipe is `rag_train.train.generative`.
+T5), `contrastive` (CONTRA's token-level stage), `search` (constrained beam search and metrics). The recipe is
+`rag_train.train.generative`; the comparison with a dual encoder on the same metrics is
+`rag_train.analysis.generative_compare`.
 """

@@ -18,7 +18,7 @@ from rag_train.reproduction.metrics import (DATASET_LABELS, DATASETS, em_curve, 
                                            retrieval_curve, seed_mean_curve)
 from rag_train.reproduction.plan import CURVES, INIT_LABELS, INITS, RLM_CURVES, TABLE1, TABLE3
 from rag_train.reproduction.plots import plot_ablation, plot_curves, plot_table1, plot_table3
-from rag_train.synthetic import aggregate
+from rag_train.analysis.synthetic import aggregate
 
 # ---- the paper's numbers (notes/corrector-networks.md) ---------------------------------------------------------
 PAPER_TABLE1 = {  # NQ test recall@k, by the toy init that stands in for the paper's (random init has none)

@@ -223,7 +223,7 @@ class TrainingRun:
 
     def _record_corpus(self, corpus: Any) -> None:
         """`<run>/corpus.json`: the corpus export / evaluate must use. A resumed run must keep its corpus."""
-        from rag_train.run_corpus import RECORD, record_corpus, recorded_corpus
+        from rag_train.train.run_corpus import RECORD, record_corpus, recorded_corpus
 
         before = recorded_corpus(self.dir) if (self.dir / RECORD).is_file() else None
         if before and self.latest_checkpoint() is not None and before["fingerprint"] != corpus.fingerprint:

@@ -12,7 +12,7 @@ from rag_train.io import CorruptFileError
 
 CHECKPOINTS = "checkpoints"
 CONFIG_FILE = "config.yaml"
-CORPUS_RECORD = "corpus.json"  # rag_train.run_corpus.RECORD
+CORPUS_RECORD = "corpus.json"  # rag_train.train.run_corpus.RECORD
 LOGS = "logs"  # tracker output (<run>/logs/<recipe>/): never inside a folder that a saved model replaces
 # What a run leaves in its directory: any of them marks it as a run (finished or partial) that a new run must
 # not write into without train.resume=true (continue it) or train.overwrite=true (replace it).

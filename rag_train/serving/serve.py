@@ -28,9 +28,9 @@ import numpy as np
 import torch
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, ValidationError, create_model
 
-from rag_train.export import ExportError, load_manifest
+from rag_train.serving.export import ExportError, load_manifest
 
-log = logging.getLogger("rag_train.serve")
+log = logging.getLogger("rag_train.serving.serve")
 
 
 @dataclass(frozen=True)

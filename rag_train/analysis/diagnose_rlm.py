@@ -33,7 +33,7 @@ from rag_train.train.schema import RLMConfig
 from rag_train.data.corpus import Corpus
 from rag_train.data.qa import load_qa
 from rag_train.data.sources import resolve_data
-from rag_train.eval.diagnose_retriever import embed_corpus, final_corrector
+from rag_train.analysis.diagnose_retriever import embed_corpus, final_corrector
 from rag_train.models.retriever import DualEncoder
 from rag_train.data.toy import TOY_DEV_SETS, TOY_TRAIN_SETS
 

@@ -1,5 +1,5 @@
 """Synthetic corrector experiment (seed 000, Section 5.3), the grid's driver: drift x corrector size x training
-fraction -> KL(P || P_h) against the staleness KL(P || P_g') (the runs themselves: `rag_train.synthetic`).
+fraction -> KL(P || P_h) against the staleness KL(P || P_g') (the runs themselves: `rag_train.analysis.synthetic`).
 Writes results.json, results.md (the table) and two plots under --out-dir; `scripts/synthetic_corrector.py` is
 its entry point. See docs/synthetic_corrector.md for the setup and the findings."""
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from rag_train.io import atomic_open, atomic_write_json, atomic_write_text
-from rag_train.synthetic import (CorrectorSpec, SyntheticConfig, aggregate, corrector_grid, grid_jobs, quick_config,
+from rag_train.analysis.synthetic import (CorrectorSpec, SyntheticConfig, aggregate, corrector_grid, grid_jobs, quick_config,
                                  run_jobs)
 
 DEFAULT_DRIFTS = [0.25, 0.5, 1.0, 2.0]

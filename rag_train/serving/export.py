@@ -32,7 +32,7 @@ from rag_train.data.errors import DataError
 from rag_train.io import (CorruptFileError, atomic_directory, atomic_open, atomic_write_json, atomic_write_text,
                           folder_checksums, read_json, state_bytes, verify_checksums)
 from rag_train.models.retriever import META_FILE, DualEncoder
-from rag_train.run_corpus import check_run_corpus, recorded_corpus
+from rag_train.train.run_corpus import check_run_corpus, recorded_corpus
 
 EXPORT_FORMAT_VERSION = 1
 MANIFEST = "export.json"
