@@ -15,6 +15,7 @@ from typing import Callable, Iterator, Optional, TypeVar
 from rag_train.config import ConfigError, load_config
 
 T = TypeVar("T")
+CHECK_FAILED_EXIT = 1  # a benchmark's own check failed (rag_train.io.CheckError): its figures are not written
 INPUT_FAULT_EXIT = 2  # bad config, data, buffer, checkpoint, model path or export
 NUMERICAL_FAULT_EXIT = 3  # the run stopped after too many non-finite / diverged steps
 PEER_FAULT_EXIT = 4  # a collective failed: another process died, or hung past the collective timeout
@@ -29,7 +30,7 @@ def exit_on_fault() -> Iterator[None]:
     from rag_train.buffer.store import BufferError
     from rag_train.data.errors import DataError
     from rag_train.serving.export import ExportError
-    from rag_train.io import CorruptFileError, StorageError
+    from rag_train.io import CheckError, CorruptFileError, StorageError
     from rag_train.models.reader import ReaderLoadError
 
     prefix = f"[rank {os.environ['RANK']}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
@@ -46,6 +47,8 @@ def exit_on_fault() -> Iterator[None]:
         stop(str(exc), INPUT_FAULT_EXIT, exc)
     except FloatingPointError as exc:
         stop(str(exc), NUMERICAL_FAULT_EXIT, exc)
+    except CheckError as exc:
+        stop(str(exc), CHECK_FAILED_EXIT, exc)
     except OSError as exc:
         if isinstance(exc, StorageError) or exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS):
             where = "" if isinstance(exc, StorageError) or not exc.filename else f"{exc.filename}: "

@@ -3,10 +3,12 @@ launch one training run as its own process, reuse it once finished, and summaris
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -89,3 +91,68 @@ def compare_strategies(config: str | Path, strategies: list[str], seeds: list[in
         lines.append(f"| {strategy} | {results[0]['reembedded_passages']} | {recalls} | "
                      f"{cell([r['mrr@10'] for r in results])} | {statistics.mean(r['wall_seconds'] for r in results):.0f} |")
     return "\n".join(lines)
+
+
+def compare_strategies_main(argv: Optional[list[str]] = None) -> None:
+    """`scripts/compare_strategies.py`: Algorithm 1 once per strategy (same config, steps and seeds), one
+    markdown table; each run its own process and folder under --runs, a finished run reused."""
+    parser = argparse.ArgumentParser(description=compare_strategies_main.__doc__)
+    parser.add_argument("--config", default=str(ROOT / "configs" / "toy" / "retriever.yaml"))
+    parser.add_argument("--strategies", nargs="+",
+                        default=["in_batch", "uniform", "stale", "corrector", "exhaustive", "snm", "negative_cache"])
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0])
+    parser.add_argument("--runs", default="runs/compare")
+    parser.add_argument("--out", default=None, help="markdown file for the table (printed either way)")
+    parser.add_argument("--processes", type=int, default=1)
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args(argv)
+    started = time.time()
+    table = compare_strategies(args.config, args.strategies, args.seeds, Path(args.runs), args.overrides,
+                               args.processes)
+    print(table)
+    print(f"\n{len(args.strategies)} strategies x {len(args.seeds)} seeds in {time.time() - started:.0f} s",
+          file=sys.stderr)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(table + "\n")
+
+
+def compare_batching_main(argv: Optional[list[str]] = None) -> None:
+    """`scripts/compare_batching.py`: seed 002's Table 1 on the toy world (in-batch, GradAccum, GradCache, ContAccum
+    at the same N_total = N_local x K), one markdown table; each run its own process, a finished run reused."""
+    parser = argparse.ArgumentParser(description=compare_batching_main.__doc__)
+    parser.add_argument("--config", default=str(ROOT / "configs" / "toy" / "retriever.yaml"))
+    parser.add_argument("--local", type=int, default=4, help="N_local: the batch that fits")
+    parser.add_argument("--micro", type=int, default=4, help="K micro-batches: N_total = local x micro")
+    parser.add_argument("--bank", type=int, default=64, help="ContAccum bank size M")
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0])
+    parser.add_argument("--runs", default="runs/large_batches")
+    parser.add_argument("--out", default=None, help="markdown file for the table (printed either way)")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args(argv)
+
+    n, k, total = args.local, args.micro, args.local * args.micro
+    setups = {  # label -> overrides, in Table 1's order
+        f"in-batch {n} (what fits)": [f"train.batch_size={n}"],
+        f"GradAccum {n}x{k}": [f"train.batch_size={total}", "batching.name=grad_accum", f"batching.micro_batches={k}"],
+        f"GradCache {n}x{k}": [f"train.batch_size={total}", "batching.name=grad_cache", f"batching.micro_batches={k}"],
+        f"ContAccum {n}x{k}, M={args.bank}": [f"train.batch_size={total}", "batching.name=cont_accum",
+                                              f"batching.micro_batches={k}", f"batching.bank_size={args.bank}"],
+        f"ContAccum {n}x{k}, passage-only bank M={args.bank} (w/o M_q)": [
+            f"train.batch_size={total}", "batching.name=cont_accum", f"batching.micro_batches={k}",
+            f"batching.bank_size={args.bank}", "batching.bank_queries=false"],
+        f"in-batch {total} (a card that fits it)": [f"train.batch_size={total}"],
+    }
+    started, results = time.time(), {}
+    for label, extra in setups.items():
+        slug = "".join(c for c in label.replace(" ", "_") if c.isalnum() or c in "_-")
+        results[label] = [run_once(ROOT / "scripts" / "train_retriever.py", args.config,
+                                   Path(args.runs) / f"{slug}-seed{seed}",
+                                   [*args.overrides, *extra, f"train.seed={seed}"], threads=1)
+                          for seed in args.seeds]
+    table = batching_table(results)
+    print(table)
+    print(f"\n{len(setups)} setups x {len(args.seeds)} seeds in {time.time() - started:.0f} s", file=sys.stderr)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(table + "\n")

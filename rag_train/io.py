@@ -53,6 +53,10 @@ def atomic_open(path: str | Path, mode: str = "wb", needed: Optional[int] = None
         raise
 
 
+class CheckError(Exception):
+    """A benchmark's or report's results disagree with their own reference: no figures (exit status 1)."""
+
+
 class CorruptFileError(ValueError):
     """A file written for later use that is missing, truncated or altered; the message names the file."""
 

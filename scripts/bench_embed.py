@@ -8,6 +8,8 @@ Logic and options: rag_train/bench/embed.py (docs/embed_benchmark.md holds the f
 """
 
 from rag_train.bench.embed import main
+from rag_train.cli import exit_on_fault
 
 if __name__ == "__main__":
-    main()
+    with exit_on_fault():
+        main()

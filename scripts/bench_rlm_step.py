@@ -4,13 +4,9 @@ the FiD encoder states saves (rag_train/bench/rlm_step.py; docs/rlm_step_benchma
     python scripts/bench_rlm_step.py --size base --passages 32 --passage-length 256 --dtype bf16 --checkpointing
 """
 
-import sys
-
-from rag_train.bench.rlm_step import BenchmarkCheckError, main
+from rag_train.bench.rlm_step import main
+from rag_train.cli import exit_on_fault
 
 if __name__ == "__main__":
-    try:
+    with exit_on_fault():  # a failed check (BenchmarkCheckError): `error:` and exit status 1
         main()
-    except BenchmarkCheckError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(1)

@@ -6,6 +6,8 @@ buffers, or `--device cuda` for a buffer held on the GPU.
 """
 
 from rag_train.bench.search import main
+from rag_train.cli import exit_on_fault
 
 if __name__ == "__main__":
-    main()
+    with exit_on_fault():
+        main()

@@ -4,6 +4,8 @@
 """
 
 from rag_train.bench.sg_tree import main
+from rag_train.cli import exit_on_fault
 
 if __name__ == "__main__":
-    main()
+    with exit_on_fault():
+        main()

@@ -6,6 +6,8 @@ overlap of their top-k with the fresh top-k.
 """
 
 from rag_train.analysis.diagnose_retriever import main
+from rag_train.cli import exit_on_fault
 
 if __name__ == "__main__":
-    main()
+    with exit_on_fault():
+        main()

@@ -5,6 +5,8 @@ distractor kinds, and (--read) the reader on controlled distractors.
 """
 
 from rag_train.analysis.diagnose_rlm import main
+from rag_train.cli import exit_on_fault
 
 if __name__ == "__main__":
-    main()
+    with exit_on_fault():
+        main()

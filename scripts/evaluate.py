@@ -1,82 +1,11 @@
-"""Evaluate a finished RLM run on QA files: retrieve with its trained retriever over the corpus embedded by
-that retriever, read with its FiD reader, score exact match and answer recall@k.
+"""Evaluate a finished RLM run on QA files (rag_train/train/evaluate_run.py):
 
     python scripts/evaluate.py --run runs/toy-rlm --data data/toy/nq-dev.jsonl data/toy/tqa-dev.jsonl
-
-Writes `<run>/eval/<dataset>.jsonl` (one prediction per question), `<run>/eval/<dataset>.trec` (the ranking, a
-TREC run file; `<dataset>.qrels` beside it when questions list gold_ids) and `<run>/eval/metrics.json`.
 """
 
-import argparse
-import json
-import sys
-from pathlib import Path
-
-from rag_train.launch import make_accelerator
-
-from rag_train.config import ConfigError, load_config
-from rag_train.data.corpus import Corpus
-from rag_train.data.errors import DataError
-from rag_train.data.qa import load_qa
-from rag_train.data.sources import dataset_name, resolve_data
-from rag_train.eval.qa import QAEvalSettings, evaluate_qa
-from rag_train.io import atomic_write_json
-from rag_train.models.reader import FiDReader
-from rag_train.models.retriever import DualEncoder
-from rag_train.data.tokenizer import load_tokenizer
-from rag_train.data.toy import TOY_DEV_SETS, TOY_TRAIN_SETS
-from rag_train.train.run_corpus import check_run_corpus
-from rag_train.strategies import REGISTRY
-from rag_train.train.rlm import write_predictions
-from rag_train.train.schema import RLMConfig
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--run", required=True, help="RLM run directory (config.yaml, retriever/, reader/)")
-    parser.add_argument("--data", nargs="*", default=None, help="QA files {question, answers}; default: the run's dev sets")
-    parser.add_argument("--passages", type=int, default=None, help="passages per question (default: the run's)")
-    parser.add_argument("--limit", type=int, default=None, help="evaluate at most this many questions per file")
-    parser.add_argument("--batch-size", type=int, default=None)
-    args = parser.parse_args()
-
-    run = Path(args.run)
-    missing = [name for name in ("config.yaml", "retriever", "reader") if not (run / name).exists()]
-    if missing:
-        sys.exit(f"error: {run} is not a finished RLM run: missing {', '.join(missing)}")
-    try:
-        cfg = load_config(RLMConfig, run / "config.yaml")
-    except ConfigError as exc:
-        sys.exit(f"error: {exc}")
-    accelerator = make_accelerator()
-    files = resolve_data(cfg.data, accelerator, TOY_TRAIN_SETS, TOY_DEV_SETS)
-    corpus = Corpus.open(files.passages)
-    try:  # the corpus the retriever was trained (and its buffer built) on, not another toy world
-        check_run_corpus(run, corpus, f"{run / 'config.yaml'}: data", {"buffer": {"path": cfg.buffer.path}})
-    except DataError as exc:
-        sys.exit(f"error: {exc}")
-    sets = {dataset_name(p): load_qa(p, corpus=corpus, limit=args.limit, empty_answers=cfg.data.empty_answers)
-            for p in (args.data or files.dev)}
-
-    retriever = DualEncoder.load(run / "retriever").to(accelerator.device)
-    reader = FiDReader.from_pretrained(run / "reader").to(accelerator.device)
-    tokenizer = load_tokenizer(str(run / "reader"))
-    settings = QAEvalSettings(
-        num_passages=args.passages or cfg.eval.num_passages or cfg.strategy.top_k,
-        max_input_length=cfg.reader.max_input_length,
-        max_answer_length=cfg.reader.max_answer_length,
-        batch_size=args.batch_size or cfg.eval.batch_size,
-        closed_book=not REGISTRY[cfg.strategy.name].retrieves,
-        embed_workers=cfg.buffer.embed_workers,
-        embed_batch_size=cfg.buffer.embed_batch_size,
-    )
-    metrics, predictions = evaluate_qa(retriever, reader, tokenizer, corpus, sets, settings, accelerator,
-                                       out_dir=run / "eval")
-    if accelerator.is_main_process:
-        write_predictions(run / "eval", predictions)
-        atomic_write_json(run / "eval" / "metrics.json", metrics)
-        print(json.dumps(metrics, indent=2))
-
+from rag_train.cli import exit_on_fault
+from rag_train.train.evaluate_run import main
 
 if __name__ == "__main__":
-    main()
+    with exit_on_fault():
+        main()

@@ -2,7 +2,8 @@
 
 import sys
 
-from rag_train.cli import main
+from rag_train.cli import exit_on_fault, main
 
 if __name__ == "__main__":
-    main(["export", *sys.argv[1:]])
+    with exit_on_fault():
+        main(["export", *sys.argv[1:]])

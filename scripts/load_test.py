@@ -6,6 +6,8 @@
 import sys
 
 from rag_train.bench.load_test import main
+from rag_train.cli import exit_on_fault
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with exit_on_fault():
+        sys.exit(main())

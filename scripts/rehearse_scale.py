@@ -8,6 +8,8 @@ Logic: rag_train/bench/scale.py.
 """
 
 from rag_train.bench.scale import main
+from rag_train.cli import exit_on_fault
 
 if __name__ == "__main__":
-    main()
+    with exit_on_fault():
+        main()

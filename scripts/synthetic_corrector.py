@@ -5,6 +5,8 @@
 """
 
 from rag_train.analysis.synthetic_report import main
+from rag_train.cli import exit_on_fault
 
 if __name__ == "__main__":
-    main()
+    with exit_on_fault():
+        main()

@@ -103,7 +103,8 @@ def test_evaluate_refuses_a_corpus_the_run_did_not_train_on(recipe_toy_dir, tmp_
                                                  "rows": len(trained_on)}))
     result = subprocess.run([sys.executable, str(ROOT / "scripts" / "evaluate.py"), "--run", str(run)],
                             capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert result.returncode == 1, result.stderr[-2000:]
+    assert result.returncode == 2, result.stderr[-2000:]  # bad input (docs/reliability.md), one `error:` line
+    assert "Traceback" not in result.stderr and result.stderr.count("error: ") == 1
     assert f"fingerprint {other.fingerprint[:12]}" in result.stderr
     assert f"fingerprint {trained_on.fingerprint[:12]} in {run / 'corpus.json'}" in result.stderr
 

@@ -4,9 +4,10 @@ rank), then R-precision and recall@k as for the beams. Feeds scripts/compare_gen
 
 from __future__ import annotations
 
+import argparse
 import statistics
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -75,3 +76,14 @@ def comparison_table(generative_runs: Sequence[str | Path], dense_runs: Sequence
 def _mean_sd(values: list[float]) -> str:
     mean = 100 * statistics.fmean(values)
     return f"{mean:.1f} ± {100 * statistics.stdev(values):.1f}" if len(values) > 1 else f"{mean:.1f}"
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    """`scripts/compare_generative.py`: print the table of `comparison_table`."""
+    parser = argparse.ArgumentParser(description="Generative retrieval runs against dual-encoder runs on the same "
+                                                 "dev questions, at the title level (mean ± sd over runs).")
+    parser.add_argument("--generative", nargs="*", default=[], help="train_generative.py run directories")
+    parser.add_argument("--dense", nargs="*", default=[], help="train_retriever.py run directories")
+    parser.add_argument("--k", nargs="+", type=int, default=[1, 5, 10], help="recall@k cut-offs")
+    args = parser.parse_args(argv)
+    print(comparison_table(args.generative, args.dense, args.k))

@@ -34,6 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+from rag_train.io import CheckError
+
 ROOT = Path(__file__).resolve().parents[2]
 CHECK_FAILED_EXIT = 1  # a stage's own check failed (its results disagree with their reference), or pip failed
 INPUT_FAULT_EXIT = 2  # bad arguments: unknown stage, --device cuda without a GPU, cpu without --quick, no fragments
@@ -72,7 +74,7 @@ class ReportError(Exception):
     """Bad input to the report command: one line, exit status INPUT_FAULT_EXIT."""
 
 
-class StageCheckError(Exception):
+class StageCheckError(CheckError):
     """A stage's results disagree with their own reference (exit status CHECK_FAILED_EXIT): no figures."""
 
 

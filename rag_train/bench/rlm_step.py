@@ -47,6 +47,7 @@ import torch.nn.functional as F
 
 from rag_train.bench.machine import cpu_name, peak_rss_bytes, rss_kib, synchronize
 from rag_train.config import RetrieverConfig, load_config
+from rag_train.io import CheckError
 from rag_train.train.schema import RLMConfig
 from rag_train.data.corpus import Corpus
 from rag_train.data.qa import QAExample
@@ -77,7 +78,7 @@ SIZES = {
 }
 
 
-class BenchmarkCheckError(RuntimeError):
+class BenchmarkCheckError(CheckError):
     """Encoder-reuse likelihoods differ from re-encoding: the timings would compare different computations."""
 
 

@@ -11,6 +11,7 @@ the same seed gives byte-identical files, and answers cannot be guessed without 
 
 from __future__ import annotations
 
+import argparse
 import fcntl
 import functools
 import hashlib
@@ -619,3 +620,24 @@ def ensure_toy_world(data_cfg: DataConfig, tokenizer_vocab: int = 2000, workers:
             generate_toy_world(out_dir, data_cfg.toy_passages, data_cfg.toy_seed,
                                tokenizer_vocab=tokenizer_vocab, progress=progress, workers=workers)
     return paths
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    """`scripts/make_toy_data.py`: generate a toy world into --out and print its files."""
+    parser = argparse.ArgumentParser(description="Generate a toy world: its passages, QA and retrieval files, tokenizer.")
+    parser.add_argument("--out", required=True, help="output folder")
+    parser.add_argument("--passages", type=int, required=True, help="number of passages (two per person)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--questions", type=int, default=None,
+                        help="train questions per family (default min(passages, 100000))")
+    parser.add_argument("--dev-questions", type=int, default=None, help="dev questions per family (default min(max(100, passages // 10), 5000))")
+    parser.add_argument("--tokenizer-vocab", type=int, default=2000, help="0 = do not train a tokenizer")
+    parser.add_argument("--workers", type=int, default=1, help="processes rendering the passages (same bytes)")
+    args = parser.parse_args(argv)
+    try:
+        paths = generate_toy_world(args.out, args.passages, args.seed, args.questions, args.dev_questions,
+                                   tokenizer_vocab=args.tokenizer_vocab or None, workers=args.workers)
+    except ValueError as exc:
+        parser.error(str(exc))
+    for name, path in paths.items():
+        print(f"{name}: {path}")

@@ -33,6 +33,16 @@ class QAEvalSettings:
     embed_workers: int = 0  # buffer.embed_workers for the corpus pass
     embed_batch_size: int = 256  # buffer.embed_batch_size for the corpus pass
 
+    @classmethod
+    def from_config(cls, cfg, closed_book: bool, num_passages: Optional[int] = None,
+                    batch_size: Optional[int] = None) -> "QAEvalSettings":
+        """The settings of an RLM config (its eval, strategy, reader and buffer sections): what the recipe's
+        in-loop evaluations use and what scripts/evaluate.py uses on the finished run, unless overridden."""
+        return cls(num_passages=num_passages or cfg.eval.num_passages or cfg.strategy.top_k,
+                   max_input_length=cfg.reader.max_input_length, max_answer_length=cfg.reader.max_answer_length,
+                   batch_size=batch_size or cfg.eval.batch_size, closed_book=closed_book,
+                   embed_workers=cfg.buffer.embed_workers, embed_batch_size=cfg.buffer.embed_batch_size)
+
 
 @torch.no_grad()
 def evaluate_qa(retriever: nn.Module, reader: nn.Module, tokenizer, corpus: Corpus, sets: dict[str, list[QAExample]],

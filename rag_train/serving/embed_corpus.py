@@ -41,7 +41,7 @@ class EmbedConfig:
 
 
 def embed_corpus(cfg: EmbedConfig, accelerator=None) -> Buffer:
-    """The body of scripts/embed_corpus.py: resolve corpus and model from an EmbedConfig, build the buffer."""
+    """Resolve corpus and model from an EmbedConfig and build the buffer (scripts/embed_corpus.py's work)."""
     accelerator = accelerator or make_accelerator()
     passages, tokenizer = cfg.passages or cfg.data.passages, cfg.retriever.tokenizer
     needs_toy_tokenizer = cfg.model_dir is None and cfg.retriever.model == "tiny" and tokenizer is None
@@ -63,3 +63,19 @@ def embed_corpus(cfg: EmbedConfig, accelerator=None) -> Buffer:
                         shard_rows=cfg.buffer.shard_rows, dtype=cfg.buffer.dtype, accelerator=accelerator,
                         overwrite=cfg.overwrite, num_workers=cfg.buffer.embed_workers,
                         batch_tokens=cfg.buffer.embed_batch_tokens, passes=CorpusPasses(accelerator.print))
+
+
+def embed_corpus_recipe(cfg: EmbedConfig) -> dict:
+    """`scripts/embed_corpus.py` (through `rag_train.cli.run_recipe`): the buffer embedded (or resumed) by every
+    process of the launch; returns what the summary prints."""
+    accelerator = make_accelerator(timeout_s=cfg.collective_timeout)
+    buffer = embed_corpus(cfg, accelerator)
+    accelerator.wait_for_everyone()  # every shard written before any process ends the group
+    return {"path": str(buffer.path), "rows": buffer.rows, "dim": buffer.dim, "dtype": str(buffer.dtype),
+            "processes": accelerator.num_processes, "main": accelerator.is_main_process}
+
+
+def print_buffer_summary(cfg: EmbedConfig, result: dict) -> None:
+    if result["main"]:
+        print(f"buffer: {result['path']} ({result['rows']} rows x {result['dim']}, {result['dtype']}; "
+              f"{result['processes']} process(es))")

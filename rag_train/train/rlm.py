@@ -161,10 +161,7 @@ class RLMRecipe:
         self.trained = [p for g in groups for p in g["params"]]
         self.gate = RetrieverGate(cfg, strategy.trains_retriever, acc)
         acc.register_for_checkpointing(self.gate)  # a resumed run keeps when the gate opened
-        self.eval_settings = QAEvalSettings(cfg.eval.num_passages or cfg.strategy.top_k, cfg.reader.max_input_length,
-                                            cfg.reader.max_answer_length, cfg.eval.batch_size,
-                                            closed_book=not strategy.retrieves, embed_workers=cfg.buffer.embed_workers,
-                                            embed_batch_size=cfg.buffer.embed_batch_size)
+        self.eval_settings = QAEvalSettings.from_config(cfg, closed_book=not strategy.retrieves)
 
     # -- one step of Algorithm 2 -----------------------------------------------------------------------
 

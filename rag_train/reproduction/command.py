@@ -1,0 +1,100 @@
+"""Reproduce seed 000's comparisons on the toy world end to end and write the report (docs/reproduction.md).
+
+    nice -n 10 python scripts/reproduce.py                      # every section, default budgets and seeds
+    python scripts/reproduce.py --only table1 ablation --seeds 0 1 2
+    python scripts/reproduce.py --quick                         # tiny budgets, small world: a smoke test
+    python scripts/reproduce.py --report-only                   # rewrite the report from finished runs
+
+Sections (--only):
+  table1    Algorithm 1 (paper Table 1): in-batch, stale, corrector, exhaustive, SNM, negative cache, Dynnibal,
+            trainable cache, from three inits: random (no paper counterpart), LM-pretrained (the paper's T5: a
+            tiny T5 trained by span corruption on the world's passages, scripts/pretrain_toy_lm.py) and
+            retrieval-pretrained (its GTR: a tiny retriever first trained supervised, in-batch, on ANOTHER toy
+            world, toy_seed=1, with other entities);
+  table3    Algorithm 2 (paper Table 3): closed book, frozen retriever, corrector, exhaustive, all from one
+            shared warm start (`warm_start.from_run`); EM on the three toy datasets, steps/s;
+  ablation  corrector hidden size (paper Table 2): steps/s and recall, random init;
+  curves    recall and EM over training steps for stale, corrector and exhaustive (the table1/table3 runs);
+  synthetic the Section 5.3 grid (scripts/synthetic_corrector.py; an existing results.json is reused).
+
+Cost on 2 CPU cores (estimated from single runs, one torch thread per run): table1 + ablation + curves with
+the default 3 seeds about 35 min (a 300-step run is 40-70 s); table3 is dominated by the shared reader warm start
+and by the RLM's in-loop evaluations, roughly 45-60 min more with configs/toy/rlm.yaml as of this writing; the
+synthetic grid reuses docs/figures/synthetic/results.json (about 5 min when it has to be rerun).
+
+Every training run is its own process (`python scripts/train_*.py` with the environment `accelerate launch
+--num_processes 1 --cpu` would set, so that a failed run's exit status is this script's) with its own folder
+under --runs; a finished run (metrics.json there) is reused and an interrupted one is launched again with
+train.resume=true (from its last checkpoint if it saved one; finished RLM warm-start stages are kept), so an
+interrupted reproduction continues where it stopped. The report always covers every
+finished run it finds, whichever sections this invocation ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from rag_train.reproduction.plan import FULL, QUICK, SECTIONS, Plan
+from rag_train.reproduction.report import describe_machine, write_report
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS), help="sections to run")
+    parser.add_argument("--seeds", nargs="+", type=int, default=None, help="default: 0 1 2 (quick: 0)")
+    parser.add_argument("--hidden", nargs="+", type=int, default=None, help="ablation sizes; default 64 256 1024")
+    parser.add_argument("--runs", type=Path, default=None, help="default runs/reproduce (quick: runs/reproduce-quick)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="folder for reproduction.md and figures/ (default docs; quick: <runs>/report)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads per run (default 1: the tiny models gain little from a second thread, and "
+                             "two threads stall badly when another job holds a core)")
+    parser.add_argument("--quick", action="store_true", help="tiny budgets on a 300-passage world, for testing")
+    parser.add_argument("--report-only", action="store_true", help="launch nothing; rewrite the report")
+    args = parser.parse_args(argv)
+    budget = QUICK if args.quick else FULL
+    args.budget = budget
+    args.seeds = args.seeds or list(budget.seeds)
+    args.hidden = args.hidden or list(budget.hidden)
+    args.runs = args.runs or Path("runs/reproduce-quick" if args.quick else "runs/reproduce")
+    args.out = args.out or (args.runs / "report" if args.quick else Path("docs"))
+    return args
+
+
+def main(argv=None) -> None:
+    """scripts/reproduce.py, inside its `exit_on_fault` (a damaged metrics.json: 2, a full disk or read-only folder:
+    5, one `error:` line): a run that failed ends this process with the run's status."""
+    args = parse_args(argv)
+    try:
+        reproduce(args, argv)
+    except subprocess.CalledProcessError as exc:  # a run failed: it printed its own `error:` line above
+        status = exc.returncode if exc.returncode in (2, 3, 4, 5) else 1
+        out = next((a.split("=", 1)[1] for a in exc.cmd if str(a).startswith("train.output_dir=")), "?")
+        print(f"error: the run in {out} failed with exit status {exc.returncode} (its own error is above); "
+              "scripts/reproduce.py resumes it when run again", file=sys.stderr, flush=True)
+        raise SystemExit(status) from None
+
+
+def reproduce(args: argparse.Namespace, argv) -> None:
+    started, load_before = time.time(), os.getloadavg()
+    plan = Plan(args.runs, args.budget, args.seeds, args.hidden, args.out)
+    if not args.report_only:
+        tally = plan.execute(args.only, args.threads)
+        niceness = os.nice(0)
+        command = " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+        plan.log_invocation({
+            "command": (f"nice -n {niceness} " if niceness else "") + f"python scripts/reproduce.py {command}".strip(),
+            "date": time.strftime("%Y-%m-%d %H:%M", time.localtime(started)), "sections": tally.seconds,
+            "wall_seconds": round(time.time() - started, 1), "launched": tally.launched, "reused": tally.reused,
+            "threads": args.threads,
+            "load": [round(load_before[0], 1), round(os.getloadavg()[0], 1)]})
+    meta = {"machine": describe_machine(), "seeds": args.seeds, "budget": args.budget, "runs": args.runs,
+            "invocations": plan.invocations()}
+    path = write_report(plan.collect(), meta, args.out)
+    print(f"[reproduce] report: {path} ({time.time() - started:.0f} s)", flush=True)
