@@ -376,6 +376,17 @@ def _warn_if_unread(cfg: Any, item: str) -> None:
         node = getattr(node, part, None)
 
 
+def flatten(node: Any, prefix: str = "") -> dict[str, Any]:
+    """{"train": {"lr": 1e-4}} -> {"train.lr": 1e-4}: nested sections become dotted keys, the spelling of
+    overrides (lists and other non-dict values are kept as they are)."""
+    if not isinstance(node, dict):
+        return {prefix: node}
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        out.update(flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+    return out
+
+
 def to_yaml(cfg: Any) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
 

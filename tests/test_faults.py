@@ -459,7 +459,7 @@ def test_corrector_fault_leaves_the_encoder_update_bitwise_unchanged():
     bitwise equal in all three; the corrector moves only in the healthy one."""
     from accelerate import Accelerator
 
-    from rag_train.train.common import NonFiniteGuard, optimizer_step
+    from rag_train.train.step import NonFiniteGuard, optimizer_step
 
     def step(scale: float) -> tuple[torch.Tensor, torch.Tensor, NonFiniteGuard]:
         torch.manual_seed(0)

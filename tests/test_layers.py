@@ -47,8 +47,8 @@ LAYERS = [
           "`strategies/` (passage selection, one module each), `eval/` (EM, recall, IR metrics, TREC runs, QA and "
           "retrieval evaluation), `generative/` (Np Decoding's trie, CE table, head, search)", "buffer"),
     Layer("6 recipes", ("rag_train.train", "rag_train.experiments"),
-          "`train/` (`schema.py`: the recipes' config schemas; `common.py`: run directory, checkpoints, fault guard, "
-          "optimizer step; `run_corpus.py`: the corpus a run trained on, checked by export / evaluate / resume; "
+          "`train/` (`schema.py`: the recipes' config schemas; `run.py`: run directory, checkpoints, trackers; "
+          "`step.py`: data order, the optimizer step and its fault guard; `run_corpus.py`: the corpus a run trained on, checked by export / evaluate / resume; "
           "`retriever.py`: Algorithm 1, with `batching/` (one module per large-batch option); `rlm.py`: Algorithm 2; "
           "`generative.py`; `lm_pretrain.py`; `warm_start.py`; `passages.py`; `trainable.py`; `memory.py`; "
           "`summary.py`), `experiments.py`", "strategies, eval, generative"),

@@ -1,7 +1,7 @@
 """SIGKILL at a point of every stage of the RLM (retriever warm start, reader warm start, stale-buffer build,
 training before and after its first checkpoint), then train.resume=true: metrics (evaluation history included)
 and every weight of reader and retriever equal the straight run's, bitwise on CPU. Each stage draws from its own
-seed (`train.common.seed_stage`), so a stage reused from disk leaves the next one where a straight run would.
+seed (`train.step.seed_stage`), so a stage reused from disk leaves the next one where a straight run would.
 One test per kill point (tests/dist/rlm_faulty.py); docs/reliability.md lists them."""
 
 from __future__ import annotations

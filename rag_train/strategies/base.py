@@ -227,7 +227,7 @@ class Strategy:
     @property
     def auxiliary_max_loss(self) -> float:
         """A step whose auxiliary loss is above this skips the update of the `auxiliary` param groups
-        (0 = no limit; see train.common.NonFiniteGuard)."""
+        (0 = no limit; see train.step.NonFiniteGuard)."""
         return 0.0
 
     def modules(self) -> dict[str, nn.Module]:
@@ -237,7 +237,7 @@ class Strategy:
 
     def param_groups(self) -> list[dict]:
         """Optimizer param groups of `modules()` (none here). Groups trained only by `auxiliary_loss` carry
-        `"auxiliary": True` (see train.common.optimizer_step)."""
+        `"auxiliary": True` (see train.step.optimizer_step)."""
         return []
 
     # -- state ---------------------------------------------------------------------------------------

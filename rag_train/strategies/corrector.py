@@ -29,7 +29,7 @@ class CorrectorConfig:
     candidates: int = 0
     # divergence guard: a step whose (weighted) corrector loss is above this skips the corrector's update and
     # keeps the encoder's (0 = off; a non-finite corrector loss or gradient always skips it). See
-    # train.common.optimizer_step; train.max_bad_steps such steps in a row stop the run.
+    # train.step.optimizer_step; train.max_bad_steps such steps in a row stop the run.
     max_loss: float = 0.0
 
     def __post_init__(self) -> None:

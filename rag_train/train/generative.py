@@ -8,7 +8,7 @@ With Np Decoding the output vocabulary is the frozen CE table (`rag_train.genera
          CE rows, the target's own rows positive), then CE rebuilt from that encoder, then generative training.
 Vanilla decoding (`np.enabled=false`) is the same loop over the T5 vocabulary.
 
-The loop follows the shared conventions (`train.common`): data order a function of (seed, step), one prepared
+The loop follows the shared conventions (`train.run`, `train.step`): data order a function of (seed, step), one prepared
 module, atomic checksummed checkpoints (plus a pointer to the CE table in use), metrics.json at the end.
 """
 
@@ -36,8 +36,8 @@ from rag_train.generative.targets import Targets, build_targets
 from rag_train.generative.trie import Trie
 from rag_train.io import atomic_write_json, read_json
 from rag_train.data.tokenizer import load_tokenizer
-from rag_train.train.common import (TrainingRun, global_batch, linear_warmup, local_slice, optimizer_step,
-                                    releases_on_input_fault, save_pretrained_atomic)
+from rag_train.train.run import TrainingRun, releases_on_input_fault, save_pretrained_atomic
+from rag_train.train.step import global_batch, linear_warmup, local_slice, optimizer_step
 from rag_train.train.trainable import Trainable
 
 CE_POINTER = "ce.json"  # in a checkpoint / the saved generator: which stored CE table goes with the weights

@@ -14,7 +14,7 @@ from rag_train.buffer.build import build_buffer
 from rag_train.buffer.store import MANIFEST, Buffer, BufferError, vectors_fingerprint
 from rag_train.config import BufferConfig
 from rag_train.data.corpus import Corpus
-from rag_train.train.common import TrainingRun
+from rag_train.train.run import TrainingRun
 
 
 def ensure_buffer(run: TrainingRun, cfg: BufferConfig, model: nn.Module, corpus: Corpus) -> Path:

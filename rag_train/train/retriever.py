@@ -35,8 +35,8 @@ from rag_train.models.retriever import DualEncoder
 from rag_train.strategies import REGISTRY, StrategyContext, build_strategy
 from rag_train.train.batching import MicroBatch, StepParts, check_batching, tower_grad_norms
 from rag_train.train.schema import RetrieverTrainConfig
-from rag_train.train.common import (TrainingRun, global_batch, linear_warmup, local_slice, optimizer_step,
-                                    releases_on_input_fault)
+from rag_train.train.run import TrainingRun, releases_on_input_fault
+from rag_train.train.step import global_batch, linear_warmup, local_slice, optimizer_step
 from rag_train.train.memory import PeakMemory
 from rag_train.train.trainable import Trainable, deepspeed_stage, full_weights, save_parts
 from rag_train.train.passages import ensure_buffer

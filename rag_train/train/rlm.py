@@ -13,7 +13,7 @@ Per step, for questions x with answers a (`RLMRecipe.train_step`, one method per
 
 Reader, retriever and corrector are parts of ONE module (`Trainable`) prepared once with one optimizer, so
 the same loop runs on one process, under DDP and under DeepSpeed ZeRO-2 / ZeRO-3: steps 2-7 (everything with a
-gradient) are that module's forward (`losses`); retrieval, evaluation and saving follow `train.common`'s rules
+gradient) are that module's forward (`losses`); retrieval, evaluation and saving follow `train.run`'s rules
 for ZeRO. The recipe is a class in torchtune's manner: `setup` (data, warm-started models, then
 `setup_training`), `train` (the loop), `save` (final evaluation, models, metrics); `scripts/bench_rlm_step.py`
 builds its own models and times this same `train_step`.
@@ -45,8 +45,8 @@ from rag_train.models.reader import FiDReader
 from rag_train.data.tokenizer import load_tokenizer
 from rag_train.strategies import REGISTRY, StrategyContext, build_strategy
 from rag_train.train.schema import RLMConfig
-from rag_train.train.common import (TrainingRun, global_batch, linear_warmup, local_slice, optimizer_step,
-                                    releases_on_input_fault, save_pretrained_atomic, seed_stage)
+from rag_train.train.run import TrainingRun, releases_on_input_fault, save_pretrained_atomic
+from rag_train.train.step import global_batch, linear_warmup, local_slice, optimizer_step, seed_stage
 from rag_train.train.gate import RetrieverGate
 from rag_train.train.trainable import Trainable, full_weights, save_parts
 from rag_train.train.passages import ensure_buffer

@@ -7,7 +7,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from rag_train.config import ConfigError
+from rag_train.config import ConfigError, flatten
 from rag_train.io import CorruptFileError
 
 CHECKPOINTS = "checkpoints"
@@ -58,9 +58,9 @@ def check_resumed_config(cfg: Any, directory: Path) -> None:
         saved = OmegaConf.to_container(OmegaConf.load(saved_path))
     except Exception as exc:
         raise CorruptFileError(f"{saved_path}: not readable as YAML ({exc}); the run cannot be checked") from None
-    defaults = _flatten(OmegaConf.to_container(OmegaConf.structured(type(cfg))))
-    found = {**defaults, **_flatten(saved)}
-    wanted = _flatten(OmegaConf.to_container(OmegaConf.structured(cfg)))
+    defaults = flatten(OmegaConf.to_container(OmegaConf.structured(type(cfg))))
+    found = {**defaults, **flatten(saved)}
+    wanted = flatten(OmegaConf.to_container(OmegaConf.structured(cfg)))
     changed = sorted(key for key in found.keys() | wanted.keys()
                      if found.get(key) != wanted.get(key) and key not in RESUME_SAFE_KEYS)
     if changed:
@@ -80,13 +80,3 @@ def remove_previous_run(directory: Path) -> None:
             shutil.rmtree(path)
         elif path.exists():
             path.unlink()
-
-
-def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
-    """{"train": {"lr": 1e-4}} -> {"train.lr": 1e-4} (lists are values)."""
-    if not isinstance(node, dict):
-        return {prefix: node}
-    out: dict[str, Any] = {}
-    for key, value in node.items():
-        out.update(_flatten(value, f"{prefix}.{key}" if prefix else str(key)))
-    return out

@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 from transformers.optimization import Adafactor
 
 from rag_train.buffer.embed import buffer_local_shard, embed_local_shard
-from rag_train.config import ConfigError
+from rag_train.config import ConfigError, flatten
 from rag_train.data.collate import answer_labels, fid_inputs
 from rag_train.data.corpus import Corpus
 from rag_train.data.qa import QAExample
@@ -29,7 +29,8 @@ from rag_train.eval.retrieval import rank_passages
 from rag_train.io import (CorruptFileError, atomic_directory, atomic_write_json, folder_checksums, read_json,
                           state_bytes, verify_checksums)
 from rag_train.models.retriever import DualEncoder
-from rag_train.train.common import TrainingRun, global_batch, linear_warmup, seed_stage
+from rag_train.train.run import TrainingRun
+from rag_train.train.step import global_batch, linear_warmup, seed_stage
 from rag_train.train.schema import RLMConfig, RetrieverTrainConfig
 
 
@@ -72,20 +73,13 @@ def check_stage(cfg: RLMConfig, out: Path, name: str) -> None:
     if not recorded.is_file():
         raise ConfigError(f"{out} is a finished {name} without {STAGE_SETTINGS} (the settings it was made with): "
                           "delete it, or set another train.output_dir or warm_start.from_run")
-    found, expected = _flatten(json.loads(recorded.read_text())), _flatten(stage_settings(cfg, name))
+    found, expected = flatten(json.loads(recorded.read_text())), flatten(stage_settings(cfg, name))
     if cfg.warm_start.from_run is not None:  # runs with other seeds may share one warm start on purpose
         found.pop("seed", None), expected.pop("seed", None)
     changed = sorted(key for key in found.keys() | expected.keys() if found.get(key) != expected.get(key))
     if changed:
         raise ConfigError(f"{out} is a finished {name} made with other settings ({', '.join(changed)} differ from "
                           f"{recorded}): delete it, or set another train.output_dir or warm_start.from_run")
-
-
-def _flatten(settings: dict) -> dict:
-    """{"warm_start": {"reader_lr": ..}, "seed": 0} -> {"warm_start.reader_lr": .., "seed": 0}"""
-    return {f"{section}.{key}" if key else section: value
-            for section, values in settings.items()
-            for key, value in (values.items() if isinstance(values, dict) else [("", values)])}
 
 
 def _retriever_stage_config(cfg: RLMConfig, files: DataFiles, out: Path) -> RetrieverTrainConfig:

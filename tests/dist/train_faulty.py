@@ -22,7 +22,7 @@ from pathlib import Path
 import accelerate
 
 import rag_train.data.corpus as corpus_module
-import rag_train.train.common as common
+import rag_train.train.run as common
 import rag_train.train.retriever as retriever
 from kill import die, die_after_first_shard
 
