@@ -200,3 +200,16 @@ def test_recipes_take_the_strategies_that_declare_them():
         load_config(RetrieverTrainConfig, RETRIEVER_CONFIG, ["strategy.name=frozen"])
     with pytest.raises(ConfigError, match=r"warm_start.retriever_strategy='closed_book' is not one of"):
         load_config(RLMConfig, RLM_CONFIG, ["warm_start.retriever_strategy=closed_book"])
+
+
+def test_outside_the_strategies_the_registry_is_read_only_through_strategy_class():
+    """One way in: the recipes ask `strategy_class(name)` for a strategy's declarations, never REGISTRY itself."""
+    import ast
+
+    package = ROOT / "rag_train"
+    readers = sorted(str(path.relative_to(ROOT)) for path in package.rglob("*.py")
+                     if path.parent != package / "strategies"
+                     and any(isinstance(node, ast.Name) and node.id == "REGISTRY"
+                             or isinstance(node, ast.alias) and node.name == "REGISTRY"
+                             for node in ast.walk(ast.parse(path.read_text()))))
+    assert readers == []

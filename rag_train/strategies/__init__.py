@@ -117,10 +117,16 @@ def require_search(name: str, search: str) -> None:
         raise ConfigError(f"buffer.search={search!r}: strategy {name!r} searches with {sorted(supported)} only")
 
 
+def strategy_class(name: str) -> type[Strategy]:
+    """The registered strategy `name`: the one way the recipes read the registry (its declarations: needs_buffer,
+    retrieves, algorithms, ...). `StrategyConfig` has already refused an unknown name with a ConfigError."""
+    return REGISTRY[name]
+
+
 def build_strategy(cfg: Any, ctx: StrategyContext) -> Strategy:
     """The strategy `cfg.name` (a `StrategyConfig`) with its own config."""
     return REGISTRY[cfg.name](cfg.selected(), ctx)
 
 
 __all__ = ["OWNERS", "REGISTRY", "BaseStrategyConfig", "Strategy", "StrategyConfig", "StrategyContext", "Subset",
-           "build_strategy", "register", "require_algorithm", "require_search"]
+           "build_strategy", "register", "require_algorithm", "require_search", "strategy_class"]

@@ -27,7 +27,7 @@ from rag_train.models.retriever import DualEncoder
 from rag_train.data.tokenizer import load_tokenizer
 from rag_train.data.toy import TOY_DEV_SETS, TOY_TRAIN_SETS
 from rag_train.train.run_corpus import check_run_corpus
-from rag_train.strategies import REGISTRY
+from rag_train.strategies import strategy_class
 from rag_train.train.rlm import write_predictions
 from rag_train.train.schema import RLMConfig
 
@@ -57,7 +57,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     retriever = DualEncoder.load(run / "retriever").to(accelerator.device)
     reader = FiDReader.from_pretrained(run / "reader").to(accelerator.device)
     tokenizer = load_tokenizer(str(run / "reader"))
-    settings = QAEvalSettings.from_config(cfg, closed_book=not REGISTRY[cfg.strategy.name].retrieves,
+    settings = QAEvalSettings.from_config(cfg, closed_book=not strategy_class(cfg.strategy.name).retrieves,
                                           num_passages=args.passages, batch_size=args.batch_size)
     metrics, predictions = evaluate_qa(retriever, reader, tokenizer, corpus, sets, settings, accelerator,
                                        out_dir=run / "eval")

@@ -32,7 +32,7 @@ from rag_train.data.sources import dataset_name, resolve_data
 from rag_train.data.supervised import load_retrieval
 from rag_train.eval.retrieval import evaluate_retrieval, load_eval_set
 from rag_train.models.retriever import DualEncoder
-from rag_train.strategies import REGISTRY, StrategyContext, build_strategy
+from rag_train.strategies import StrategyContext, build_strategy, strategy_class
 from rag_train.train.batching import MicroBatch, StepParts, check_batching, tower_grad_norms
 from rag_train.train.schema import RetrieverTrainConfig
 from rag_train.train.run import TrainingRun, releases_on_input_fault
@@ -47,7 +47,7 @@ def train_retriever(cfg: RetrieverTrainConfig, final_eval: bool = True) -> dict:
     """Algorithm 1. `final_eval=False` skips the closing corpus pass (the RLM's warm start: its dev recall
     comes from the stale buffer, which is this retriever's embedding of the corpus)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    option = check_batching(cfg.batching, REGISTRY[cfg.strategy.name], cfg.train.batch_size, world)  # before any work
+    option = check_batching(cfg.batching, strategy_class(cfg.strategy.name), cfg.train.batch_size, world)  # before any work
     run = TrainingRun(cfg, "retriever")
     acc = run.accelerator
     if option.own_backward and deepspeed_stage(acc) is not None:
@@ -65,7 +65,7 @@ def train_retriever(cfg: RetrieverTrainConfig, final_eval: bool = True) -> dict:
                                                empty_answers=cfg.data.empty_answers) for p in files.dev}
 
     model = DualEncoder.from_config(cfg.retriever, tokenizer=cfg.retriever.tokenizer or files.tokenizer)
-    buffer_dir = ensure_buffer(run, cfg.buffer, model, corpus) if REGISTRY[cfg.strategy.name].needs_buffer else None
+    buffer_dir = ensure_buffer(run, cfg.buffer, model, corpus) if strategy_class(cfg.strategy.name).needs_buffer else None
     ctx = StrategyContext(acc, model, corpus, cfg.buffer, buffer_dir, cfg.train.temperature, cfg.train.seed)
     strategy = build_strategy(cfg.strategy, ctx)
     run.guard.aux_max_loss = strategy.auxiliary_max_loss

@@ -43,7 +43,7 @@ from rag_train.io import atomic_write_text
 from rag_train.losses import perplexity_distillation, retrieval_scores
 from rag_train.models.reader import FiDReader
 from rag_train.data.tokenizer import load_tokenizer
-from rag_train.strategies import REGISTRY, StrategyContext, build_strategy
+from rag_train.strategies import StrategyContext, build_strategy, strategy_class
 from rag_train.train.schema import RLMConfig
 from rag_train.train.run import TrainingRun, releases_on_input_fault, save_pretrained_atomic
 from rag_train.train.step import global_batch, linear_warmup, local_slice, optimizer_step, seed_stage
@@ -114,7 +114,7 @@ class RLMRecipe:
         # The stale buffer is the warm-started retriever's embedding of the corpus: built once, it also gives that
         # retriever's dev recall (and the reader's retrieved distractors) without another corpus pass.
         retriever = warm_start_retriever(cfg, files, self.run)
-        needs_buffer = REGISTRY[cfg.strategy.name].needs_buffer
+        needs_buffer = strategy_class(cfg.strategy.name).needs_buffer
         buffer_dir = ensure_buffer(self.run, cfg.buffer, retriever, corpus) if needs_buffer else None
         self.warm_recall = warm_start_recall(cfg, files, self.run, retriever, corpus, buffer_dir)
         # Every stage draws from its own seed (seed_stage): a stage reused from disk after a kill leaves the next one
@@ -134,7 +134,7 @@ class RLMRecipe:
         (DeepSpeed: one engine); the parameter groups keep their own learning rates."""
         cfg, acc = self.cfg, self.accelerator
         self.tokenizer, self.corpus = tokenizer, corpus
-        if buffer_dir is None and REGISTRY[cfg.strategy.name].needs_buffer:
+        if buffer_dir is None and strategy_class(cfg.strategy.name).needs_buffer:
             buffer_dir = ensure_buffer(self.run, cfg.buffer, retriever, corpus)
         self.buffer_dir = buffer_dir
         seed_stage(cfg.train.seed, "rlm")  # the corrector's initial weights, then training (a resume restores the RNG)
