@@ -333,6 +333,9 @@ def drop_tied_aliases(models: list, weights: list[dict], output_dir: str) -> Non
                 kept.add(storage)
 
 
+_OPENED: list[TrainingRun] = []  # runs opened by the recipe calls in progress (`releases_on_input_fault`)
+
+
 def releases_on_input_fault(recipe: Callable) -> Callable:
     """Decorator for a recipe's entry function: when it stops on bad input (what entry scripts exit 2 for: config,
     data, buffer, checkpoint, model path), the runs it opened `release` what they wrote if that is nothing worth

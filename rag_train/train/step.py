@@ -15,6 +15,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 
+from rag_train.config import ConfigError
 from rag_train.train.trainable import deepspeed_stage
 
 
