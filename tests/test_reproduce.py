@@ -95,7 +95,17 @@ def test_report_from_given_metrics(tmp_path):
     assert "corrector − frozen: measured +10.0 EM points" in text
     assert "| 2 | 2.000 | 1x8 | 0.3000 | 85% | 0.6000 | 4.0x |" in text  # the best corrector at drift 2, not linear
     assert "grows with the drift" in text
-    assert text.count(ANALYSIS) == 3 and text.count(ANALYSIS_RLM) == 2
+    assert text.count(ANALYSIS) == 1 and text.count(ANALYSIS_RLM) == 2  # the curves' and the RLM's: dated
+    # Table 1's analysis, every figure computed: random init 50 -> 60 -> 70 (50%), the paper's T5 row 93%; the
+    # ablation's R@1 85.0 / 85.0 / 86.0 against a 10-point corrector -> exhaustive gap; step 0 R@1 0.0, 40 steps
+    assert ("> **Analysis:** why the gaps differ from the paper's. Every method from random init ends at 100.0+ R@20, "
+            "so mostly R@1 / MRR separate methods here, where the paper's gaps persist to R@100 over 21M passages. "
+            "From random init the corrector closes 50% of the stale → exhaustive R@1 gap (paper, T5 init: 93%). The "
+            "corrector size ablation below moves R@1 by 1.0 points against a remaining corrector → exhaustive gap of "
+            "10.0: corrector capacity is not what limits it. The drift per step is large: the encoders go from R@1 "
+            "0.0 at step 0 to 70.0 (exhaustive) in 40 steps") in text
+    assert ("From the retrieval-pretrained init, where drift is small, the stale → exhaustive gap is 0.0 points: "
+            "there is nothing for the corrector to close.") in text
     # the answer-recall table: corrector em 0.40 / 0.42 / 0.20 -> answer recall 2 * em; HPQA gold recall@4 is 0 at
     # step 0 and the hotpotqa em (0.20) at step 5, the last evaluation
     assert "| corrector | 1 | 80.0 | 84.0 | 40.0 | 0.0 → 20.0 |" in text
