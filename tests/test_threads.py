@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -30,7 +31,8 @@ def threads_of(cmd: list[str], omp: str | None = None) -> list[int]:
         env["OMP_NUM_THREADS"] = omp
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    # every process's record wherever it landed: under a loaded launch another process's output once shared its line
+    lines = [json.loads(match) for match in re.findall(r'\{"rank": \d+, "threads": \d+\}', proc.stdout)]
     return [entry["threads"] for entry in sorted(lines, key=lambda entry: entry["rank"])]
 
 

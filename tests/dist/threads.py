@@ -2,6 +2,7 @@
 `threads=argv[1]`) and print one JSON line per process with torch's thread count, for tests/test_threads.py."""
 
 import json
+import os
 import sys
 
 import torch
@@ -10,4 +11,5 @@ from rag_train.launch import make_accelerator
 
 if __name__ == "__main__":
     accelerator = make_accelerator(threads=sys.argv[1])
-    print(json.dumps({"rank": accelerator.process_index, "threads": torch.get_num_threads()}), flush=True)
+    # one write of the line and its newline (below PIPE_BUF: atomic) on the pipe the ranks share
+    os.write(1, (json.dumps({"rank": accelerator.process_index, "threads": torch.get_num_threads()}) + "\n").encode())
