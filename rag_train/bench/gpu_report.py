@@ -403,7 +403,7 @@ def stage_forward(ctx: Context) -> dict:
     import torch
 
     from rag_train.bench.embed import SHAPES, encoder_flops, long_passages
-    from rag_train.bench.machine import synchronize
+    from rag_train.bench.search import best_time
     from rag_train.buffer.embed import PassageTokenizer, autocast_for
     from rag_train.config import RetrieverConfig
     from rag_train.data.toy import generate_toy_world
@@ -414,15 +414,6 @@ def stage_forward(ctx: Context) -> dict:
     peak, peak_how = gemm_peak(device)
     toy = ctx.work / "toy"
     generate_toy_world(toy, TOY_PASSAGES[ctx.quick], seed=0, progress=False)
-
-    def best_of(fn) -> float:
-        fn()
-        synchronize(device)
-        start = time.perf_counter()
-        for _ in range(cfg["repeats"]):
-            fn()
-        synchronize(device)
-        return (time.perf_counter() - start) / cfg["repeats"]
 
     results, tokenise = [], []
     for length in cfg["lengths"]:
@@ -435,17 +426,19 @@ def stage_forward(ctx: Context) -> dict:
             features = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
             flops = encoder_flops(model, length) * cfg["batch"]
             attention = model.passage_encoder[0].auto_model.config._attn_implementation
+            tokenizer = PassageTokenizer.for_passages(model)  # the towers of one length share the toy tokenizer
             with torch.inference_mode():
                 def autocast_forward():
                     with autocast_for(device):
                         return model.encode_passage_features(features)
 
                 reference = autocast_forward().float()
-                seconds = best_of(autocast_forward)
+                seconds = best_time(autocast_forward, cfg["repeats"], device=device)
                 shares = forward_profile(autocast_forward, device)
                 model.to(torch.bfloat16)
                 low = model.encode_passage_features(features).float()
-                low_seconds = best_of(lambda: model.encode_passage_features(features))
+                low_seconds = best_time(lambda: model.encode_passage_features(features), cfg["repeats"],
+                                        device=device)
             agreement = torch.nn.functional.cosine_similarity(low, reference, dim=1).min().item()
             if not agreement > 0.99:
                 raise StageCheckError(f"forward {shape} at {length} tokens: bf16 weights give vectors at cosine "
@@ -462,9 +455,6 @@ def stage_forward(ctx: Context) -> dict:
         corpus = long_passages(toy / "passages.jsonl", ctx.work / f"long-{length}.jsonl", cfg["tokenise_rows"],
                                join=math.ceil(length / 20) + 1)
         texts = [format_passage(p) for p in corpus.passages(np.arange(len(corpus)))]
-        tokenizer = PassageTokenizer.for_passages(DualEncoder.from_config(
-            RetrieverConfig(model="tiny", tiny=SHAPES["tiny"], max_passage_length=length),
-            tokenizer=str(toy / "tokenizer")))
         rates, previous = {}, os.environ.get("TOKENIZERS_PARALLELISM")
         for mode, parallel in (("Rust threads", "true"), ("one thread", "false")):
             os.environ["TOKENIZERS_PARALLELISM"] = parallel  # read by each call into the Rust library
@@ -488,7 +478,7 @@ def render_forward(record: dict) -> list[str]:
     s = record["settings"]
     lines = [f"The passage tower's forward alone, as `embed_rows` runs it per batch (`encode_passage_features` under "
              f"`autocast_for`), on {s['batch']} rows of token ids already on the device, exactly the length wide; "
-             f"mean of {s['repeats']} after one warm-up; then the same with the weights cast to bf16 and no "
+             f"best of {s['repeats']} after one warm-up; then the same with the weights cast to bf16 and no "
              "autocast. Fractions are encoder matmul FLOP/s over the same-run GEMM peak; the shares split one "
              "autocast forward's device time (CPU: the aten ops' own time) by kernel.", "",
              "| tower | tokens | attention | autocast ms | of peak | bf16 weights ms | of peak | "

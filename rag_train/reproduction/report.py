@@ -195,6 +195,13 @@ def gap_closed(low: float, mid: float, high: float) -> Optional[float]:
     return (mid - low) / (high - low) if high - low > 1e-9 else None
 
 
+def gap_means(rows: dict[str, list[dict]]) -> Optional[dict[str, float]]:
+    """Mean R@1 of stale, corrector and exhaustive (the gap the corrector closes), or None unless all three ran."""
+    names = ("stale", "corrector", "exhaustive")
+    return {s: statistics.mean(recall(m, "1") for m in rows[s]) for s in names} if all(rows.get(s) for s in names) \
+        else None
+
+
 def _pct(x: Optional[float]) -> str:
     return "n/a (no positive gap)" if x is None else f"{100 * x:.0f}%"
 
@@ -215,8 +222,8 @@ def table1_comparison(table1: dict[str, dict[str, list[dict]]]) -> list[str]:
                      + (f"; paper: {ranked(paper)}." if paper else "."))
         lines += pair_claims(rows, paper, [("stale", "in_batch"), ("corrector", "stale"), ("exhaustive", "stale"),
                                            ("exhaustive", "corrector")], r1)
-        if all(rows.get(s) for s in ("stale", "corrector", "exhaustive")):
-            m = {s: statistics.mean(recall(x, "1") for x in rows[s]) for s in ("stale", "corrector", "exhaustive")}
+        m = gap_means(rows)
+        if m:
             closed = gap_closed(m["stale"], m["corrector"], m["exhaustive"])
             gaps[init] = 100 * (m["exhaustive"] - m["stale"])
             ref = (f"; paper {_pct(gap_closed(paper['stale'], paper['corrector'], paper['exhaustive']))} "
@@ -242,19 +249,16 @@ def table1_comparison(table1: dict[str, dict[str, list[dict]]]) -> list[str]:
 
 def table1_analysis(table1: dict[str, dict[str, list[dict]]], ablation: dict[int, list[dict]]) -> str:
     """Why Table 1's gaps differ from the paper's, with every figure computed from the runs it describes."""
-    def r1_mean(rows, name, k="1"):
-        return mean_of([recall(m, k) for m in rows.get(name) or []])
-
     random, pretrained = table1.get("random", {}), table1.get("pretrained", {})
     parts = ["> **Analysis:** why the gaps differ from the paper's."]
-    r20 = [v for v in (r1_mean(random, s, "20") for s in random) if v is not None]
+    r20 = [v for v in (mean_of([recall(m, "20") for m in runs]) for runs in random.values()) if v is not None]
     if r20:
         parts.append(f"Every method from random init ends at {100 * min(r20):.1f}+ R@20, so mostly R@1 / MRR separate "
                      "methods here, where the paper's gaps persist to R@100 over 21M passages.")
     closures = {}
     for init, rows in (("random", random), ("pretrained", pretrained)):
-        m = {s: r1_mean(rows, s) for s in ("stale", "corrector", "exhaustive")}
-        if None not in m.values():
+        m = gap_means(rows)
+        if m:
             closures[init] = (gap_closed(m["stale"], m["corrector"], m["exhaustive"]), m)
     if "random" in closures:
         closed, m = closures["random"]
