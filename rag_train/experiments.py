@@ -93,42 +93,47 @@ def compare_strategies(config: str | Path, strategies: list[str], seeds: list[in
     return "\n".join(lines)
 
 
+def _comparison_parser(description: str, runs: str) -> argparse.ArgumentParser:
+    """The arguments every comparison driver takes: config, seeds, run folder, table file, config overrides."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--config", default=str(ROOT / "configs" / "toy" / "retriever.yaml"))
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0])
+    parser.add_argument("--runs", default=runs)
+    parser.add_argument("--out", default=None, help="markdown file for the table (printed either way)")
+    parser.add_argument("overrides", nargs="*")
+    return parser
+
+
+def _publish(table: str, what: str, started: float, out: Optional[str]) -> None:
+    """Print the table (and on stderr what it took), and write it to `out` if given."""
+    print(table)
+    print(f"\n{what} in {time.time() - started:.0f} s", file=sys.stderr)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(table + "\n")
+
+
 def compare_strategies_main(argv: Optional[list[str]] = None) -> None:
     """`scripts/compare_strategies.py`: Algorithm 1 once per strategy (same config, steps and seeds), one
     markdown table; each run its own process and folder under --runs, a finished run reused."""
-    parser = argparse.ArgumentParser(description=compare_strategies_main.__doc__)
-    parser.add_argument("--config", default=str(ROOT / "configs" / "toy" / "retriever.yaml"))
+    parser = _comparison_parser(compare_strategies_main.__doc__, "runs/compare")
     parser.add_argument("--strategies", nargs="+",
                         default=["in_batch", "uniform", "stale", "corrector", "exhaustive", "snm", "negative_cache"])
-    parser.add_argument("--seeds", nargs="+", type=int, default=[0])
-    parser.add_argument("--runs", default="runs/compare")
-    parser.add_argument("--out", default=None, help="markdown file for the table (printed either way)")
     parser.add_argument("--processes", type=int, default=1)
-    parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     started = time.time()
     table = compare_strategies(args.config, args.strategies, args.seeds, Path(args.runs), args.overrides,
                                args.processes)
-    print(table)
-    print(f"\n{len(args.strategies)} strategies x {len(args.seeds)} seeds in {time.time() - started:.0f} s",
-          file=sys.stderr)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(table + "\n")
+    _publish(table, f"{len(args.strategies)} strategies x {len(args.seeds)} seeds", started, args.out)
 
 
 def compare_batching_main(argv: Optional[list[str]] = None) -> None:
     """`scripts/compare_batching.py`: seed 002's Table 1 on the toy world (in-batch, GradAccum, GradCache, ContAccum
     at the same N_total = N_local x K), one markdown table; each run its own process, a finished run reused."""
-    parser = argparse.ArgumentParser(description=compare_batching_main.__doc__)
-    parser.add_argument("--config", default=str(ROOT / "configs" / "toy" / "retriever.yaml"))
+    parser = _comparison_parser(compare_batching_main.__doc__, "runs/large_batches")
     parser.add_argument("--local", type=int, default=4, help="N_local: the batch that fits")
     parser.add_argument("--micro", type=int, default=4, help="K micro-batches: N_total = local x micro")
     parser.add_argument("--bank", type=int, default=64, help="ContAccum bank size M")
-    parser.add_argument("--seeds", nargs="+", type=int, default=[0])
-    parser.add_argument("--runs", default="runs/large_batches")
-    parser.add_argument("--out", default=None, help="markdown file for the table (printed either way)")
-    parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
 
     n, k, total = args.local, args.micro, args.local * args.micro
@@ -150,9 +155,4 @@ def compare_batching_main(argv: Optional[list[str]] = None) -> None:
                                    Path(args.runs) / f"{slug}-seed{seed}",
                                    [*args.overrides, *extra, f"train.seed={seed}"], threads=1)
                           for seed in args.seeds]
-    table = batching_table(results)
-    print(table)
-    print(f"\n{len(setups)} setups x {len(args.seeds)} seeds in {time.time() - started:.0f} s", file=sys.stderr)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(table + "\n")
+    _publish(batching_table(results), f"{len(setups)} setups x {len(args.seeds)} seeds", started, args.out)
