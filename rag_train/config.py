@@ -107,6 +107,10 @@ class DataConfig:
     # replace a complete toy world of other parameters (seed, passages, version) in toy_dir; without it that is
     # refused, since runs, buffers and exports made from the old world would silently stop matching it
     toy_regenerate: bool = False
+    # what the toy world's retrieval files (Algorithm 1) ask: `named` (nq + tqa questions, which name their person in
+    # full; a retriever learns to copy the name and saturates near R@1 100) or `described` (the person named by first
+    # name and another fact, matched by meaning among near-duplicates; R@1 stays well below 100; docs/toy_world.md)
+    toy_retrieval: str = "named"
     passages: Optional[str] = None  # JSONL {id,title,text}, DPR / MS MARCO TSV, parquet, or a datasets.save_to_disk folder
     train: Optional[str] = None  # training file (QA JSONL for the RLM, DPR JSON / JSONL for retrieval)
     dev: list[str] = field(default_factory=list)  # evaluation files; metrics are keyed by their stem
@@ -119,6 +123,7 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         check_choice("data", "empty_answers", self.empty_answers, ("warn", "drop", "error"))
+        check_choice("data", "toy_retrieval", self.toy_retrieval, ("named", "described"))
         check_positive("data", "toy_passages", self.toy_passages)
         check_positive("data", "toy_seed", self.toy_seed, allow_zero=True)
         check_positive("data", "max_train_examples", self.max_train_examples)

@@ -55,6 +55,72 @@ def cell(values: list[float], scale: float = 100.0, digits: int = 1) -> str:
     return f"{mean:.{digits}f}" if std is None else f"{mean:.{digits}f} ± {std:.{digits}f}"
 
 
+def recall(m: dict, k: str = "1") -> Optional[float]:
+    return m.get("recall", {}).get(k)
+
+
+def retrieval_curve(m: dict, k: str = "1") -> list[tuple[int, float]]:
+    """(step, recall@k) from a retriever run's history plus its final evaluation."""
+    points = []
+    for entry in m.get("history", []):
+        data = next((v for v in entry.values() if isinstance(v, dict) and "recall" in v), None)
+        if data is not None:
+            points.append((entry["step"], data["recall"][k]))
+    if recall(m, k) is not None:
+        points.append((m["steps"], recall(m, k)))
+    return points
+
+
+def seed_mean_curve(runs: list[dict], curve) -> tuple[list[int], list[float], list[float], list[float]]:
+    """Steps every run evaluated at, with the mean, min and max over runs."""
+    curves = [dict(curve(m)) for m in runs]
+    steps = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
+    values = [[c[s] for c in curves] for s in steps]
+    return steps, [statistics.mean(v) for v in values], [min(v) for v in values], [max(v) for v in values]
+
+
+
+
+def curve_table(runs_by_strategy: dict[str, list[dict]], curve, scale: float = 100.0) -> str:
+    """Mean over seeds at every evaluated step, one column per strategy."""
+    series = {s: dict(zip(*seed_mean_curve(r, curve)[:2])) for s, r in runs_by_strategy.items() if r}
+    if not series:
+        return "_no finished runs_"
+    steps = sorted(set().union(*series.values()))
+    lines = ["| step | " + " | ".join(series) + " |", "|---|" + "---|" * len(series)]
+    for step in steps:
+        values = [f"{scale * v[step]:.1f}" if step in v else "-" for v in series.values()]
+        lines.append(f"| {step} | " + " | ".join(values) + " |")
+    return "\n".join(lines)
+
+
+def gap_closed(low: float, mid: float, high: float) -> Optional[float]:
+    """Share of the low -> high gap that `mid` closes (None unless high is above low)."""
+    return (mid - low) / (high - low) if high - low > 1e-9 else None
+
+
+def gap_means(rows: dict[str, list[dict]]) -> Optional[dict[str, float]]:
+    """Mean R@1 of stale, corrector and exhaustive (the gap the corrector closes), or None unless all three ran."""
+    names = ("stale", "corrector", "exhaustive")
+    return {s: statistics.mean(recall(m, "1") for m in rows[s]) for s in names} if all(rows.get(s) for s in names) \
+        else None
+
+
+def gap_report(rows: dict[str, list[dict]]) -> Optional[str]:
+    """One line: the share of the stale -> exhaustive R@1 gap the corrector closes, of the means and per seed (the
+    seeds in the order they ran), or None unless all three strategies ran."""
+    means = gap_means(rows)
+    if means is None:
+        return None
+    closed = gap_closed(means["stale"], means["corrector"], means["exhaustive"])
+    per_seed = [gap_closed(*(recall(m, "1") for m in runs)) for runs in zip(rows["stale"], rows["corrector"],
+                                                                             rows["exhaustive"])]
+    share = lambda x: "n/a" if x is None else f"{100 * x:.0f}%"  # noqa: E731
+    return (f"R@1 stale {100 * means['stale']:.1f}, corrector {100 * means['corrector']:.1f}, exhaustive "
+            f"{100 * means['exhaustive']:.1f}: the corrector closes {share(closed)} of the gap of the means (per seed: "
+            f"{', '.join(share(x) for x in per_seed)})")
+
+
 def batching_table(results: dict[str, list[dict]]) -> str:
     """Markdown table of `train.batching` runs ({label: metrics of each seed}): recall@k and MRR@10 as mean ± std
     over seeds, steps/s (training steps only), peak memory (the recipe's `peak_memory_mib`) and the mean ratio of
@@ -76,7 +142,9 @@ def batching_table(results: dict[str, list[dict]]) -> str:
 def compare_strategies(config: str | Path, strategies: list[str], seeds: list[int], runs: Path, overrides: list[str],
                        processes: int = 1) -> str:
     """Algorithm 1 once per (strategy, seed), same config and steps, each run in `runs/<strategy>-seed<seed>`
-    (finished ones reused): a markdown table of recall@k, MRR@10 (mean ± std over seeds) and wall time."""
+    (finished ones reused): a markdown table of recall@k, MRR@10 (mean ± std over seeds) and wall time, then R@1 at
+    every evaluated step (mean over seeds: has the curve flattened?) and, with stale, corrector and exhaustive among
+    the strategies, the share of the gap the corrector closes."""
     rows = []
     for strategy in strategies:
         results = [run_once(ROOT / "scripts" / "train_retriever.py", config, runs / f"{strategy}-seed{seed}",
@@ -90,7 +158,10 @@ def compare_strategies(config: str | Path, strategies: list[str], seeds: list[in
         recalls = " | ".join(cell([r["recall"][k] for r in results]) for k in ks)
         lines.append(f"| {strategy} | {results[0]['reembedded_passages']} | {recalls} | "
                      f"{cell([r['mrr@10'] for r in results])} | {statistics.mean(r['wall_seconds'] for r in results):.0f} |")
-    return "\n".join(lines)
+    by_strategy = dict(rows)
+    lines += ["", "R@1 by training step (mean over seeds):", "", curve_table(by_strategy, retrieval_curve)]
+    gap = gap_report(by_strategy)
+    return "\n".join(lines + ([] if gap is None else ["", gap]))
 
 
 def _comparison_parser(description: str, runs: str) -> argparse.ArgumentParser:

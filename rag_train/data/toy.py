@@ -248,6 +248,10 @@ class ToyWorld:
         return self.n_dev if split == "dev" else self.n_train
 
     def capacity(self, family: str, split: str) -> int:
+        if family == "described":
+            from rag_train.data import toy_described  # it builds on this module
+
+            return toy_described.capacity(self, split)
         if family == "hotpotqa":
             return 3 * self._hotpot_triples(split)
         facts = len(BRIDGE_FACTS) if family == "mentor_bridge" else len(FACTS)
@@ -255,6 +259,10 @@ class ToyWorld:
 
     def questions(self, family: str, split: str, start: int, stop: int) -> list[dict]:
         """Questions start..stop of a family/split: distinct (person, fact) pairs in a seeded order."""
+        if family == "described":
+            from rag_train.data import toy_described
+
+            return toy_described.questions(self, split, start, stop)
         if family == "hotpotqa":
             return self._hotpot_questions(split, start, stop)
         k = np.arange(start, stop, dtype=np.int64)
@@ -498,9 +506,11 @@ def _tokenizer_texts(paths: dict[str, Path]) -> Iterator[str]:
                 yield from row["answers"]
 
 
-def toy_paths(out_dir: str | Path) -> dict[str, Path]:
+def toy_paths(out_dir: str | Path, retrieval: str = "named") -> dict[str, Path]:
+    """The files of a toy world in `out_dir` (the `described` family's only in a world of described retrieval)."""
     out_dir = Path(out_dir)
-    names = ["passages"] + [f"{f}-{s}" for f in FAMILIES for s in ("train", "dev")] + ["retrieval-train", "retrieval-dev"]
+    families = FAMILIES + (("described",) if retrieval == "described" else ())
+    names = ["passages"] + [f"{f}-{s}" for f in families for s in ("train", "dev")] + ["retrieval-train", "retrieval-dev"]
     paths = {name: out_dir / f"{name}.jsonl" for name in names}
     paths["tokenizer"] = out_dir / "tokenizer"
     paths["manifest"] = out_dir / "manifest.json"
@@ -516,24 +526,30 @@ def generate_toy_world(
     tokenizer_vocab: Optional[int] = 2000,
     progress: bool = True,
     workers: int = 1,
+    retrieval: str = "named",
 ) -> dict[str, Path]:
     """Write a toy world into `out_dir` (files in docs/toy_world.md); manifest.json is written last.
 
     `questions` / `dev_questions`: questions per family and split (defaults: `default_question_counts`).
     `tokenizer_vocab=None` skips training the tokenizer. `workers` > 1 renders the passages in that many
     processes (the same bytes; the passages are what grows with the world, the questions stop at 100k a family).
+    `retrieval`: `named` builds the retrieval files from nq + tqa; `described` also writes the `described` family and
+    builds them from it alone (rag_train/data/toy_described.py), recording its R@1 ceiling in the manifest.
     """
+    if retrieval not in ("named", "described"):
+        raise ValueError(f"retrieval={retrieval!r}: expected 'named' or 'described'")
     world = ToyWorld(passages, seed)
     default_train, default_dev = default_question_counts(passages)
+    retrieval_families = ("nq", "tqa") if retrieval == "named" else ("described",)
     counts = {}
     for split, asked, default in (("train", questions, default_train), ("dev", dev_questions, default_dev)):
-        for family in FAMILIES:
+        for family in FAMILIES + (("described",) if retrieval == "described" else ()):
             cap = world.capacity(family, split)
             if asked is not None and asked > cap:
                 raise ValueError(f"{asked} {family}-{split} questions requested but a {passages}-passage world has "
                                  f"only {cap} distinct ones; lower the question count or raise passages")
             counts[f"{family}-{split}"] = min(default if asked is None else asked, cap)
-    paths = toy_paths(out_dir)
+    paths = toy_paths(out_dir, retrieval)
     paths["manifest"].unlink(missing_ok=True)  # a half-regenerated world must never look finished
     with atomic_open(paths["passages"], "w") as handle:
         for text in _passage_texts(world, progress, workers):
@@ -543,13 +559,19 @@ def generate_toy_world(
         _write_jsonl(paths[name], _question_chunks(world, family, split, count, progress, retrieval=False))
     for split in ("train", "dev"):
         chunks = itertools.chain(*(_question_chunks(world, family, split, counts[f"{family}-{split}"], progress,
-                                                    retrieval=True) for family in ("nq", "tqa")))
+                                                    retrieval=True) for family in retrieval_families))
         _write_jsonl(paths[f"retrieval-{split}"], chunks)
     if tokenizer_vocab is not None:
         _write_tokenizer(paths, tokenizer_vocab)
     manifest = {"version": TOY_VERSION, "passages": passages, "seed": seed, "questions": questions,
                 "dev_questions": dev_questions, "tokenizer_vocab": tokenizer_vocab, "counts": counts,
                 "sizes": {name: p.stat().st_size for name, p in paths.items() if p.suffix == ".jsonl"}}
+    if retrieval == "described":  # only then, so a named world's manifest (and fingerprint) is version 3's
+        from rag_train.data import toy_described
+
+        manifest["retrieval"] = retrieval
+        manifest["described_ceiling"] = {split: round(toy_described.ceiling(world, split, counts[f"described-{split}"]),
+                                                      2) for split in ("train", "dev")}
     atomic_write_json(paths["manifest"], manifest)
     return paths
 
@@ -594,10 +616,11 @@ def _refuse_to_replace(paths: dict[str, Path], expected: dict, data_cfg: DataCon
     if not differ or data_cfg.toy_regenerate:
         return
     asked = {"seed": f"data.toy_seed={expected['seed']}", "passages": f"data.toy_passages={expected['passages']}",
-             "version": f"toy world version {expected['version']}", "tokenizer_vocab": "another tokenizer vocabulary"}
+             "version": f"toy world version {expected['version']}", "tokenizer_vocab": "another tokenizer vocabulary",
+             "retrieval": f"data.toy_retrieval={expected['retrieval'] or 'named'}"}
     raise ConfigError(
         f"{paths['manifest'].parent} holds the toy world of seed {found.get('seed')}, {found.get('passages')} passages "
-        f"(version {found.get('version')}); {', '.join(asked.get(k, k) for k in differ)} would regenerate it in place, "
+        f"(version {found.get('version')}, {found.get('retrieval') or 'named'} retrieval questions); {', '.join(asked.get(k, k) for k in differ)} would regenerate it in place, "
         "and the runs, buffers and exports made from it would no longer match their data. Choose another "
         "data.toy_dir, or set data.toy_regenerate=true to replace it.")
 
@@ -608,17 +631,18 @@ def ensure_toy_world(data_cfg: DataConfig, tokenizer_vocab: int = 2000, workers:
     callers (e.g. several ranks) generate it once; `workers` as in `generate_toy_world`."""
     out_dir = Path(data_cfg.toy_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    paths = toy_paths(out_dir)
+    paths = toy_paths(out_dir, data_cfg.toy_retrieval)
     expected = {"version": TOY_VERSION, "passages": data_cfg.toy_passages, "seed": data_cfg.toy_seed,
-                "questions": None, "dev_questions": None, "tokenizer_vocab": tokenizer_vocab}
+                "questions": None, "dev_questions": None, "tokenizer_vocab": tokenizer_vocab,
+                "retrieval": None if data_cfg.toy_retrieval == "named" else data_cfg.toy_retrieval}
     with open(out_dir / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not _is_current(paths, expected):
             _refuse_to_replace(paths, expected, data_cfg)
             remove_stale_temporaries(out_dir)  # a killed generation's (the lock keeps other writers out)
             progress = os.environ.get("RANK", "0") == "0" and os.environ.get("LOCAL_RANK", "0") == "0"
-            generate_toy_world(out_dir, data_cfg.toy_passages, data_cfg.toy_seed,
-                               tokenizer_vocab=tokenizer_vocab, progress=progress, workers=workers)
+            generate_toy_world(out_dir, data_cfg.toy_passages, data_cfg.toy_seed, tokenizer_vocab=tokenizer_vocab,
+                               progress=progress, workers=workers, retrieval=data_cfg.toy_retrieval)
     return paths
 
 
@@ -633,10 +657,13 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--dev-questions", type=int, default=None, help="dev questions per family (default min(max(100, passages // 10), 5000))")
     parser.add_argument("--tokenizer-vocab", type=int, default=2000, help="0 = do not train a tokenizer")
     parser.add_argument("--workers", type=int, default=1, help="processes rendering the passages (same bytes)")
+    parser.add_argument("--retrieval", choices=("named", "described"), default="named",
+                        help="what the retrieval files ask (docs/toy_world.md); described: the non-saturating world")
     args = parser.parse_args(argv)
     try:
         paths = generate_toy_world(args.out, args.passages, args.seed, args.questions, args.dev_questions,
-                                   tokenizer_vocab=args.tokenizer_vocab or None, workers=args.workers)
+                                   tokenizer_vocab=args.tokenizer_vocab or None, workers=args.workers,
+                                   retrieval=args.retrieval)
     except ValueError as exc:
         parser.error(str(exc))
     for name, path in paths.items():

@@ -6,8 +6,8 @@ import statistics
 from pathlib import Path
 from typing import Optional
 
-from rag_train.reproduction.metrics import (DATASET_LABELS, DATASETS, em_curve, mean_of, recall, retrieval_curve,
-                                           seed_mean_curve)
+from rag_train.experiments import recall, retrieval_curve, seed_mean_curve
+from rag_train.reproduction.metrics import DATASET_LABELS, DATASETS, em_curve, mean_of
 from rag_train.reproduction.plan import CURVES, INIT_LABELS, INITS, RLM_CURVES
 
 COLORS = {"in_batch": "tab:gray", "stale": "tab:blue", "corrector": "tab:red", "exhaustive": "tab:green",

@@ -12,10 +12,9 @@ from typing import Optional
 
 import torch
 
-from rag_train.experiments import cell, mean_std
+from rag_train.experiments import cell, curve_table, gap_closed, gap_means, mean_std, recall, retrieval_curve
 from rag_train.io import atomic_write_text, remove_temporaries_of
-from rag_train.reproduction.metrics import (DATASET_LABELS, DATASETS, em_curve, mean_em, mean_of, recall,
-                                           retrieval_curve, seed_mean_curve)
+from rag_train.reproduction.metrics import DATASET_LABELS, DATASETS, em_curve, mean_em, mean_of
 from rag_train.reproduction.plan import CURVES, INIT_LABELS, INITS, RLM_CURVES, TABLE1, TABLE3
 from rag_train.reproduction.plots import plot_ablation, plot_curves, plot_table1, plot_table3
 from rag_train.analysis.synthetic import aggregate
@@ -124,19 +123,6 @@ def ablation_markdown(rows: dict[int, list[dict]], references: dict[str, list[di
     return "\n".join(lines)
 
 
-def curve_table(runs_by_strategy: dict[str, list[dict]], curve, scale: float = 100.0) -> str:
-    """Mean over seeds at every evaluated step, one column per strategy."""
-    series = {s: dict(zip(*seed_mean_curve(r, curve)[:2])) for s, r in runs_by_strategy.items() if r}
-    if not series:
-        return "_no finished runs_"
-    steps = sorted(set().union(*series.values()))
-    lines = ["| step | " + " | ".join(series) + " |", "|---|" + "---|" * len(series)]
-    for step in steps:
-        values = [f"{scale * v[step]:.1f}" if step in v else "-" for v in series.values()]
-        lines.append(f"| {step} | " + " | ".join(values) + " |")
-    return "\n".join(lines)
-
-
 # ---- comparisons with the paper, computed ------------------------------------------------------------------------
 PAR = 1.0  # points: a paper gap this small is the claim "on par", not an ordering
 
@@ -188,18 +174,6 @@ def ranked(values: dict[str, float]) -> str:
             out += " = " if f"{value:.1f}" == f"{items[i - 1][1]:.1f}" else " < "
         out += f"{name} {value:.1f}"
     return out
-
-
-def gap_closed(low: float, mid: float, high: float) -> Optional[float]:
-    """Share of the low -> high gap that `mid` closes (None unless high is above low)."""
-    return (mid - low) / (high - low) if high - low > 1e-9 else None
-
-
-def gap_means(rows: dict[str, list[dict]]) -> Optional[dict[str, float]]:
-    """Mean R@1 of stale, corrector and exhaustive (the gap the corrector closes), or None unless all three ran."""
-    names = ("stale", "corrector", "exhaustive")
-    return {s: statistics.mean(recall(m, "1") for m in rows[s]) for s in names} if all(rows.get(s) for s in names) \
-        else None
 
 
 def _pct(x: Optional[float]) -> str:
