@@ -106,19 +106,24 @@ def gap_means(rows: dict[str, list[dict]]) -> Optional[dict[str, float]]:
         else None
 
 
-def gap_report(rows: dict[str, list[dict]]) -> Optional[str]:
-    """One line: the share of the stale -> exhaustive R@1 gap the corrector closes, of the means and per seed (the
-    seeds in the order they ran), or None unless all three strategies ran."""
-    means = gap_means(rows)
-    if means is None:
+def gap_report(rows: dict[str, list[dict]], tail: int = 4) -> Optional[str]:
+    """The share of the stale -> exhaustive R@1 gap the corrector closes, of the means and per seed (the seeds in the
+    order they ran), at the last step and averaged over the last `tail` evaluations of each run (one evaluation of 500
+    questions moves by a few points); None unless all three strategies ran."""
+    if gap_means(rows) is None:
         return None
-    closed = gap_closed(means["stale"], means["corrector"], means["exhaustive"])
-    per_seed = [gap_closed(*(recall(m, "1") for m in runs)) for runs in zip(rows["stale"], rows["corrector"],
-                                                                             rows["exhaustive"])]
     share = lambda x: "n/a" if x is None else f"{100 * x:.0f}%"  # noqa: E731
-    return (f"R@1 stale {100 * means['stale']:.1f}, corrector {100 * means['corrector']:.1f}, exhaustive "
-            f"{100 * means['exhaustive']:.1f}: the corrector closes {share(closed)} of the gap of the means (per seed: "
-            f"{', '.join(share(x) for x in per_seed)})")
+    lines = []
+    for label, value in (("at the last step", lambda m: recall(m, "1")),
+                         (f"over the last {tail} evaluations", lambda m: statistics.mean(
+                             r for _, r in sorted(dict(retrieval_curve(m)).items())[-tail:]))):
+        means = {s: statistics.mean(value(m) for m in rows[s]) for s in ("stale", "corrector", "exhaustive")}
+        per_seed = [gap_closed(*map(value, runs)) for runs in zip(rows["stale"], rows["corrector"], rows["exhaustive"])]
+        lines.append(f"R@1 {label}: stale {100 * means['stale']:.1f}, corrector {100 * means['corrector']:.1f}, "
+                     f"exhaustive {100 * means['exhaustive']:.1f}; the corrector closes "
+                     f"{share(gap_closed(means['stale'], means['corrector'], means['exhaustive']))} of the gap of the "
+                     f"means (per seed: {', '.join(share(x) for x in per_seed)})")
+    return "\n".join(lines)
 
 
 def batching_table(results: dict[str, list[dict]]) -> str:
