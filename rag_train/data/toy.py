@@ -299,7 +299,7 @@ class ToyWorld:
         return out
 
     # ---- hotpotqa: bridge and comparison questions -------------------------------------------------
-    def _split_chunks(self, split: Optional[str]) -> Iterator[np.ndarray]:
+    def people_chunks(self, split: Optional[str]) -> Iterator[np.ndarray]:
         """The people of a split (or with split=None, everyone) in chunks of 2**20: flat memory at any size."""
         n = self.persons if split is None else self.split_size(split)
         for begin in range(0, n, 1 << 20):
@@ -309,7 +309,7 @@ class ToyWorld:
     @functools.cached_property
     def _alone_keys(self) -> np.ndarray:
         """Sorted (mentor, apprentice's first name) keys that exactly one person has."""
-        unique, counts = np.unique(np.concatenate([self._apprentice_keys(p) for p in self._split_chunks(None)]),
+        unique, counts = np.unique(np.concatenate([self._apprentice_keys(p) for p in self.people_chunks(None)]),
                                    return_counts=True)
         return unique[counts == 1]
 
@@ -321,7 +321,7 @@ class ToyWorld:
         of their mentor has their first name), in split order; their section-1 passage answers it."""
         if split not in self._bridge:
             alone, found = self._alone_keys, []
-            for persons in self._split_chunks(split):
+            for persons in self.people_chunks(split):
                 keys = self._apprentice_keys(persons)
                 at = np.minimum(np.searchsorted(alone, keys), len(alone) - 1)
                 found.append(persons[alone[at] == keys])
@@ -332,7 +332,7 @@ class ToyWorld:
         """Sorted split indices of the people whose value of `fact` nobody else in the split has (at most one per
         value): they cannot be compared with anyone, everyone else can."""
         if (split, fact) not in self._lone:
-            values = np.concatenate([self.fact_values(persons, fact) for persons in self._split_chunks(split)])
+            values = np.concatenate([self.fact_values(persons, fact) for persons in self.people_chunks(split)])
             lone = np.flatnonzero(np.bincount(values, minlength=len(self.pools[FACTS[fact].pool])) == 1)
             self._lone[(split, fact)] = np.flatnonzero(np.isin(values, lone))
         return self._lone[(split, fact)]

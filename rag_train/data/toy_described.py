@@ -72,7 +72,7 @@ def fitting(world: ToyWorld, split: str, start: int, stop: int) -> np.ndarray:
         wanted = _keys(world, persons[idx], clue)
         order = np.argsort(wanted)
         found = np.zeros(len(idx), dtype=np.int64)
-        for chunk in world._split_chunks(None):
+        for chunk in world.people_chunks(None):
             keys = np.sort(_keys(world, chunk, clue))
             found += np.searchsorted(keys, wanted[order], side="right") - np.searchsorted(keys, wanted[order])
         counts[idx[order]] = found
