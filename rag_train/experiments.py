@@ -79,8 +79,6 @@ def seed_mean_curve(runs: list[dict], curve) -> tuple[list[int], list[float], li
     return steps, [statistics.mean(v) for v in values], [min(v) for v in values], [max(v) for v in values]
 
 
-
-
 def curve_table(runs_by_strategy: dict[str, list[dict]], curve, scale: float = 100.0) -> str:
     """Mean over seeds at every evaluated step, one column per strategy."""
     series = {s: dict(zip(*seed_mean_curve(r, curve)[:2])) for s, r in runs_by_strategy.items() if r}
@@ -99,11 +97,12 @@ def gap_closed(low: float, mid: float, high: float) -> Optional[float]:
     return (mid - low) / (high - low) if high - low > 1e-9 else None
 
 
-def gap_means(rows: dict[str, list[dict]]) -> Optional[dict[str, float]]:
-    """Mean R@1 of stale, corrector and exhaustive (the gap the corrector closes), or None unless all three ran."""
-    names = ("stale", "corrector", "exhaustive")
-    return {s: statistics.mean(recall(m, "1") for m in rows[s]) for s in names} if all(rows.get(s) for s in names) \
-        else None
+GAP = ("stale", "corrector", "exhaustive")  # the gap the corrector closes: its low end, the corrector, its high end
+
+
+def gap_means(rows: dict[str, list[dict]], value=lambda m: recall(m, "1")) -> Optional[dict[str, float]]:
+    """Mean `value` (R@1) of stale, corrector and exhaustive over their seeds, or None unless all three ran."""
+    return {s: statistics.mean(value(m) for m in rows[s]) for s in GAP} if all(rows.get(s) for s in GAP) else None
 
 
 def gap_report(rows: dict[str, list[dict]], tail: int = 4) -> Optional[str]:
@@ -117,8 +116,8 @@ def gap_report(rows: dict[str, list[dict]], tail: int = 4) -> Optional[str]:
     for label, value in (("at the last step", lambda m: recall(m, "1")),
                          (f"over the last {tail} evaluations", lambda m: statistics.mean(
                              r for _, r in sorted(dict(retrieval_curve(m)).items())[-tail:]))):
-        means = {s: statistics.mean(value(m) for m in rows[s]) for s in ("stale", "corrector", "exhaustive")}
-        per_seed = [gap_closed(*map(value, runs)) for runs in zip(rows["stale"], rows["corrector"], rows["exhaustive"])]
+        means = gap_means(rows, value)
+        per_seed = [gap_closed(*map(value, runs)) for runs in zip(*(rows[s] for s in GAP))]
         lines.append(f"R@1 {label}: stale {100 * means['stale']:.1f}, corrector {100 * means['corrector']:.1f}, "
                      f"exhaustive {100 * means['exhaustive']:.1f}; the corrector closes "
                      f"{share(gap_closed(means['stale'], means['corrector'], means['exhaustive']))} of the gap of the "

@@ -506,11 +506,15 @@ def _tokenizer_texts(paths: dict[str, Path]) -> Iterator[str]:
                 yield from row["answers"]
 
 
+def world_families(retrieval: str) -> tuple[str, ...]:
+    """The question families a world writes: the `described` family only in a world of described retrieval."""
+    return FAMILIES + (("described",) if retrieval == "described" else ())
+
+
 def toy_paths(out_dir: str | Path, retrieval: str = "named") -> dict[str, Path]:
-    """The files of a toy world in `out_dir` (the `described` family's only in a world of described retrieval)."""
     out_dir = Path(out_dir)
-    families = FAMILIES + (("described",) if retrieval == "described" else ())
-    names = ["passages"] + [f"{f}-{s}" for f in families for s in ("train", "dev")] + ["retrieval-train", "retrieval-dev"]
+    names = (["passages"] + [f"{f}-{s}" for f in world_families(retrieval) for s in ("train", "dev")]
+             + ["retrieval-train", "retrieval-dev"])
     paths = {name: out_dir / f"{name}.jsonl" for name in names}
     paths["tokenizer"] = out_dir / "tokenizer"
     paths["manifest"] = out_dir / "manifest.json"
@@ -543,7 +547,7 @@ def generate_toy_world(
     retrieval_families = ("nq", "tqa") if retrieval == "named" else ("described",)
     counts = {}
     for split, asked, default in (("train", questions, default_train), ("dev", dev_questions, default_dev)):
-        for family in FAMILIES + (("described",) if retrieval == "described" else ()):
+        for family in world_families(retrieval):
             cap = world.capacity(family, split)
             if asked is not None and asked > cap:
                 raise ValueError(f"{asked} {family}-{split} questions requested but a {passages}-passage world has "
@@ -620,7 +624,8 @@ def _refuse_to_replace(paths: dict[str, Path], expected: dict, data_cfg: DataCon
              "retrieval": f"data.toy_retrieval={expected['retrieval'] or 'named'}"}
     raise ConfigError(
         f"{paths['manifest'].parent} holds the toy world of seed {found.get('seed')}, {found.get('passages')} passages "
-        f"(version {found.get('version')}, {found.get('retrieval') or 'named'} retrieval questions); {', '.join(asked.get(k, k) for k in differ)} would regenerate it in place, "
+        f"(version {found.get('version')}, {found.get('retrieval') or 'named'} retrieval questions); "
+        f"{', '.join(asked.get(k, k) for k in differ)} would regenerate it in place, "
         "and the runs, buffers and exports made from it would no longer match their data. Choose another "
         "data.toy_dir, or set data.toy_regenerate=true to replace it.")
 
