@@ -129,10 +129,12 @@ def test_numbers_match_a_brute_force_computation(corrector_run, recipe_toy_dir, 
             assert found["overlap_unseen"] == pytest.approx(np.mean(unseen), abs=1 / len(unseen) + 1e-9)
     assert next(r for r in report["rankings"] if r["searched"] == "fresh")["overlap"] == 1.0
 
-    main(["--run", str(run), "--k", str(K), "--questions", str(QUESTIONS), "--fit-hidden", "8", "--fit-steps", "3"])
+    main(["--run", str(run), "--k", str(K), "--questions", str(QUESTIONS), "--fit-hidden", "8", "--fit-steps", "3",
+          "--fit-content-hidden", "8"])
     printed = capsys.readouterr().out
     assert "| unseen |" in printed and "| retrieval (dev) | corrector |" in printed
     assert "| retrieval (dev) | offline h8 |" in printed and "cos(offline h8, g)" in printed
+    assert "| retrieval (dev) | offline bag h8 |" in printed and "cos(offline bag h8, g)" in printed
 
 
 def test_the_corrector_logs_its_tracking_per_step(corrector_run):
@@ -166,3 +168,86 @@ def test_offline_fit_learns_a_drift_the_stale_vectors_miss():
         before = ((queries @ stale.T).argmax(1) == truth).float().mean()
         after = ((queries @ fitted(stale).T).argmax(1) == truth).float().mean()
     assert before < 0.3 and after > 0.6
+
+
+def test_offline_fit_from_a_wider_source_learns_from_its_content_only():
+    """fit_offline from a source of another width (token bags -> g = bags @ R): its top-1 agrees with g's far more
+    often than from a constant source of the same width, which holds nothing and can only rank every query alike."""
+    from rag_train.analysis.diagnose_retriever import fit_offline
+
+    torch.manual_seed(0)
+    bags = (torch.rand(400, 60) < 0.2).float()
+    fresh = torch.nn.functional.normalize(bags @ torch.randn(60, 8), dim=1)
+    queries = torch.nn.functional.normalize(torch.randn(200, 8), dim=1)
+    truth = (queries @ fresh.T).argmax(1)
+    agreement = {}
+    for name, source in {"bags": bags, "constant": torch.ones(400, 60)}.items():
+        fitted = fit_offline(source, fresh, queries, hidden=64, steps=300, temperature=0.1)
+        with torch.no_grad():
+            agreement[name] = ((queries @ fitted(source).T).argmax(1) == truth).float().mean().item()
+    assert agreement["bags"] > 0.6 and agreement["constant"] <= max((truth == t).float().mean().item() for t in truth)
+
+
+def test_token_bags_hold_each_texts_tokens(toy_tokenizer):
+    """token_bags against the tokenizer's ids read one text at a time (the set of ids within max_length)."""
+    from rag_train.analysis.diagnose_retriever import token_bags
+
+    texts = ["Ada Lovelace works at Zalon Textiles", "born in 1815", "Ada Ada Ada"]
+    bags = token_bags(toy_tokenizer, texts, max_length=4)
+    assert bags.shape == (3, len(toy_tokenizer))
+    for text, bag in zip(texts, bags):
+        ids = toy_tokenizer(text, add_special_tokens=False)["input_ids"][:4]
+        assert set(torch.nonzero(bag).flatten().tolist()) == set(ids)
+
+
+def test_content_probe_against_a_ridge_solved_by_numpy_and_its_two_limits():
+    """Vectors that are the bags themselves identify every held-out passage; constant vectors predict one bag for
+    every row, so exactly one held-out row (1 / held-out) is nearest to its own; a random projection of the bags
+    matches a ridge solved independently with numpy on the same halves."""
+    from rag_train.analysis.diagnose_retriever import content_probe
+
+    generator = torch.Generator().manual_seed(0)
+    bags = (torch.rand(200, 60, generator=generator) < 0.2).float()
+    assert len({tuple(b.tolist()) for b in bags}) == 200
+    assert content_probe(bags, bags)["self_at_1"] == 1.0
+    assert content_probe(torch.ones(200, 4), bags)["self_at_1"] == pytest.approx(1 / 100)
+
+    vectors = bags @ torch.randn(60, 12, generator=generator)
+    probe = content_probe(vectors, bags, seed=3, ridge=0.1)
+    order = torch.randperm(200, generator=torch.Generator().manual_seed(3)).numpy()
+    fit, held = order[:100], order[100:]
+    x = np.hstack([vectors.double().numpy(), np.ones((200, 1))])
+    y = bags.double().numpy() - bags.double().numpy()[fit].mean(0)
+    gram = x[fit].T @ x[fit]
+    w = np.linalg.solve(gram + 0.1 * np.trace(gram) / len(gram) * np.eye(len(gram)), x[fit].T @ y[fit])
+    p = x[held] @ w
+    p /= np.linalg.norm(p, axis=1, keepdims=True)
+    t = y[held] / np.linalg.norm(y[held], axis=1, keepdims=True)
+    sims = p @ t.T
+    assert probe["self_at_1"] == pytest.approx(np.mean(sims.argmax(1) == np.arange(100)), abs=1e-6)
+    assert probe["cosine"] == pytest.approx(np.mean(np.diag(sims)), abs=1e-5)
+    assert 0.05 < probe["self_at_1"] < 1.0  # 12 dimensions keep part of 60 tokens: neither limit
+
+
+def test_the_content_table_is_printed_for_the_runs_vectors(corrector_run, capsys):
+    run, _ = corrector_run
+    main(["--run", str(run), "--k", str(K), "--questions", str(QUESTIONS), "--content", "100", "--content-init", "tiny"])
+    printed = capsys.readouterr().out
+    table = printed.split("content kept")[1]
+    for name in ("stale", "fresh", "corrector", "init tiny"):
+        assert f"| {name} | " in table
+    # the run started from the tiny random init with the run's seed: that init's buffer is the run's stale buffer
+    stale, init = (next(line for line in table.splitlines() if line.startswith(f"| {n} |")) for n in ("stale", "init tiny"))
+    assert stale.split("|")[2:] == init.split("|")[2:]
+
+
+@pytest.mark.parametrize("option", ["--content", "--fit-content-hidden"])
+def test_too_large_a_bag_matrix_is_refused_before_the_corpus_pass(corrector_run, monkeypatch, option):
+    import rag_train.analysis.diagnose_retriever as module
+    from rag_train.config import ConfigError
+
+    monkeypatch.setattr(module, "MAX_BAG_CELLS", 10)
+    monkeypatch.setattr(module, "embed_corpus", lambda *args, **kwargs: pytest.fail("embedded before refusing"))
+    asked = {"content_rows": 50} if option == "--content" else {"fit_content_hidden": (8,)}
+    with pytest.raises(ConfigError, match=f"{option} needs a dense"):
+        module.diagnose(corrector_run[0], K, QUESTIONS, **asked)

@@ -1,7 +1,8 @@
 """How closely a finished Algorithm 1 run's corrector tracked its passage encoder (issue 17).
 
     python scripts/diagnose_retriever.py --run runs/toy-retriever [--k 4] [--questions 500] [--json out.json]
-        [--fit-hidden 256 2048 [--fit-steps 1500]]
+        [--fit-hidden 256 2048 [--fit-steps 1500]] [--fit-content-hidden 1024]
+        [--content ROWS [--content-init MODEL ...]]
 
 It reads the run directory: the saved retriever (`retriever/`), the stale buffer (`buffer/`), the corrector of
 the last checkpoint and — when the run recorded it (`strategy.name=corrector`) — how many times each row was in
@@ -20,6 +21,14 @@ corrected vector h(B[y]) and the fresh g(y):
 3. With `--fit-hidden H ...`: a corrector of width H fitted offline, after the fact, on the final (B[y], g(y)) of the
    seen rows with the run's CE loss (`fit_offline`), shown as `offline hH` in both tables: what a corrector of that
    width could reach on this drift if it did not have to follow a moving encoder from one subset per step.
+   `--fit-content-hidden H ...` fits the same from each passage's token bag instead of B (`offline bag hH`): what a
+   corrector could reach if the buffer held the passages' tokens explicitly.
+
+4. With `--content ROWS`: what each set of passage vectors keeps of the passages themselves (`content_probe`): a ridge
+   map from the vectors to each passage's bag of tokens, fitted on half the rows, identifies the held-out passages
+   (self@1) - for the stale B, the fresh g and h(B), and with `--content-init MODEL ...` for the buffer another
+   init would give. It tells a buffer that lost the passage apart from one that kept
+   it in a form no map of the corrector's size turns into g.
 
 Stale and exhaustive runs have no corrector: their rows show the drift (stale) only.
 """
@@ -38,14 +47,14 @@ from accelerate import Accelerator
 from safetensors.torch import load_file
 
 from rag_train.buffer.store import Buffer
-from rag_train.config import load_config
+from rag_train.config import ConfigError, load_config
 from rag_train.data.corpus import Corpus
 from rag_train.data.sources import dataset_name, resolve_data
 from rag_train.data.supervised import load_retrieval
 from rag_train.eval.retrieval import load_eval_set
 from rag_train.losses import corrector_ce
 from rag_train.models.corrector import Corrector
-from rag_train.models.retriever import DualEncoder
+from rag_train.models.retriever import DualEncoder, format_passage
 from rag_train.train.schema import RetrieverTrainConfig
 
 
@@ -117,13 +126,18 @@ def ranking_stats(queries: torch.Tensor, candidate: torch.Tensor, fresh: torch.T
 
 
 def fit_offline(stale: torch.Tensor, fresh: torch.Tensor, queries: torch.Tensor, hidden: int, steps: int,
-                temperature: float, seed: int = 0) -> Corrector:
+                temperature: float, seed: int = 0) -> torch.nn.Module:
     """A corrector trained after the fact on the final (B[y], g(y)) pairs of the given rows — the target no longer
     moves and every row is available — with the run's loss, CE(P~ || P~_h) at the run's temperature, over 64
-    training questions x 512 uniform rows per Adam step (lr 1e-3): how far a corrector of this width can get at all."""
+    training questions x 512 uniform rows per Adam step (lr 1e-3): how far a corrector of this width can get at all.
+    A source of another width than g (the passages' token bags) gets the corrector's two layers without its identity."""
     generator = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
-    corrector = Corrector(stale.shape[1], hidden)
+    if stale.shape[1] == fresh.shape[1]:
+        corrector = Corrector(stale.shape[1], hidden)
+    else:
+        corrector = torch.nn.Sequential(torch.nn.Linear(stale.shape[1], hidden), torch.nn.ReLU(),
+                                        torch.nn.Linear(hidden, fresh.shape[1]))
     optimizer = torch.optim.Adam(corrector.parameters(), lr=1e-3)
     for _ in range(steps):
         picked = queries[torch.randint(len(queries), (64,), generator=generator)]
@@ -133,6 +147,37 @@ def fit_offline(stale: torch.Tensor, fresh: torch.Tensor, queries: torch.Tensor,
         loss.backward()
         optimizer.step()
     return corrector.eval()
+
+
+MAX_BAG_CELLS = 200_000_000  # 800 MB of float32 bags
+
+
+def token_bags(tokenizer, texts: list[str], max_length: int) -> torch.Tensor:
+    """[N, V] rows of 0/1: which tokens each text holds within the tower's `max_length` - the content a passage
+    vector can keep (order and counts aside)."""
+    ids = tokenizer(texts, add_special_tokens=False, truncation=True, max_length=max_length)["input_ids"]
+    bags = torch.zeros(len(texts), len(tokenizer))
+    for row, sequence in enumerate(ids):
+        bags[row, sequence] = 1.0
+    return bags
+
+
+def content_probe(vectors: torch.Tensor, bags: torch.Tensor, seed: int = 0, ridge: float = 1e-3) -> dict[str, float]:
+    """What `vectors` keep of each passage: a ridge map from [vectors, 1] to the mean-centred token bags, fitted on a
+    random half of the rows; on the other half, the share whose predicted bag is nearest (cosine) to their own among
+    the held-out bags (`self_at_1`: 1 / held-out rows for vectors that keep nothing) and the mean cosine with it."""
+    order = torch.randperm(len(vectors), generator=torch.Generator().manual_seed(seed))
+    fit, held = order[: len(order) // 2], order[len(order) // 2:]
+    design = torch.cat([vectors, torch.ones(len(vectors), 1)], dim=1).double()
+    target = (bags - bags[fit].mean(dim=0)).double()  # a token every passage holds tells nothing
+    gram = design[fit].T @ design[fit]
+    penalty = ridge * gram.diagonal().mean() * torch.eye(len(gram), dtype=gram.dtype)
+    weights = torch.linalg.solve(gram + penalty, design[fit].T @ target[fit])
+    predicted = torch.nn.functional.normalize((design[held] @ weights).float(), dim=1)
+    similarity = predicted @ torch.nn.functional.normalize(target[held].float(), dim=1).T
+    own = torch.arange(len(held))
+    return {"self_at_1": (similarity.argmax(dim=1) == own).float().mean().item(),
+            "cosine": similarity[own, own].mean().item()}
 
 
 @dataclass
@@ -157,14 +202,25 @@ def question_sets(files, corpus: Corpus, limit: int) -> list[Questions]:
 
 
 def diagnose(run: Path, k: Optional[int] = None, limit: int = 500, fit_hidden: tuple[int, ...] = (),
-             fit_steps: int = 1500) -> dict:
-    """The two tables' numbers as a dict: {"rows": {group: {"n", "stale": {...}, "corrector": {...}, "lstsq": {...}}},
-    "rankings": [{"questions", "searched", ...}], "k", "seen_rows"}."""
+             fit_steps: int = 1500, content_rows: int = 0, content_inits: tuple[str, ...] = (),
+             fit_content_hidden: tuple[int, ...] = ()) -> dict:
+    """The tables' numbers as a dict: {"rows": {group: {"n", "stale": {...}, "corrector": {...}, "lstsq": {...}}},
+    "rankings": [{"questions", "searched", ...}], "k", "seen_rows"} and, with `content_rows` > 0, "content":
+    {vectors: content_probe} over that many rows drawn at random (the bags are dense [rows, vocabulary]), also for
+    the stale buffer each of `content_inits` would give (a `retriever.model` value; `tiny`: the run's random init).
+    `fit_content_hidden`: offline fits as `fit_hidden`, from every passage's token bag instead of B ("offline bag hH").
+    """
     cfg = load_config(RetrieverTrainConfig, run / "config.yaml", [])
     k = k or cfg.strategy.top_k
     files = resolve_data(cfg.data, Accelerator(cpu=True), ["retrieval-train"], ["retrieval-dev"])
     corpus = Corpus.open(files.passages)
     retriever = DualEncoder.load(run / "retriever").eval()
+    vocabulary = len(retriever.passage_encoder.tokenizer)
+    for option, rows in (("--fit-content-hidden", len(corpus) if fit_content_hidden else 0),
+                         ("--content", min(content_rows, len(corpus)))):
+        if rows * vocabulary > MAX_BAG_CELLS:  # before the corpus pass, not after it
+            raise ConfigError(f"{option} needs a dense [{rows} passages, {vocabulary} tokens] bag matrix, over "
+                              f"{MAX_BAG_CELLS:,} cells; {'pass fewer rows' if option == '--content' else 'use --content'}")
     buffer = Buffer.open(run / "buffer")
     stale = torch.from_numpy(np.asarray(buffer.shard(0, buffer.rows), dtype=np.float32))
     with torch.no_grad():
@@ -187,6 +243,15 @@ def diagnose(run: Path, k: Optional[int] = None, limit: int = 500, fit_hidden: t
             fitted = fit_offline(stale[seen], fresh[seen], training, hidden, fit_steps, cfg.train.temperature)
         with torch.no_grad():
             searched[f"offline h{hidden}"] = fitted(stale)
+    if fit_content_hidden:
+        bags = token_bags(retriever.passage_encoder.tokenizer,
+                          [format_passage(p) for p in corpus.passages(range(len(corpus)))], retriever.max_passage_length)
+        training = torch.cat([q for q, questions in zip(encoded, sets) if questions.name.endswith("(train)")])
+        for hidden in fit_content_hidden:
+            with torch.enable_grad():
+                fitted = fit_offline(bags[seen], fresh[seen], training, hidden, fit_steps, cfg.train.temperature)
+            with torch.no_grad():
+                searched[f"offline bag h{hidden}"] = fitted(bags)
     groups = {"seen": seen, "unseen": ~seen, "all": torch.ones_like(seen)}
     rows = {group: {"n": int(mask.sum()), **{name: vector_stats(v[mask], fresh[mask]) for name, v in searched.items()
                                              if name != "fresh"}}
@@ -196,7 +261,22 @@ def diagnose(run: Path, k: Optional[int] = None, limit: int = 500, fit_hidden: t
         for name, vectors in searched.items():
             rankings.append({"questions": questions.name, "searched": name,
                              **ranking_stats(queries, vectors, fresh, questions.gold, seen, k)})
-    return {"k": k, "seen_rows": int(seen.sum()) if counts is not None else None, "rows": rows, "rankings": rankings}
+    report = {"k": k, "seen_rows": int(seen.sum()) if counts is not None else None, "rows": rows, "rankings": rankings}
+    if content_rows:
+        picked = torch.randperm(len(corpus), generator=torch.Generator().manual_seed(0))[:content_rows].sort().values
+        texts = [format_passage(p) for p in corpus.passages(picked.tolist())]
+        bags = token_bags(retriever.passage_encoder.tokenizer, texts, retriever.max_passage_length)
+        report["content"] = {name: content_probe(searched[name][picked], bags)
+                             for name in ("stale", "fresh", "corrector") if name in searched}
+        for model in content_inits:
+            init = DualEncoder.from_config(load_config(RetrieverTrainConfig, run / "config.yaml",
+                                                       [f"retriever.model={model}"]).retriever,
+                                           tokenizer=cfg.retriever.tokenizer or files.tokenizer).eval()
+            with torch.no_grad():
+                vectors = torch.cat([init.encode_passages(corpus.passages(picked[s:s + 256].tolist())).float()
+                                     for s in range(0, len(picked), 256)])
+            report["content"][f"init {model}"] = content_probe(vectors, bags)
+    return report
 
 
 def print_tables(report: dict) -> None:
@@ -212,6 +292,11 @@ def print_tables(report: dict) -> None:
     for r in report["rankings"]:
         print(f"| {r['questions']} | {r['searched']} | {r['overlap']:.3f} | {r['overlap_seen']:.3f} | "
               f"{r['overlap_unseen']:.3f} | {r['gold_at_1']:.3f} | {r['gold_in_top_k']:.3f} |")
+    if "content" in report:
+        print("\n| passage vectors | content kept: held-out passages identified from their vectors (self@1) | cosine |")
+        print("|---|---|---|")
+        for name, probe in report["content"].items():
+            print(f"| {name} | {probe['self_at_1']:.3f} | {probe['cosine']:.3f} |")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -223,10 +308,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--fit-hidden", type=int, nargs="*", default=[],
                         help="also fit a corrector of each width offline on the final (B, g) of the seen rows (a ceiling)")
     parser.add_argument("--fit-steps", type=int, default=1500)
+    parser.add_argument("--fit-content-hidden", type=int, nargs="*", default=[],
+                        help="also fit a corrector of each width offline from the passages' token bags (what B could hold)")
+    parser.add_argument("--content", type=int, default=0, metavar="ROWS",
+                        help="also probe what the stale, fresh and corrected vectors keep of ROWS random passages")
+    parser.add_argument("--content-init", nargs="*", default=[], metavar="MODEL",
+                        help="with --content: also the stale vectors each retriever.model value would give (tiny: the run's random init)")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    report = diagnose(args.run, args.k, args.questions, tuple(args.fit_hidden), args.fit_steps)
+    report = diagnose(args.run, args.k, args.questions, tuple(args.fit_hidden), args.fit_steps, args.content,
+                      tuple(args.content_init), tuple(args.fit_content_hidden))
     print_tables(report)
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
