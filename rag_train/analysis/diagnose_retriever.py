@@ -39,7 +39,7 @@ import argparse
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -82,10 +82,12 @@ def seen_counts(run: Path) -> Optional[torch.Tensor]:
     return load_file(str(path)).get("seen")
 
 
-def embed_corpus(retriever: DualEncoder, corpus: Corpus, batch: int = 256) -> torch.Tensor:
-    """Every passage through `encode_passages` in corpus order (the diagnostics' fresh g(Y), both of them)."""
-    return torch.cat([retriever.encode_passages(corpus.passages(range(s, min(s + batch, len(corpus))))).float()
-                      for s in range(0, len(corpus), batch)])
+def embed_corpus(retriever: DualEncoder, corpus: Corpus, batch: int = 256,
+                 rows: Optional[Sequence[int]] = None) -> torch.Tensor:
+    """Every passage (or those of `rows`) through `encode_passages` in corpus order (the diagnostics' fresh g(Y))."""
+    rows = range(len(corpus)) if rows is None else rows
+    return torch.cat([retriever.encode_passages(corpus.passages(rows[s:s + batch])).float()
+                      for s in range(0, len(rows), batch)])
 
 
 def vector_stats(candidate: torch.Tensor, fresh: torch.Tensor) -> dict[str, float]:
@@ -237,16 +239,21 @@ def diagnose(run: Path, k: Optional[int] = None, limit: int = 500, fit_hidden: t
     sets = question_sets(files, corpus, limit)
     with torch.no_grad():
         encoded = [retriever.encode_queries(questions.texts).float() for questions in sets]
-    for hidden in fit_hidden:  # the training questions; the rows the run's corrector saw
-        training = torch.cat([q for q, questions in zip(encoded, sets) if questions.name.endswith("(train)")])
+    # the offline fits' queries: the training questions; their rows: those the run's corrector saw
+    training = (torch.cat([q for q, questions in zip(encoded, sets) if questions.name.endswith("(train)")])
+                if fit_hidden or fit_content_hidden else None)
+    for hidden in fit_hidden:
         with torch.enable_grad():
             fitted = fit_offline(stale[seen], fresh[seen], training, hidden, fit_steps, cfg.train.temperature)
         with torch.no_grad():
             searched[f"offline h{hidden}"] = fitted(stale)
+
+    def bags_of(rows: Sequence[int]) -> torch.Tensor:
+        texts = [format_passage(p) for p in corpus.passages(rows)]
+        return token_bags(retriever.passage_encoder.tokenizer, texts, retriever.max_passage_length)
+
     if fit_content_hidden:
-        bags = token_bags(retriever.passage_encoder.tokenizer,
-                          [format_passage(p) for p in corpus.passages(range(len(corpus)))], retriever.max_passage_length)
-        training = torch.cat([q for q, questions in zip(encoded, sets) if questions.name.endswith("(train)")])
+        bags = bags_of(range(len(corpus)))
         for hidden in fit_content_hidden:
             with torch.enable_grad():
                 fitted = fit_offline(bags[seen], fresh[seen], training, hidden, fit_steps, cfg.train.temperature)
@@ -264,8 +271,7 @@ def diagnose(run: Path, k: Optional[int] = None, limit: int = 500, fit_hidden: t
     report = {"k": k, "seen_rows": int(seen.sum()) if counts is not None else None, "rows": rows, "rankings": rankings}
     if content_rows:
         picked = torch.randperm(len(corpus), generator=torch.Generator().manual_seed(0))[:content_rows].sort().values
-        texts = [format_passage(p) for p in corpus.passages(picked.tolist())]
-        bags = token_bags(retriever.passage_encoder.tokenizer, texts, retriever.max_passage_length)
+        bags = bags[picked] if fit_content_hidden else bags_of(picked.tolist())
         report["content"] = {name: content_probe(searched[name][picked], bags)
                              for name in ("stale", "fresh", "corrector") if name in searched}
         for model in content_inits:
@@ -273,8 +279,7 @@ def diagnose(run: Path, k: Optional[int] = None, limit: int = 500, fit_hidden: t
                                                        [f"retriever.model={model}"]).retriever,
                                            tokenizer=cfg.retriever.tokenizer or files.tokenizer).eval()
             with torch.no_grad():
-                vectors = torch.cat([init.encode_passages(corpus.passages(picked[s:s + 256].tolist())).float()
-                                     for s in range(0, len(picked), 256)])
+                vectors = embed_corpus(init, corpus, rows=picked.tolist())
             report["content"][f"init {model}"] = content_probe(vectors, bags)
     return report
 
