@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from rag_train.buffer.embed import CHUNK_BATCHES, PassageTokenizer, chunk_batches, embed_rows, plan_batches
+from rag_train.buffer.embed import (CHUNK_BATCHES, WORKER_MIN_BATCHES, PassageTokenizer, chunk_batches, embed_rows,
+                                    passage_loader, plan_batches)
 from rag_train.config import RetrieverConfig, TinyModelConfig
 from rag_train.data.corpus import Corpus
 from rag_train.models.retriever import DualEncoder, format_passage
@@ -103,7 +104,7 @@ def test_workers_and_row_order(t5_world):
     """Worker processes give the bytes the main process gives; vectors follow the order of `rows` (repeats
     included); the global RNG is untouched (the DataLoader draws from its own generator)."""
     corpus, model = t5_world
-    rows = np.random.default_rng(1).integers(0, len(corpus), size=90)  # unsorted, with repeats
+    rows = np.random.default_rng(1).integers(0, len(corpus), size=WORKER_MIN_BATCHES * 4 + 10)  # unsorted, repeats
     state = torch.get_rng_state()
     in_process = embed_rows(model, corpus, rows, 4, torch.device("cpu"), num_workers=0)
     in_workers = embed_rows(model, corpus, rows, 4, torch.device("cpu"), num_workers=2)
@@ -113,12 +114,24 @@ def test_workers_and_row_order(t5_world):
     torch.testing.assert_close(in_process, each[torch.from_numpy(rows)], atol=1e-6, rtol=0)  # other batches
 
 
+def test_small_passes_run_in_the_main_process(t5_world):
+    """Below WORKER_MIN_BATCHES batches no worker starts, whatever num_workers says; at it, the workers asked for."""
+    corpus, model = t5_world
+    tokenizer = PassageTokenizer.for_passages(model)
+
+    def workers(rows: int) -> int:
+        return passage_loader(corpus, np.arange(rows) % len(corpus), tokenizer, 4, 4 * tokenizer.max_length, 2,
+                              pin_memory=False).num_workers
+
+    assert (workers(4 * WORKER_MIN_BATCHES - 1), workers(4 * WORKER_MIN_BATCHES)) == (0, 2)
+
+
 def test_chunk_batches_give_every_worker_two_items_by_hand():
     assert CHUNK_BATCHES == 8
     assert chunk_batches(28_000_000, 1024, 8) == 8  # a big corpus: whole 8-batch items
     assert chunk_batches(65_536, 1024, 8) == 4  # 16 items of 4 batches for 8 workers
     assert chunk_batches(4_096, 1024, 8) == 1  # 4 one-batch items, not one item that 7 workers wait beside
-    assert chunk_batches(90, 4, 2) == 6  # ceil(90 / (4 x 2 x 2)): the worker test above, 4 items
+    assert chunk_batches(138, 4, 2) == 8  # ceil(138 / (4 x 2 x 2)) = 9, capped: the worker test above, 5 items
     assert chunk_batches(10, 4, 0) == 8  # in process: items only amortise the tokeniser call
 
 

@@ -36,6 +36,11 @@ from rag_train.data.corpus import Corpus
 
 CHUNK_BATCHES = 8  # rows a worker tokenises at once: this many row caps (amortises its per-call overhead)
 PENDING_COPIES = 4  # device -> host copies in flight before the oldest is waited for
+# a pass of fewer batches runs in the main process: starting workers and shipping their items cost more than the
+# overlap gives back (H200, 8 workers: 1-32 batches of 1,024 took 1.1-2x the in-process time, 64 batches 0.9x;
+# 2-core CPU, 1 worker, batches of 256: 16 batches 1.14x, 64 batches 0.92x; docs/gpu_report.md). Per-step embeds
+# (negative cache, SNM, small refreshes) are such passes.
+WORKER_MIN_BATCHES = 32
 
 
 def autocast_for(device: torch.device):
@@ -153,8 +158,11 @@ def chunk_batches(rows: int, batch_size: int, num_workers: int) -> int:
 
 def passage_loader(corpus: Corpus, rows: np.ndarray, tokenizer: PassageTokenizer, batch_size: int,
                    batch_tokens: int, num_workers: int, pin_memory: bool) -> DataLoader:
-    """A DataLoader over the tokenised, length-bucketed batches of `rows` (one item = one chunk's batches)."""
+    """A DataLoader over the tokenised, length-bucketed batches of `rows` (one item = one chunk's batches); in the
+    main process below WORKER_MIN_BATCHES batches, whatever `num_workers` says."""
     order = length_sorted_order(corpus.byte_lengths()[rows]) if len(rows) else np.zeros(0, dtype=np.int64)
+    if len(rows) < WORKER_MIN_BATCHES * batch_size:
+        num_workers = 0
     step = batch_size * chunk_batches(len(rows), batch_size, num_workers)
     chunks = [order[start: start + step] for start in range(0, len(order), step)]
     dataset = _Chunks(corpus, rows, chunks, tokenizer, batch_size, batch_tokens)
