@@ -24,3 +24,11 @@ def em_curve(m: dict) -> list[tuple[int, float]]:
     points = [(e["step"], mean_of([e.get(d, {}).get("em") for d in DATASETS])) for e in m.get("history", [])]
     return [p for p in points if p[1] is not None] + [(m["steps"], mean_em(m))]
 
+
+def hotpotqa_gold_recall(m: dict, at: int) -> Optional[float]:
+    """The share of HotPotQA-like gold passages in the reader's top 4 at evaluation `at` of an RLM run's history."""
+    history = [e for e in m.get("history", []) if "hotpotqa" in e]
+    try:
+        return history[at]["hotpotqa"].get("recall@4")
+    except IndexError:  # fewer evaluations than `at` asks for
+        return None

@@ -3,7 +3,6 @@ runs (a finished run is reused, an interrupted one resumed) and the log of invoc
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import time

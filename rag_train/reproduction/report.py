@@ -14,33 +14,13 @@ import torch
 
 from rag_train.experiments import cell, curve_table, gap_closed, gap_means, mean_std, recall, retrieval_curve
 from rag_train.io import atomic_write_text, remove_temporaries_of
-from rag_train.reproduction.metrics import DATASET_LABELS, DATASETS, em_curve, mean_em, mean_of
+from rag_train.reproduction.analysis import (percent, rlm_analysis, rlm_curves_analysis, table1_analysis,
+                                             table1_curves_analysis)
+from rag_train.reproduction.metrics import DATASET_LABELS, DATASETS, em_curve, hotpotqa_gold_recall, mean_em, mean_of
+from rag_train.reproduction.paper import PAPER_TABLE1, PAPER_TABLE2_STEPS_PER_SECOND, PAPER_TABLE3
 from rag_train.reproduction.plan import CURVES, INIT_LABELS, INITS, RLM_CURVES, TABLE1, TABLE3
 from rag_train.reproduction.plots import plot_ablation, plot_curves, plot_table1, plot_table3
 from rag_train.analysis.synthetic import aggregate
-
-# ---- the paper's numbers (notes/corrector-networks.md) ---------------------------------------------------------
-PAPER_TABLE1 = {  # NQ test recall@k, by the toy init that stands in for the paper's (random init has none)
-    "pretrained": {"in_batch": {"1": 37.92, "5": 64.76, "10": 72.54, "20": 78.28, "100": 87.00},
-                   "stale": {"1": 46.76, "5": 68.64, "10": 75.21, "20": 80.66, "100": 87.48},
-                   "corrector": {"1": 50.61, "5": 71.00, "10": 77.73, "20": 82.66, "100": 88.39},
-                   "exhaustive": {"1": 50.30, "5": 71.55, "10": 78.12, "20": 82.83, "100": 88.59}},
-    "lm": {"in_batch": {"1": 23.40, "5": 47.50, "10": 56.39, "20": 65.34, "100": 77.97},
-               "stale": {"1": 27.65, "5": 50.19, "10": 59.28, "20": 66.98, "100": 78.95},
-               "corrector": {"1": 36.65, "5": 59.25, "10": 68.06, "20": 73.71, "100": 83.13},
-               "exhaustive": {"1": 37.34, "5": 60.42, "10": 68.70, "20": 74.76, "100": 83.41}},
-}
-PAPER_TABLE3 = {  # exact match, GTR-base retriever
-    "closed_book": {"nq": 25.4, "tqa": 26.1, "hotpotqa": 14.5},
-    "frozen": {"nq": 48.4, "tqa": 55.1, "hotpotqa": 28.0},
-    "corrector": {"nq": 52.3, "tqa": 66.4, "hotpotqa": 36.7},
-    "exhaustive": {"nq": 52.4, "tqa": 66.5, "hotpotqa": 33.8},
-}
-PAPER_TABLE2_STEPS_PER_SECOND = {2048: 1.83, 4096: 1.10, 8192: 0.83, "exhaustive": 0.43}
-ANALYSIS = "> **Analysis (from the 2026-11-22 runs; rerun and re-read if the numbers change):**"
-ANALYSIS_RLM = ("> **Analysis (from the 2026-11-24 runs on toy world version 3; rerun and re-read if the numbers "
-                "change):**")
-
 
 # ---- tables -------------------------------------------------------------------------------------------------------
 def _rate(runs: list[dict]) -> str:
@@ -91,16 +71,12 @@ def table3_recall_markdown(rows: dict[str, list[dict]]) -> str:
     if not present:
         return "_no finished runs_"
 
-    def gold(m: dict, at: int) -> Optional[float]:
-        history = [e for e in m.get("history", []) if "hotpotqa" in e]
-        return history[at]["hotpotqa"].get("recall@4") if history else None
-
     head = " | ".join(f"{DATASET_LABELS[d]} answer R@4" for d in DATASETS)
     lines = [f"| strategy | seeds | {head} | HPQA-like gold passages in top 4: step 0 → end |", "|" + "---|" * 6]
     for strategy, runs in present.items():
         answers = " | ".join(cell([m.get("answer_recall@4", {}).get(d) for m in runs]) for d in DATASETS)
-        lines.append(f"| {strategy} | {len(runs)} | {answers} | {cell([gold(m, 0) for m in runs])} → "
-                     f"{cell([gold(m, -1) for m in runs])} |")
+        lines.append(f"| {strategy} | {len(runs)} | {answers} | {cell([hotpotqa_gold_recall(m, 0) for m in runs])} → "
+                     f"{cell([hotpotqa_gold_recall(m, -1) for m in runs])} |")
     return "\n".join(lines)
 
 
@@ -176,10 +152,6 @@ def ranked(values: dict[str, float]) -> str:
     return out
 
 
-def _pct(x: Optional[float]) -> str:
-    return "n/a (no positive gap)" if x is None else f"{100 * x:.0f}%"
-
-
 def table1_comparison(table1: dict[str, dict[str, list[dict]]]) -> list[str]:
     lines = []
     gaps = {}
@@ -200,9 +172,9 @@ def table1_comparison(table1: dict[str, dict[str, list[dict]]]) -> list[str]:
         if m:
             closed = gap_closed(m["stale"], m["corrector"], m["exhaustive"])
             gaps[init] = 100 * (m["exhaustive"] - m["stale"])
-            ref = (f"; paper {_pct(gap_closed(paper['stale'], paper['corrector'], paper['exhaustive']))} "
+            ref = (f"; paper {percent(gap_closed(paper['stale'], paper['corrector'], paper['exhaustive']))} "
                    f"({paper['stale']:.1f} → {paper['exhaustive']:.1f})") if paper else ""
-            lines.append(f"- The corrector closes {_pct(closed)} of the stale → exhaustive R@1 gap "
+            lines.append(f"- The corrector closes {percent(closed)} of the stale → exhaustive R@1 gap "
                          f"({100 * m['stale']:.1f} → {100 * m['exhaustive']:.1f}){ref}, with 0 re-embedded passages.")
         exhaustive = rows["exhaustive"][0]["reembedded_passages"] if rows.get("exhaustive") else "-"
         for s in (s for s in ("snm", "negative_cache", "dynnibal", "trainable_cache") if rows.get(s)):
@@ -219,52 +191,6 @@ def table1_comparison(table1: dict[str, dict[str, list[dict]]]) -> list[str]:
                      f"retrieval-pretrained init{extra}; paper {paper_gap['lm']:.1f} (T5) and "
                      f"{paper_gap['pretrained']:.1f} (GTR) → **{'reproduces' if same else 'does not reproduce'}**.")
     return lines
-
-
-def table1_analysis(table1: dict[str, dict[str, list[dict]]], ablation: dict[int, list[dict]]) -> str:
-    """Why Table 1's gaps differ from the paper's, with every figure computed from the runs it describes."""
-    random, pretrained = table1.get("random", {}), table1.get("pretrained", {})
-    parts = ["> **Analysis:** why the gaps differ from the paper's."]
-    r20 = [v for v in (mean_of([recall(m, "20") for m in runs]) for runs in random.values()) if v is not None]
-    if r20:
-        parts.append(f"Every method from random init ends at {100 * min(r20):.1f}+ R@20, so mostly R@1 / MRR separate "
-                     "methods here, where the paper's gaps persist to R@100 over 21M passages.")
-    closures = {}
-    for init, rows in (("random", random), ("pretrained", pretrained)):
-        m = gap_means(rows)
-        if m:
-            closures[init] = (gap_closed(m["stale"], m["corrector"], m["exhaustive"]), m)
-    if "random" in closures:
-        closed, m = closures["random"]
-        start = mean_of([dict(retrieval_curve(x)).get(0) for runs in random.values() for x in runs])
-        steps = next(x["steps"] for runs in random.values() for x in runs)
-        paper = gap_closed(*(PAPER_TABLE1["lm"][s]["1"] for s in ("stale", "corrector", "exhaustive")))
-        parts.append(f"From random init the corrector closes {_pct(closed)} of the stale → exhaustive R@1 gap "
-                     f"(paper, T5 init: {_pct(paper)}).")
-        spread = [statistics.mean(100 * recall(x, "1") for x in runs) for runs in ablation.values() if runs]
-        if len(spread) >= 2:
-            gap = 100 * (m["exhaustive"] - m["corrector"])
-            parts.append(f"The corrector size ablation below moves R@1 by {max(spread) - min(spread):.1f} points "
-                         f"against a remaining corrector → exhaustive gap of {gap:.1f}"
-                         + (": corrector capacity is not what limits it." if max(spread) - min(spread) < gap / 2
-                            else ": corrector capacity matters here."))
-        if start is not None:
-            parts.append(f"The drift per step is large: the encoders go from R@1 {100 * start:.1f} at step 0 to "
-                         f"{100 * m['exhaustive']:.1f} (exhaustive) in {steps} steps (the paper trains 40K), so the "
-                         "stale buffer, embedded by the initial encoder, is far from every later one, and the "
-                         "corrector learns only from each step's retrieved rows.")
-    if "pretrained" in closures:
-        closed, m = closures["pretrained"]
-        gap = 100 * (m["exhaustive"] - m["stale"])
-        parts.append(f"From the retrieval-pretrained init, where drift is small, the stale → exhaustive gap is "
-                     f"{gap:.1f} points" + (f" and the corrector closes {_pct(closed)} of it." if closed is not None
-                                            else ": there is nothing for the corrector to close."))
-    snm, exhaustive = random.get("snm"), random.get("exhaustive")
-    if snm and exhaustive:
-        parts.append(f"SNM re-embeds {snm[0]['reembedded_passages']:,} passages in a run (exhaustive "
-                     f"{exhaustive[0]['reembedded_passages']:,}): on a toy corpus a refresh is a large share of it, "
-                     "where the paper's refreshes touch a small fraction of 21M.")
-    return " ".join(parts)
 
 
 def table3_comparison(table3: dict[str, list[dict]]) -> list[str]:
@@ -286,9 +212,9 @@ def table3_comparison(table3: dict[str, list[dict]]) -> list[str]:
                                              ("exhaustive", "frozen"), ("exhaustive", "corrector")], em, "EM points")
         if all(table3.get(s) for s in ("frozen", "corrector", "exhaustive")):
             m = {s: statistics.mean(em(x) for x in table3[s]) for s in ("frozen", "corrector", "exhaustive")}
-            lines.append(f"- The corrector closes {_pct(gap_closed(m['frozen'], m['corrector'], m['exhaustive']))} of "
+            lines.append(f"- The corrector closes {percent(gap_closed(m['frozen'], m['corrector'], m['exhaustive']))} of "
                          f"the frozen → exhaustive gap; paper "
-                         f"{_pct(gap_closed(paper['frozen'], paper['corrector'], paper['exhaustive']))}.")
+                         f"{percent(gap_closed(paper['frozen'], paper['corrector'], paper['exhaustive']))}.")
         lines.append("")
     rates = {s: mean_of([m.get("steps_per_second") for m in table3.get(s) or []]) for s in ("corrector", "exhaustive")}
     if all(rates.values()):
@@ -472,21 +398,12 @@ def write_report(results: dict, meta: dict, out: Path) -> Path:
     lines += _figure(plots["table3"], "Table 3 exact match")
     lines += ["### Against the paper (computed)", ""] + table3_comparison(results["table3"]) + [
         "",
-        f"{ANALYSIS_RLM} the toy reader reads (EM far above closed book), and perplexity distillation works on the "
-        "retriever: through the corrector, with no re-embedding, answer recall@4 rises from 83.5 to 98.5-100 on "
-        "NQ-like and from 79.5 to 96-99 on TQA-like, as with exhaustive refresh, which re-embeds the corpus 12 "
-        "times. The HotPotQA-like family is toy world version 3's (docs/toy_world.md): bridge questions whose answer "
-        "passage names the question's entity, and comparisons of two people. The warm-started retriever puts 11% of "
-        "its gold passages in the top 4; perplexity distillation raises that to 26-30% through the corrector and "
-        "24-31% with exhaustive refresh, still rising at step 600, and EM follows (per seed: closed book 2-5, frozen "
-        "9.5-13, corrector 23-24, exhaustive 17.5-23.5). The reader is not the limit: given only the gold passages, the "
-        "seed-0 corrector run's reader scores 91.0 EM on the first 200 HotPotQA-like dev questions (76.5 NQ-like, "
-        "84.0 TQA-like; `python scripts/diagnose_rlm.py --run runs/reproduce/table3/corrector-seed0 --read`). "
-        "Version 2's bridge family (`mentor_bridge`, the second hop unreachable from the question) gave about 2 EM "
-        "for every strategy. The retriever's own learning rate matters: at the reader's rate (5e-4) the corrector "
-        "could not follow the retriever and ended below frozen (docs/rlm_toy.md, measured on version 2); the toy "
-        "default is `retriever_lr=1e-4`.",
+        "The HotPotQA-like family is toy world version 3's (docs/toy_world.md): bridge questions whose answer passage "
+        "names the question's entity, and comparisons of two people. Whether the reader or the retriever limits EM: "
+        "`python scripts/diagnose_rlm.py --run <runs>/table3/corrector-seed0 --read` (the reader given only the gold "
+        "passages; docs/rlm_toy.md).",
         "",
+        *([rlm_analysis(results["table3"]), ""] if rlm_analysis(results["table3"]) else []),
         "## Training curves",
         "",
         "Mean over seeds (band: min-max) of R@1 during Algorithm 1 (the Table 1 runs, evaluated every "
@@ -499,14 +416,8 @@ def write_report(results: dict, meta: dict, out: Path) -> Path:
                   curve_table({s: results["table1"].get(init, {}).get(s) or [] for s in CURVES}, retrieval_curve), ""]
     lines += ["EM (%, mean of the three datasets) over steps, Algorithm 2:", "",
               curve_table({s: results["table3"][s] for s in RLM_CURVES}, em_curve), "",
-              f"{ANALYSIS} the curves' shape. From retrieval-pretrained init, corrector and exhaustive overlap "
-              "throughout (within ~1.5 R@1 points), as in the paper. From random init the corrector runs ahead of "
-              "stale from step 100 on but falls behind exhaustive as soon as the encoders drift fast (steps 100-200), "
-              "and the gap narrows only slowly after.", "",
-              f"{ANALYSIS_RLM} in the RLM all three rise from 25.2 mean EM (the three families); corrector and "
-              "exhaustive run within 2 points of each other at every evaluation (mean of 3 seeds), both above "
-              "frozen from step 100 on, and frozen ends 9-11 points below them, about 4 of them from the "
-              "HotPotQA-like family, whose EM is still rising at step 600.", "",
+              *([table1_curves_analysis(results["table1"]), ""] if table1_curves_analysis(results["table1"]) else []),
+              *([rlm_curves_analysis(results["table3"]), ""] if rlm_curves_analysis(results["table3"]) else []),
               "## Section 5.3: the synthetic experiment", "",
               "The corrector alone, trained to map stale vectors g'(y) to drifted ones g(y) (details and the full "
               "table: [synthetic_corrector.md](synthetic_corrector.md)).", ""]
