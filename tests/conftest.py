@@ -4,7 +4,7 @@ import pytest
 
 from rag_train.strategies import reads
 
-from rag_train.data.toy import generate_toy_world
+from rag_train.data.toy_files import generate_toy_world
 from rag_train.data.tokenizer import load_tokenizer
 
 TOY_PASSAGES = 2000
@@ -28,7 +28,7 @@ RECIPE_TOY_PASSAGES = 300
 def recipe_toy_dir(tmp_path_factory):
     """A 300-passage toy world for end-to-end recipe runs (`data.toy_dir`; `ensure_toy_world` finds it current)."""
     from rag_train.config import DataConfig
-    from rag_train.data.toy import ensure_toy_world
+    from rag_train.data.toy_files import ensure_toy_world
 
     directory = tmp_path_factory.mktemp("recipe-toy")
     ensure_toy_world(DataConfig(toy_dir=str(directory), toy_passages=RECIPE_TOY_PASSAGES))

@@ -941,7 +941,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     if args.zygote:
         return zygote()
     from rag_train.config import DataConfig
-    from rag_train.data.toy import ensure_toy_world
+    from rag_train.data.toy_files import ensure_toy_world
 
     shutil.rmtree(args.work, ignore_errors=True)
     toy = args.work / "toy"

@@ -155,7 +155,7 @@ def test_config_and_data_load_nothing_above_them(tmp_path):
 import json, sys
 from rag_train.config import DataConfig, load_config
 from rag_train.data.sources import resolve_data
-from rag_train.data.toy import ensure_toy_world
+from rag_train.data.toy_files import ensure_toy_world
 from rag_train.data.corpus import Corpus
 from rag_train.data.qa import load_qa
 from rag_train.data.supervised import load_retrieval

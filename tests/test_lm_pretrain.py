@@ -16,7 +16,7 @@ from accelerate import Accelerator
 from rag_train.config import ConfigError, DataConfig, ReaderConfig, RetrieverConfig
 from rag_train.data.sources import TOY_LM_MANIFEST, resolve_data
 from rag_train.data.span_corruption import corrupt, noise_mask
-from rag_train.data.toy import ensure_toy_world
+from rag_train.data.toy_files import ensure_toy_world
 from rag_train.train.lm_pretrain import LMPretrainConfig, pretrain_toy_lm
 
 SENTINELS = [900 - i for i in range(100)]  # stand-ins for <extra_id_0>, <extra_id_1>, ...

@@ -53,7 +53,7 @@ def minilm(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def toy_dir(tmp_path_factory) -> Path:
     from rag_train.config import DataConfig
-    from rag_train.data.toy import ensure_toy_world
+    from rag_train.data.toy_files import ensure_toy_world
 
     directory = tmp_path_factory.mktemp("toy-minilm")
     ensure_toy_world(DataConfig(toy_dir=str(directory), toy_passages=PASSAGES))

@@ -17,7 +17,7 @@ from rag_train.buffer.store import Buffer
 from rag_train.config import DataConfig, save_config
 from rag_train.train.schema import RLMConfig
 from rag_train.data.corpus import Corpus
-from rag_train.data.toy import toy_paths
+from rag_train.data.toy_files import toy_paths
 from rag_train.serving.export import ExportError, export_retriever
 from rag_train.train.retriever import train_retriever
 from test_export import make_run

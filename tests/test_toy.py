@@ -11,10 +11,11 @@ import scipy.sparse as sp
 import torch
 from transformers import AutoTokenizer, T5ForConditionalGeneration
 
-import rag_train.data.toy as toy
+import rag_train.data.toy_files as toy_files
 import rag_train.data.tokenizer as tokenizer_module
 from rag_train.config import ConfigError, DataConfig, TinyModelConfig
-from rag_train.data.toy import FAMILIES, ToyWorld, ensure_toy_world, generate_toy_world, toy_paths
+from rag_train.data.toy import FAMILIES, ToyWorld
+from rag_train.data.toy_files import ensure_toy_world, generate_toy_world, toy_paths
 from rag_train.models.tiny import tiny_t5_config
 from rag_train.data.tokenizer import load_tokenizer, train_tokenizer
 
@@ -42,7 +43,7 @@ def test_same_seed_gives_byte_identical_world_and_chunking_does_not_matter(tmp_p
     second = all_files(generate_toy_world(tmp_path / "b", 600, seed=3, progress=False, tokenizer_vocab=600))
     assert first.keys() == second.keys() and "tokenizer/tokenizer.json" in first
     assert first == second
-    monkeypatch.setattr(toy, "CHUNK", 37)  # streaming in small chunks must not change a byte
+    monkeypatch.setattr(toy_files, "CHUNK", 37)  # streaming in small chunks must not change a byte
     chunked = generate_toy_world(tmp_path / "c", 600, seed=3, progress=False, tokenizer_vocab=None)
     assert all(chunked[n].read_bytes() == first[n] for n in chunked if chunked[n].suffix == ".jsonl")
     other = generate_toy_world(tmp_path / "d", 600, seed=4, progress=False, tokenizer_vocab=None)
@@ -52,7 +53,7 @@ def test_same_seed_gives_byte_identical_world_and_chunking_does_not_matter(tmp_p
 def test_passages_rendered_in_worker_processes_are_the_same_bytes(tmp_path, monkeypatch):
     serial = generate_toy_world(tmp_path / "a", 600, seed=3, progress=False, tokenizer_vocab=None, questions=20,
                                 dev_questions=10)
-    monkeypatch.setattr(toy, "CHUNK", 97)  # 7 chunks over 3 workers: their results must land in row order
+    monkeypatch.setattr(toy_files, "CHUNK", 97)  # 7 chunks over 3 workers: their results must land in row order
     parallel = generate_toy_world(tmp_path / "b", 600, seed=3, progress=False, tokenizer_vocab=None, questions=20,
                                   dev_questions=10, workers=3)
     assert parallel["passages"].read_bytes() == serial["passages"].read_bytes()
@@ -163,7 +164,7 @@ def test_version_3_keeps_every_version_2_file_but_hotpotqa(tmp_path):
 
     paths = generate_toy_world(tmp_path / "v3", 600, seed=3, progress=False, tokenizer_vocab=600)
     texts = hashlib.sha256()
-    for text in toy._tokenizer_texts(paths):
+    for text in toy_files._tokenizer_texts(paths):
         texts.update(text.encode() + b"\n")
     assert texts.hexdigest()[:16] == VERSION_2_TOKENIZER_TEXTS
     paths["tokenizer"] = paths["tokenizer"] / "tokenizer.json"

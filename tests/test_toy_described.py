@@ -11,7 +11,8 @@ import pytest
 
 from rag_train.config import ConfigError, DataConfig
 from rag_train.data import toy_described
-from rag_train.data.toy import FACTS, ToyWorld, ensure_toy_world, generate_toy_world
+from rag_train.data.toy import FACTS, ToyWorld
+from rag_train.data.toy_files import ensure_toy_world, generate_toy_world
 
 PASSAGES, SEED = 1200, 5
 MENTOR_SENTENCE = re.compile(r"(?:was trained by|learned everything from) ([A-Z][a-z]+ [A-Z][a-z]+)\.|"

@@ -153,7 +153,7 @@ def run(args: argparse.Namespace) -> list[Result]:
     with tempfile.TemporaryDirectory(prefix="bench-embed-") as tmp:
         toy = Path(args.toy_dir) if args.toy_dir else Path(tmp) / "toy"
         if not (toy / "passages.jsonl").is_file():
-            from rag_train.data.toy import generate_toy_world
+            from rag_train.data.toy_files import generate_toy_world
 
             generate_toy_world(toy, 2000, seed=0, progress=False)
         models = [(s, RetrieverConfig(model="tiny", tiny=SHAPES[s], shared_towers=True)) for s in shapes]

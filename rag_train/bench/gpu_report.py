@@ -282,7 +282,7 @@ def stage_embed(ctx: Context) -> dict:
 
     from rag_train.bench.embed import SHAPES, encoder_flops, long_passages, time_both
     from rag_train.config import RetrieverConfig
-    from rag_train.data.toy import generate_toy_world
+    from rag_train.data.toy_files import generate_toy_world
     from rag_train.models.retriever import DualEncoder
 
     cfg = EMBED_QUICK if ctx.quick else EMBED_GPU
@@ -406,7 +406,7 @@ def stage_forward(ctx: Context) -> dict:
     from rag_train.bench.search import best_time
     from rag_train.buffer.embed import PassageTokenizer, autocast_for
     from rag_train.config import RetrieverConfig
-    from rag_train.data.toy import generate_toy_world
+    from rag_train.data.toy_files import generate_toy_world
     from rag_train.models.retriever import DualEncoder, format_passage
 
     cfg = FORWARD_QUICK if ctx.quick else FORWARD_GPU
@@ -640,7 +640,7 @@ def stage_scale(ctx: Context) -> dict:
     from rag_train.bench.rlm_step import accelerate_device
     from rag_train.config import DataConfig, load_config
     from rag_train.data.corpus import Corpus
-    from rag_train.data.toy import ensure_toy_world
+    from rag_train.data.toy_files import ensure_toy_world
     from rag_train.train.schema import RLMConfig
 
     cfg = SCALE_QUICK if ctx.quick else SCALE_GPU

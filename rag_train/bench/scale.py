@@ -196,7 +196,7 @@ def main(argv=None) -> None:
     root = Path(args.dir)
     root.mkdir(parents=True, exist_ok=True)
     stages = []
-    from rag_train.data.toy import ensure_toy_world
+    from rag_train.data.toy_files import ensure_toy_world
 
     started = time.perf_counter()
     files = ensure_toy_world(DataConfig(toy_dir=str(root / "toy"), toy_passages=args.rows))

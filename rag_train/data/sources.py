@@ -50,7 +50,7 @@ def resolve_data(cfg: DataConfig, accelerator: Accelerator, train_keys: list[str
     user_train = [part for part in (cfg.train or "").split(",") if part]
     if not cfg.toy:
         return DataFiles(cfg.passages, user_train, list(cfg.dev), None)
-    from rag_train.data.toy import ensure_toy_world
+    from rag_train.data.toy_files import ensure_toy_world
 
     with accelerator.main_process_first():
         files = ensure_toy_world(cfg)

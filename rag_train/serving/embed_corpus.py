@@ -46,7 +46,7 @@ def embed_corpus(cfg: EmbedConfig, accelerator=None) -> Buffer:
     passages, tokenizer = cfg.passages or cfg.data.passages, cfg.retriever.tokenizer
     needs_toy_tokenizer = cfg.model_dir is None and cfg.retriever.model == "tiny" and tokenizer is None
     if cfg.data.toy and (passages is None or needs_toy_tokenizer):
-        from rag_train.data.toy import ensure_toy_world
+        from rag_train.data.toy_files import ensure_toy_world
 
         with accelerator.main_process_first():
             files = ensure_toy_world(cfg.data)

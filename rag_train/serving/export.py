@@ -81,7 +81,7 @@ def _open_corpus(config: dict, run_dir: Path, override: Optional[str]) -> Corpus
     elif data.get("passages"):
         path, origin = Path(data["passages"]), f"{run_dir / 'config.yaml'}: field 'data.passages'"
     elif data.get("toy"):
-        from rag_train.data.toy import toy_paths
+        from rag_train.data.toy_files import toy_paths
 
         path = toy_paths(Path(data["toy_dir"]))["passages"]
         origin = f"{run_dir / 'config.yaml'}: field 'data.toy_dir'"

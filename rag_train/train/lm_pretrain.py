@@ -30,7 +30,7 @@ from rag_train.data.corpus import Corpus
 from rag_train.data.sources import TOY_LM_MANIFEST, world_fingerprint
 from rag_train.data.span_corruption import corrupt, noise_mask, sentinel_ids
 from rag_train.data.tokenizer import load_tokenizer
-from rag_train.data.toy import ensure_toy_world, toy_paths
+from rag_train.data.toy_files import ensure_toy_world, toy_paths
 from rag_train.io import atomic_directory, atomic_write_json, folder_checksums, read_json
 from rag_train.models.retriever import format_passage
 from rag_train.models.tiny import tiny_t5_config
