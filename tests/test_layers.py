@@ -181,3 +181,25 @@ if __name__ == "__main__":  # rewrite the table in docs/architecture.md from LAY
     text = DOC.read_text()
     DOC.write_text(text.replace(documented_table(text), render_table(), 1))
     print(f"wrote the layer table of {DOC}")
+
+
+LONG_MODULE = 450  # lines: above this a module's docstring says why it is one file ("Long file: ...")
+
+
+def long_modules_without_a_reason(package: Path) -> dict[str, int]:
+    found = {}
+    for path in sorted(package.rglob("*.py")):
+        text = path.read_text()
+        lines = text.count("\n")
+        if lines > LONG_MODULE and "Long file:" not in (ast.get_docstring(ast.parse(text)) or ""):
+            found[str(path.relative_to(package.parent))] = lines
+    return found
+
+
+def test_long_modules_say_why_they_are_one_file(tmp_path):
+    assert long_modules_without_a_reason(ROOT / "rag_train") == {}
+    planted = tmp_path / "pkg"
+    planted.mkdir()
+    (planted / "long.py").write_text('"""A module."""\n' + "x = 1\n" * LONG_MODULE)
+    (planted / "reasoned.py").write_text('"""A module.\n\nLong file: one concept."""\n' + "x = 1\n" * LONG_MODULE)
+    assert long_modules_without_a_reason(planted) == {"pkg/long.py": LONG_MODULE + 1}

@@ -12,6 +12,9 @@ fragments exist into docs/gpu_report.md. A stage times the code users run, throu
 `--device cpu --quick` runs every stage at toy size (tests/test_gpu_report.py), so the report cannot rot.
 A bare GPU image lacks some of the project's imports: `--wheels DIR` downloads them where the package index is
 reachable, and every stage first installs the ones missing from DIR (default `.whl/`) if it is there.
+
+Long file: each stage's sizes, check and table sit together so a stage reads in one place, and the report
+must run on a bare GPU image from this one entry.
 """
 
 from __future__ import annotations

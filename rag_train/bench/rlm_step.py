@@ -26,6 +26,9 @@ Before any timing, the reuse path is checked (eval mode, fp32) against re-encodi
 passage at a time; a mismatch stops the benchmark (exit status 1), so a broken reuse path cannot time well.
 
     python scripts/bench_rlm_step.py --size base --passages 32 --passage-length 256 --dtype bf16 --checkpointing
+
+Long file: the random paper-shaped models, the synthetic corpus and the timed step exist only for this benchmark,
+which must stay one readable measurement.
 """
 
 from __future__ import annotations

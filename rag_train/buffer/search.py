@@ -15,6 +15,9 @@ dropped from the process afterwards, so resident memory stays flat however large
 With torch.distributed initialised each rank passes its own shard (`row_offset` = its first global
 row) and the same queries (all-gather each rank's batch first); per-rank results are gathered and
 merged, equal on every rank and to a single-process search.
+
+Long file: the chunked scan, the CPU and device scorers, the tie rule and the Gumbel noise must give the same rows
+whatever the chunking or sharding; kept together, one reading checks that they agree.
 """
 
 from __future__ import annotations

@@ -24,6 +24,9 @@ min(floor(log_b delta) + 1, level - 1) (levels may skip, as in an explicit cover
 
 Points of a node are the contiguous range order[start:end]; children of a node are nodes child_lo..child_hi-1,
 and their ranges tile their parent's.
+
+Long file: the tree, its two samplers and the invariant checker share the node arrays and the covering bounds
+above; apart, each would restate them.
 """
 
 from __future__ import annotations

@@ -14,6 +14,9 @@ Slow and stalled clients cannot hold the server: a request's headers must be com
 of their first byte (or of the connection opening) and its body within `request_timeout_s` of its headers (408),
 else the connection is closed (`TimedH11Protocol`); an answer given before the body was read (413, 408, 415)
 says `Connection: close` and the connection is closed, nothing more of the body is read.
+
+Long file: the request limits, the coalescing batcher and the HTTP app are one server, and the limits are only
+checked where the body is read.
 """
 
 import asyncio
