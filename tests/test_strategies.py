@@ -4,6 +4,7 @@ a hand-made 40-passage corpus and a float32 buffer built by `build_buffer`."""
 from __future__ import annotations
 
 import copy
+import functools
 import json
 
 import numpy as np
@@ -13,12 +14,14 @@ from accelerate import Accelerator
 from scipy.stats import chisquare
 
 from rag_train.buffer.build import build_buffer
-from rag_train.buffer.store import Buffer
+from rag_train.buffer import nystrom
+from rag_train.buffer.store import Buffer, decode_rows
 from rag_train.config import BufferConfig, ConfigError, RetrieverConfig, TinyModelConfig
 from rag_train.data.corpus import Corpus
 from rag_train.models.retriever import DualEncoder, format_passage
 from rag_train.data.tokenizer import train_tokenizer
 from rag_train.strategies import REGISTRY, StrategyConfig, StrategyContext, build_strategy
+from rag_train.strategies.base import read_rows
 from rag_train.strategies.corrector import CorrectorConfig, CorrectorStrategy
 from rag_train.strategies.exhaustive import Exhaustive
 from rag_train.strategies.snm import SNM
@@ -405,3 +408,43 @@ def test_trainable_cache_moves_the_touched_rows_by_the_gradient(world, tmp_path)
     for s in (strategy, resumed):
         step_cache(s, queries, positives, 2)
     assert torch.equal(resumed.vectors, strategy.vectors) and not torch.equal(strategy.vectors[subset.rows], moved)
+
+
+@pytest.fixture(scope="module")
+def bfloat16_buffer(world, tmp_path_factory):
+    """The world's buffer again in bfloat16 (stored as its bits), 3 shards."""
+    directory = tmp_path_factory.mktemp("bf16") / "buffer"
+    build_buffer(world["model"], world["corpus"], directory, batch_size=16, shard_rows=16, dtype="bfloat16")
+    return directory
+
+
+def test_gathered_rows_are_the_buffer_rows_in_every_dtype(world, bfloat16_buffer, monkeypatch):
+    """`read_rows` (what the corrector, SNM, the negative cache and Dynnibal read stale vectors with) against the
+    whole buffer loaded by torch: rows across shards, in any order, repeated; bfloat16 decoded, not its bits; and
+    without `Buffer.shard`, which copies every shard it spans (the whole buffer, each step, at 28M rows)."""
+    rows = torch.tensor([[39, 0, 17], [16, 15, 39]])
+    for directory in (world["buffer_dir"], bfloat16_buffer):
+        buffer = Buffer.open(directory)
+        assert len(buffer.manifest["shards"]) == 3
+        whole = buffer.tensor().float()
+        projection = nystrom.whitening(whole[:6].double().numpy())
+        with monkeypatch.context() as patch:
+            patch.setattr(Buffer, "shard", lambda *a: pytest.fail("read the buffer through Buffer.shard"))
+            torch.testing.assert_close(read_rows(buffer, rows), whole[rows], rtol=0, atol=0)
+        decode = functools.partial(decode_rows, dtype=buffer.dtype)  # Dynnibal's representations, shard by shard
+        low = np.concatenate([nystrom.represent(piece, projection, decode=decode) for _, piece in buffer.views()])
+        np.testing.assert_array_equal(low, nystrom.represent(whole.numpy(), projection))
+    bf16, fp32 = (Buffer.open(d).tensor().float() for d in (bfloat16_buffer, world["buffer_dir"]))
+    torch.testing.assert_close(bf16, fp32, rtol=1e-2, atol=1e-2)  # the same vectors at bfloat16 precision
+
+
+def test_rerank_over_a_bfloat16_buffer_is_brute_force_over_its_values(world, bfloat16_buffer):
+    strategy, model = make(world, "stale", search="rerank")
+    bf16 = Buffer.open(bfloat16_buffer).tensor().float()
+    strategy.ctx.buffer_dir = bfloat16_buffer
+    strategy.buffer = Buffer.open(bfloat16_buffer)
+    strategy.build_index()
+    queries = queries_of(model)
+    candidates = brute_topk(queries, bf16, 12)
+    expected = torch.stack([c[brute_topk(q[None], bf16[c], 5)[0]] for q, c in zip(queries, candidates)])
+    assert torch.equal(strategy.retrieve(queries, 5), expected)

@@ -224,7 +224,7 @@ def diagnose(run: Path, k: Optional[int] = None, limit: int = 500, fit_hidden: t
             raise ConfigError(f"{option} needs a dense [{rows} passages, {vocabulary} tokens] bag matrix, over "
                               f"{MAX_BAG_CELLS:,} cells; {'pass fewer rows' if option == '--content' else 'use --content'}")
     buffer = Buffer.open(run / "buffer")
-    stale = torch.from_numpy(np.asarray(buffer.shard(0, buffer.rows), dtype=np.float32))
+    stale = buffer.tensor().float()  # bfloat16 decoded from its stored bits
     with torch.no_grad():
         fresh = embed_corpus(retriever, corpus)
     corrector = final_corrector(run, stale.shape[1])

@@ -43,7 +43,7 @@ def tracking(run: Path, corpus: Corpus, files, k: int, limit: int) -> list[dict]
     """Prints the tracking table; returns its rows ({questions, searched, overlap, gold_in_top_k, gold_at_1})."""
     retriever = DualEncoder.load(run / "retriever").eval()
     buffer = Buffer.open(run / "buffer")
-    stale = torch.from_numpy(buffer.shard(0, buffer.rows).astype("float32"))
+    stale = buffer.tensor().float()  # bfloat16 decoded from its stored bits
     fresh = embed_corpus(retriever, corpus)
     corrector = final_corrector(run, stale.shape[1])
     searched = {"fresh": fresh, "stale": stale}

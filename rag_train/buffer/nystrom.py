@@ -16,6 +16,8 @@ cache moves by one [d', d'] matrix: T <- T W P_new.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 
 
@@ -30,11 +32,13 @@ def whitening(landmarks: np.ndarray, rel_eps: float = 1e-10) -> np.ndarray:
     return lm.T @ (vectors * inv_sqrt) @ vectors.T
 
 
-def represent(vectors: np.ndarray, projection: np.ndarray, chunk: int = 65536) -> np.ndarray:
-    """Low-dimensional representations t = b P of full vectors [n, d] -> [n, d'] float32, `chunk` rows at a time."""
+def represent(vectors: np.ndarray, projection: np.ndarray, chunk: int = 65536,
+              decode: Callable[[np.ndarray], np.ndarray] = np.asarray) -> np.ndarray:
+    """Low-dimensional representations t = b P of full vectors [n, d] -> [n, d'] float32, `chunk` rows at a time
+    (`decode`: stored rows -> floats, e.g. a buffer's bfloat16 bits, applied per chunk)."""
     out = np.empty((len(vectors), projection.shape[1]), dtype=np.float32)
     for start in range(0, len(vectors), chunk):
-        out[start:start + chunk] = np.asarray(vectors[start:start + chunk], dtype=np.float64) @ projection
+        out[start:start + chunk] = np.asarray(decode(vectors[start:start + chunk]), dtype=np.float64) @ projection
     return out
 
 

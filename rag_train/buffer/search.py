@@ -43,6 +43,9 @@ from rag_train.models.corrector import Corrector
 
 MODES = ("exact", "corrector_full", "corrector_rerank")
 SAMPLINGS = ("topk", "gumbel")
+# numpy rows searched as they are: a Buffer stores bfloat16 as its uint16 bits (rag_train/buffer/store.py)
+NUMPY_ROW_DTYPES = {"float16": torch.float16, "float32": torch.float32, "bfloat16": torch.bfloat16,
+                    "uint16": torch.bfloat16}
 NOISE_BLOCK = 8192  # Gumbel noise is drawn per block of global rows, so it is independent of chunking and sharding
 HIDDEN_TILE_BYTES = 16 << 20  # [tile, hidden] activations sized to stay in a typical L3 between the two GEMMs
 CPU_TILE_ROWS = 2048  # per-thread tile on CPU: [tile, hidden] activations stay in cache between the GEMMs
@@ -119,8 +122,9 @@ def _validate(queries, rows, k, corrector, mode, chunk_rows, exclude, sampling, 
         raise ValueError(f"search: rows must be a [N, D] tensor or numpy (memmap) array, got {type(rows).__name__}")
     if rows.shape[1] != queries.shape[1]:
         raise ValueError(f"search: queries have dim {queries.shape[1]} but rows have dim {rows.shape[1]}")
-    if isinstance(rows, np.ndarray) and rows.dtype.name not in ("float16", "float32", "bfloat16"):
-        raise ValueError(f"search: rows dtype {rows.dtype} not supported (float16, bfloat16, float32)")
+    if isinstance(rows, np.ndarray) and rows.dtype.name not in NUMPY_ROW_DTYPES:
+        raise ValueError(f"search: rows dtype {rows.dtype} not supported (float16, float32, bfloat16 as ml_dtypes' "
+                         "type or as its uint16 bits)")
     if not torch.isfinite(queries).all():
         raise ValueError("search: queries contain NaN or inf")
     if mode == "corrector_full" and corrector is None:
@@ -231,14 +235,14 @@ class _ChunkReader:
 def _torch_dtype(rows: Rows) -> torch.dtype:
     if isinstance(rows, torch.Tensor):
         return rows.dtype
-    return {"float16": torch.float16, "float32": torch.float32, "bfloat16": torch.bfloat16}[rows.dtype.name]
+    return NUMPY_ROW_DTYPES[rows.dtype.name]
 
 
 def _as_tensor(array: np.ndarray) -> torch.Tensor:
     """Zero-copy torch view of a (possibly read-only memmapped) numpy block, bfloat16 included."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # read-only memmap: we only read from it
-        if array.dtype.name == "bfloat16":
+        if array.dtype.name in ("bfloat16", "uint16"):
             return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
         return torch.from_numpy(array)
 

@@ -118,12 +118,8 @@ class Subset:
 
 
 def read_rows(buffer: Buffer, rows: torch.Tensor) -> torch.Tensor:
-    """buffer[rows] as fp32 for any shape of global row ids, read in ascending order from the memmap."""
-    flat = rows.reshape(-1).cpu().numpy()
-    order = np.argsort(flat, kind="stable")
-    picked = np.empty((len(flat), buffer.dim), dtype=np.float32)
-    picked[order] = buffer.array()[flat[order]]
-    return torch.from_numpy(picked).reshape(*rows.shape, buffer.dim)
+    """buffer[rows] as fp32 for any shape of global row ids (`Buffer.gather`: only those rows are read)."""
+    return torch.from_numpy(buffer.gather(rows.reshape(-1).cpu().numpy())).reshape(*rows.shape, buffer.dim)
 
 
 def gather_queries(queries: torch.Tensor, accelerator: Accelerator) -> torch.Tensor:

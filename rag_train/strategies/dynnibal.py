@@ -30,6 +30,7 @@ the re-encoding counts and how far FindClustering expanded (clusters per query, 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -38,7 +39,7 @@ import torch
 
 from rag_train.buffer import nystrom
 from rag_train.buffer.sg_tree import SGTree, build_forest, find_clustering, metropolis_hastings, start_level
-from rag_train.buffer.store import Buffer
+from rag_train.buffer.store import Buffer, decode_rows
 from rag_train.config import ConfigError, check_positive
 from rag_train.strategies.base import (BaseStrategyConfig, Strategy, StrategyContext, Subset, gather_queries, read_rows,
                                        register)
@@ -118,7 +119,9 @@ class Dynnibal(Strategy):
         if cfg.warm_start_steps == 0:
             self.landmark_rows = self.draw_landmarks()
             projection = nystrom.whitening(read_rows(buffer, self.landmark_rows).numpy())
-            self.start(projection, nystrom.represent(buffer.array(), projection))
+            decode = functools.partial(decode_rows, dtype=buffer.dtype)  # shard by shard: no copy of the buffer
+            self.start(projection, np.concatenate([nystrom.represent(piece, projection, decode=decode)
+                                                   for _, piece in buffer.views()]))
 
     def numpy_rng(self) -> np.random.Generator:
         """A numpy generator seeded from the shared torch generator (the same on every process, checkpointed)."""

@@ -33,7 +33,8 @@ class Stale(IndexedStrategy):
     def build_index(self) -> None:
         """This process's rows of the stale buffer: fp32 in memory on CPU, the buffer dtype on an accelerator,
         or — for buffer.search=rerank, meant for buffers that do not fit device memory — left memory-mapped
-        behind a FAISS candidate index built once here."""
+        behind a FAISS candidate index built once here (memory-mapped only when the process's rows lie in one
+        shard file: rows spanning several are copied into host memory once, by `Buffer.shard`)."""
         start, end = self.local_range(self.buffer.rows)
         self.row_offset = start
         if self.ctx.buffer_cfg.search == "rerank":
