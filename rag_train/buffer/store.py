@@ -246,7 +246,8 @@ class Buffer:
         return np.concatenate(pieces)
 
     def array(self) -> np.ndarray:
-        """All rows (a memmap when the buffer has one shard)."""
+        """All rows in storage dtype: a memmap when the buffer has one shard, else a copy of every shard (for some
+        rows, `gather`)."""
         return self.shard(0, self.rows)
 
     def tensor(self, start: int = 0, end: Optional[int] = None) -> torch.Tensor:
