@@ -286,6 +286,11 @@ def _figure(name: Optional[str], alt: str) -> list[str]:
     return [f"![{alt}](figures/reproduction/{name})", ""] if name else ["_(no finished runs to plot)_", ""]
 
 
+def _paragraph(text: str) -> list[str]:
+    """A computed paragraph and its blank line, or nothing when there were no runs to compute it from."""
+    return [text, ""] if text else []
+
+
 def invocation_table(invocations: list[dict]) -> list[str]:
     if not invocations:
         return []
@@ -403,7 +408,7 @@ def write_report(results: dict, meta: dict, out: Path) -> Path:
         "`python scripts/diagnose_rlm.py --run <runs>/table3/corrector-seed0 --read` (the reader given only the gold "
         "passages; docs/rlm_toy.md).",
         "",
-        *([rlm_analysis(results["table3"]), ""] if rlm_analysis(results["table3"]) else []),
+        *_paragraph(rlm_analysis(results["table3"])),
         "## Training curves",
         "",
         "Mean over seeds (band: min-max) of R@1 during Algorithm 1 (the Table 1 runs, evaluated every "
@@ -416,8 +421,8 @@ def write_report(results: dict, meta: dict, out: Path) -> Path:
                   curve_table({s: results["table1"].get(init, {}).get(s) or [] for s in CURVES}, retrieval_curve), ""]
     lines += ["EM (%, mean of the three datasets) over steps, Algorithm 2:", "",
               curve_table({s: results["table3"][s] for s in RLM_CURVES}, em_curve), "",
-              *([table1_curves_analysis(results["table1"]), ""] if table1_curves_analysis(results["table1"]) else []),
-              *([rlm_curves_analysis(results["table3"]), ""] if rlm_curves_analysis(results["table3"]) else []),
+              *_paragraph(table1_curves_analysis(results["table1"])),
+              *_paragraph(rlm_curves_analysis(results["table3"])),
               "## Section 5.3: the synthetic experiment", "",
               "The corrector alone, trained to map stale vectors g'(y) to drifted ones g(y) (details and the full "
               "table: [synthetic_corrector.md](synthetic_corrector.md)).", ""]
