@@ -5,15 +5,17 @@ wrong types and impossible values are rejected before any work starts, with a me
 key (and the file it came from). The resolved config is saved into the run directory.
 
 The sections below are shared by both recipes; the recipes' schemas (`RetrieverTrainConfig` for
-Algorithm 1, `RLMConfig` for Algorithm 2, in `rag_train.train.schema`) add the `strategy` section, whose keys
-each strategy module declares (`rag_train.strategies`). This module is the bottom layer: it knows no models,
+Algorithm 1, `RLMConfig` for Algorithm 2, in `rag_train.train.schema`) add the `strategy` and `batching`
+sections, whose keys each strategy or batching module declares (`plugin_section`: `rag_train.strategies`,
+`rag_train.train.batching`). This module is the bottom layer: it knows no models,
 buffers, strategies or command line.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-import warnings
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, TypeVar
@@ -24,10 +26,6 @@ from omegaconf.errors import OmegaConfBaseException
 
 class ConfigError(ValueError):
     """A config that cannot be run; the message names the key and, where known, the file."""
-
-
-class ConfigWarning(UserWarning):
-    """A config that runs, but with a key set on the command line that nothing reads."""
 
 
 def check_choice(section: str, key: str, value: Any, allowed: tuple) -> None:
@@ -48,6 +46,66 @@ def check_positive(section: str, key: str, value: Any, allow_zero: bool = False)
         raise ConfigError(f"{section}.{key}={value!r} must be a finite number")
     if value < 0 or (value == 0 and not allow_zero):
         raise ConfigError(f"{section}.{key}={value!r} must be {'>= 0' if allow_zero else '> 0'}")
+
+
+def _field_default(spec: dataclasses.Field) -> Any:
+    return spec.default_factory() if spec.default_factory is not dataclasses.MISSING else spec.default
+
+
+def plugin_section(section: str, base: type, plugins: dict[str, type], header: str,
+                   namespace: Optional[dict] = None) -> tuple[type, dict[str, tuple[str, ...]]]:
+    """The config section of alternatives that plug in by one file each (strategies, batching options).
+
+    `plugins` maps each alternative's name to its class, whose `config` is its own config dataclass, a subclass of
+    `base` (whose keys every alternative reads). The section holds `base`'s keys and every alternative's own keys, each spelled
+    `<section>.<key>`; a key several alternatives declare (`strategy.refresh_every`) is one key, so they must agree
+    on its type and default. The section validates `name`, and `selected()` builds the chosen alternative's own
+    config (its checks run); `unread_keys()` names the keys the chosen one does not read, and `load_config` refuses
+    a command-line override of one. Returns the section class and, per own key, the alternatives that read it."""
+    common = {spec.name for spec in dataclasses.fields(base)}
+    found: dict[str, tuple[Any, dataclasses.Field, str]] = {}
+    owners: dict[str, list[str]] = {}
+    configs = {name: plugin.config for name, plugin in plugins.items()}
+    for name, own in [("", base), *configs.items()]:
+        if not (dataclasses.is_dataclass(own) and issubclass(own, base)):
+            raise TypeError(f"{section} {name!r}: its config must be a dataclass subclassing {base.__name__}")
+        types = typing.get_type_hints(own)
+        for spec in dataclasses.fields(own):
+            if spec.name not in common:
+                owners.setdefault(spec.name, []).append(name)
+            if spec.name not in found:
+                found[spec.name] = (types[spec.name], spec, name)
+                continue
+            kind, first, first_owner = found[spec.name]
+            if kind != types[spec.name] or _field_default(first) != _field_default(spec):
+                raise TypeError(f"{section} key {spec.name!r} is declared differently by {first_owner!r} and "
+                                f"{name!r} (type or default): alternatives that share a key must agree on it")
+    fields = [(key, kind, dataclasses.field(default_factory=spec.default_factory)
+               if spec.default_factory is not dataclasses.MISSING else dataclasses.field(default=spec.default))
+              for key, (kind, spec, _) in found.items()]
+    owners_of = {key: tuple(names) for key, names in owners.items()}
+
+    def selected(self):
+        own = configs[self.name]
+        return own(**{spec.name: getattr(self, spec.name) for spec in dataclasses.fields(own)})
+
+    def check(self) -> None:
+        check_choice(section, "name", self.name, tuple(plugins))
+        self.selected()
+
+    def unread_keys(self) -> dict[str, str]:
+        reads = {spec.name for spec in dataclasses.fields(configs[self.name])}
+        return {key: f"{section} {self.name!r} does not read {section}.{key} (a key of {', '.join(names)})"
+                for key, names in owners_of.items() if key not in reads}
+
+    lines = [header, f"`{section}.name` picks one; each reads the common keys ({', '.join(sorted(common))}) and its own:"]
+    for name, plugin in plugins.items():
+        keys = [spec.name for spec in dataclasses.fields(plugin.config) if spec.name not in common]
+        lines.append(f"  {name}: {', '.join(keys) or '-'}  ({plugin.__module__})")
+    methods = {"__post_init__": check, "selected": selected, "unread_keys": unread_keys, "__doc__": "\n".join(lines),
+               "__module__": (namespace or {}).get("__module__", __name__)}
+    cls = dataclasses.make_dataclass(f"{section.capitalize()}Config", fields, namespace={**methods, **(namespace or {})})
+    return cls, owners_of
 
 
 def _device(section: str, key: str, value: str) -> None:
@@ -264,41 +322,18 @@ class TrainConfig:
 
 
 @dataclass
-class BatchingConfig:
-    """How Algorithm 1 turns one optimizer step's global batch into a gradient under a memory cap (seed 002).
-
-    `name` picks one option of `rag_train/train/batching/` (each one file; it says which keys it reads and
-    which strategies it takes, checked before any work):
-      plain      — the whole batch in one forward (K = 1, no bank): the in-batch / subset softmax of seed 000;
-      grad_accum — K micro-batches, each one's loss over its own passages only, averaged (not the big batch's
-                   gradient: fewer negatives per query);
-      grad_cache — representations of all K chunks without gradient, the full-batch loss on them, its gradient
-                   per representation cached, each chunk re-encoded with gradient: exactly the full-batch gradient;
-      cont_accum — K micro-batches plus FIFO banks of past query / positive / hard-negative vectors that join
-                   each micro-batch's softmax as rows and columns (banked queries are loss rows).
-    `train.batch_size` stays the global batch of one optimizer step (N_total); each micro-batch holds
-    batch_size / micro_batches of it (N_local x processes).
-    """
+class BaseBatchingConfig:
+    """The `batching` keys every option reads. How Algorithm 1 turns one optimizer step's global batch into a
+    gradient under a memory cap (seed 002) is `name`: one option of `rag_train/train/batching/`, each one file
+    declaring its own keys (a subclass of this); the section is built from them (`plugin_section`).
+    `train.batch_size` stays the global batch of one optimizer step (N_total)."""
 
     name: str = "plain"
-    micro_batches: int = 1  # K: micro-batches per optimizer step (grad_accum, grad_cache, cont_accum)
-    bank_size: int = 0  # M: cont_accum's bank capacity, in training triples (0 = no bank: grad_accum's loss)
-    # cont_accum: banked queries are loss rows with their banked positives (the paper); false = a passage-only bank
-    # (pre-batch negatives, the paper's ablation without M_q: the passage tower's gradient then dwarfs the query's)
-    bank_queries: bool = True
-    # cont_accum: bank, per banked query, its hardest non-positive passage of the subset (seed 002's M_h); a query
-    # whose subset has none (in_batch without extra negatives) leaves its slot empty (masked)
-    bank_hard_negatives: bool = True
-    # cont_accum: a column holding the row's own positive passage (same corpus row) that is not its label column
-    # is left out of that row's softmax (the paper does not mask; duplicates then count as negatives)
-    mask_false_negatives: bool = False
     # CUDA: torch.cuda.set_per_process_memory_fraction (an explicit cap: exceeding it is an OOM); 0 = no cap.
     # Peak memory per step is logged either way (CUDA: max allocated; CPU: the process's peak RSS).
     memory_fraction: float = 0.0
 
     def __post_init__(self) -> None:
-        check_positive("batching", "micro_batches", self.micro_batches)
-        check_positive("batching", "bank_size", self.bank_size, allow_zero=True)
         if not 0 <= self.memory_fraction <= 1:
             raise ConfigError(f"batching.memory_fraction={self.memory_fraction} must be in [0, 1] (0 = no cap)")
 
@@ -364,20 +399,19 @@ def load_config(schema: type[T], path: Optional[str | Path] = None, overrides: O
     except OmegaConfBaseException as exc:
         raise ConfigError(_explain(exc, str(path or "config"))) from exc
     for item in overrides or []:
-        _warn_if_unread(cfg, item)
+        _refuse_if_unread(cfg, item)
     return cfg
 
 
-def _warn_if_unread(cfg: Any, item: str) -> None:
-    """ConfigWarning for a `key=value` override that the resolved config does not read. A section holding keys
-    of several alternatives (the strategy section: each strategy's own keys) says which are unread in this
-    config through an `unread_keys() -> {key: why}` method; a YAML file may set them all on purpose."""
+def _refuse_if_unread(cfg: Any, item: str) -> None:
+    """ConfigError for a `key=value` override that the resolved config does not read: a section of alternatives
+    (`plugin_section`: strategy, batching) says which of its keys the chosen one ignores through `unread_keys()`.
+    A YAML file may set them all on purpose (to switch by `name` alone); on the command line one is a mistake."""
     node = cfg
     for part in item.split("=", 1)[0].split("."):
         unread = getattr(node, "unread_keys", None)
         if unread is not None and part in unread():
-            warnings.warn(f"override {item!r}: {unread()[part]}", ConfigWarning, stacklevel=3)
-            return
+            raise ConfigError(f"override {item!r}: {unread()[part]}")
         node = getattr(node, part, None)
 
 

@@ -12,8 +12,10 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from rag_train.config import ConfigError
 from rag_train.io import read_json
 from rag_train.launch import launch_command
+from rag_train.strategies import reads
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -148,11 +150,18 @@ def compare_strategies(config: str | Path, strategies: list[str], seeds: list[in
     """Algorithm 1 once per (strategy, seed), same config and steps, each run in `runs/<strategy>-seed<seed>`
     (finished ones reused): a markdown table of recall@k, MRR@10 (mean ± std over seeds) and wall time, then R@1 at
     every evaluated step (mean over seeds: has the curve flattened?) and, with stale, corrector and exhaustive among
-    the strategies, the share of the gap the corrector closes."""
+    the strategies, the share of the gap the corrector closes. Each strategy gets the overrides it reads (a
+    strategy refuses another's key); one that no strategy compared reads is refused before any run."""
+    for item in overrides:
+        key = item.split("=", 1)[0]
+        if not any(reads(strategy, key) for strategy in strategies):
+            raise ConfigError(f"override {item!r}: none of the strategies compared ({', '.join(strategies)}) reads "
+                              f"{key}")
     rows = []
     for strategy in strategies:
+        own = [item for item in overrides if reads(strategy, item.split("=", 1)[0])]
         results = [run_once(ROOT / "scripts" / "train_retriever.py", config, runs / f"{strategy}-seed{seed}",
-                            [f"strategy.name={strategy}", f"train.seed={seed}", *overrides], processes)
+                            [f"strategy.name={strategy}", f"train.seed={seed}", *own], processes)
                    for seed in seeds]
         rows.append((strategy, results))
     ks = sorted(rows[0][1][0]["recall"], key=int)

@@ -37,5 +37,5 @@ def recipe_toy_dir(tmp_path_factory):
 
 def read_by(name: str, values: dict) -> dict:
     """`values` ({"strategy.key": v, ...} overrides) without the strategy keys that strategy `name` does not read:
-    a test passes only what its strategy reads, so a ConfigWarning about an unread key is a real finding."""
+    a test passes only what its strategy reads (load_config refuses a command-line key the strategy does not read)."""
     return {key: value for key, value in values.items() if reads(name, key)}

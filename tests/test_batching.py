@@ -10,6 +10,7 @@ import functools
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,12 +18,12 @@ import torch
 from accelerate import Accelerator
 from torch import nn
 
-from rag_train.config import BatchingConfig, BufferConfig, ConfigError, RetrieverConfig, TinyModelConfig
+from rag_train.config import BufferConfig, ConfigError, RetrieverConfig, TinyModelConfig
 from rag_train.data.corpus import Corpus
 from rag_train.data.supervised import load_retrieval
 from rag_train.models.retriever import DualEncoder, format_passage
 from rag_train.strategies import REGISTRY, StrategyConfig, StrategyContext
-from rag_train.train.batching import OPTIONS, MicroBatch, StepParts, check_batching
+from rag_train.train.batching import OPTIONS, BatchingConfig, MicroBatch, StepParts, check_batching
 from rag_train.train.batching.cont_accum import Banks
 from rag_train.train.retriever import train_retriever
 from rag_train.train.trainable import Trainable
@@ -317,3 +318,98 @@ def test_two_processes_match_one_for_every_option(recipe_toy_dir, tmp_path):
         a, b = weights(tmp_path / f"one-{name}"), weights(tmp_path / f"two-{name}")
         for key in a:
             torch.testing.assert_close(b[key], a[key], rtol=1e-4, atol=1e-5, msg=f"{name}: {key}")
+
+
+# -- a new option is one file -----------------------------------------------------------------------------------
+
+NEW_OPTION = '''
+"""Test option: plain's step with its loss multiplied by `batching.loss_scale` (its own key)."""
+
+from dataclasses import dataclass
+
+from rag_train.config import BaseBatchingConfig, ConfigError
+from rag_train.train.batching.plain import Plain
+
+
+@dataclass
+class ScaledConfig(BaseBatchingConfig):
+    loss_scale: float = 1.0
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not self.loss_scale > 0:
+            raise ConfigError(f"batching.loss_scale={self.loss_scale} must be > 0")
+
+
+class Scaled(Plain):
+    """The whole batch in one forward, its loss scaled by loss_scale."""
+
+    name = "scaled"
+    config = ScaledConfig
+
+    def step(self, micro_batches):
+        result = super().step(micro_batches)
+        result.loss = result.loss * self.cfg.loss_scale
+        return result
+
+
+OPTION = Scaled
+'''
+
+# In a fresh interpreter, the new module's folder is added to the package's search path before the package (and
+# its discovery) is imported: what a new file in rag_train/train/batching/ does.
+OPTION_DRIVER = '''
+import importlib.util, json, sys
+
+import rag_train.train
+spec = importlib.util.find_spec("rag_train.train.batching")
+spec.submodule_search_locations.append(sys.argv[1])
+package = importlib.util.module_from_spec(spec)
+sys.modules["rag_train.train.batching"] = package
+spec.loader.exec_module(package)
+
+import torch
+from rag_train.config import ConfigError, load_config
+from rag_train.models.retriever import DualEncoder
+from rag_train.train.batching import BatchingConfig
+from rag_train.train.retriever import train_retriever
+from rag_train.train.schema import RetrieverTrainConfig
+
+config, args = sys.argv[2], sys.argv[3:]
+out = {"documented": "scaled: The whole batch in one forward, its loss scaled by loss_scale." in BatchingConfig.__doc__}
+for name, extra in [("bad_value", ["batching.name=scaled", "batching.loss_scale=-1"]),
+                    ("plain_given_its_key", ["batching.name=plain", "batching.loss_scale=2"])]:
+    try:
+        load_config(RetrieverTrainConfig, config, [*args, *extra])
+        out[name] = "accepted"
+    except ConfigError as exc:
+        out[name] = str(exc)
+weights = {}
+for name in ("scaled", "plain"):
+    cfg = load_config(RetrieverTrainConfig, config, [*args, f"batching.name={name}", f"train.output_dir={sys.argv[1]}/{name}"]
+                      + (["batching.loss_scale=1.0"] if name == "scaled" else []))
+    out[name] = train_retriever(cfg)["steps"]
+    weights[name] = DualEncoder.load(f"{sys.argv[1]}/{name}/retriever").state_dict()
+out["same_weights"] = all(torch.equal(weights["scaled"][k], weights["plain"][k]) for k in weights["plain"])
+out["saved"] = open(sys.argv[1] + "/scaled/config.yaml").read()
+print("RESULT " + json.dumps(out))
+'''
+
+
+@pytest.mark.slow
+def test_a_new_option_is_one_file(recipe_toy_dir, tmp_path):
+    """A batching option dropped in as one file: its own key is validated by its class, refused for another
+    option, documented by its docstring, and a run with it trains (at loss_scale 1, exactly as plain does)."""
+    (tmp_path / "scaled.py").write_text(NEW_OPTION)
+    args = [a for a in overrides(recipe_toy_dir, tmp_path / "unused", "stale", steps=2)
+            if not a.startswith("train.output_dir=")]
+    proc = subprocess.run([sys.executable, "-c", OPTION_DRIVER, str(tmp_path), str(CONFIG), *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    assert out["documented"]
+    assert out["bad_value"] == "batching.loss_scale=-1.0 must be > 0"
+    assert out["plain_given_its_key"] == ("override 'batching.loss_scale=2': batching 'plain' does not read "
+                                          "batching.loss_scale (a key of scaled)")
+    assert out["scaled"] == out["plain"] == 2 and out["same_weights"]
+    assert "loss_scale: 1.0" in out["saved"]

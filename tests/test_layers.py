@@ -33,7 +33,7 @@ LAYERS = [
           "`Accelerator` / `accelerate launch` command, and a CPU process's torch threads)", "nothing of the package"),
     Layer("1 config", ("rag_train.config",),
           "`config.py`: the shared config sections (data, retriever, reader, buffer, train, eval), `load_config` "
-          "(YAML + `key=value`, validation, `ConfigWarning`)", "io"),
+          "(YAML + `key=value`, validation), `plugin_section` (the strategy and batching sections built from their modules)", "io"),
     Layer("2 data", ("rag_train.data",),
           "`data/`: corpus store, QA / DPR / MS MARCO / BEIR loaders, toy world, T5 span corruption, offline "
           "tokenizer, FiD collation", "config"),

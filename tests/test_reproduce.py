@@ -4,7 +4,7 @@ written from given metrics (tables, computed verdicts against the paper, PNG plo
 from __future__ import annotations
 
 from rag_train.config import load_config
-from rag_train.train.schema import RetrieverTrainConfig
+from rag_train.train.schema import RetrieverTrainConfig, RLMConfig
 from rag_train.reproduction.plan import FULL, QUICK, RETRIEVER_CONFIG, TABLE3, Plan
 from rag_train.reproduction.analysis import ANALYSIS
 from rag_train.reproduction.report import write_report
@@ -166,7 +166,10 @@ def test_plan_shares_one_warm_start_and_reuses_the_default_corrector(tmp_path):
     assert plan.ablation(256, 0).out == plan.table1("random", "corrector", 0).out  # config default: same run
     assert "strategy.corrector.hidden=64" in plan.ablation(64, 0).overrides
     # later overrides win in load_config: the section's strategy and seed come after the budget's
-    # each run gets only the budget keys its strategy reads (ConfigWarning is an error in the suite)
+    # each run gets only the budget keys its strategy reads (load_config refuses any other)
     assert "strategy.refresh_every=50" in plan.table1("random", "exhaustive", 0).overrides
+    for run in table3:  # every RLM run loads: none is given the budget's refresh_every unless it reads it
+        assert load_config(RLMConfig, run.config, run.overrides).strategy.name in TABLE3
+    assert "strategy.refresh_every=50" in plan.table3("exhaustive", 0).overrides
     cfg = load_config(RetrieverTrainConfig, RETRIEVER_CONFIG, plan.ablation(64, 1).overrides)
     assert (cfg.strategy.name, cfg.strategy.corrector.hidden, cfg.train.seed) == ("corrector", 64, 1)

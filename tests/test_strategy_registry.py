@@ -1,7 +1,7 @@
 """The strategy registry and the `strategy` config section follow from the strategy modules: a new strategy is
 one new file (shown by dropping one into the package's search path in a fresh interpreter and training with it),
-its keys are validated by its own config class, keys of other strategies set on the command line are warned
-about, and which recipe takes which strategy is each module's declaration."""
+its keys are validated by its own config class, keys of other strategies set on the command line are refused,
+and which recipe takes which strategy is each module's declaration."""
 
 from __future__ import annotations
 
@@ -10,12 +10,11 @@ import json
 import subprocess
 import sys
 import textwrap
-import warnings
 from pathlib import Path
 
 import pytest
 
-from rag_train.config import ConfigError, ConfigWarning, load_config
+from rag_train.config import ConfigError, load_config
 from rag_train.strategies import OWNERS, REGISTRY, StrategyConfig, register
 from rag_train.strategies.base import Strategy
 from rag_train.train.schema import RetrieverTrainConfig, RLMConfig
@@ -62,7 +61,7 @@ class FirstRows(Strategy):
 # Runs in a fresh interpreter with the new module's folder added to the package's search path before the
 # package (and its discovery) is imported: exactly what a new file in rag_train/strategies/ does.
 DRIVER = '''
-import importlib.util, json, sys, warnings
+import dataclasses, importlib.util, json, sys
 
 spec = importlib.util.find_spec("rag_train.strategies")
 spec.submodule_search_locations.append(sys.argv[1])
@@ -70,8 +69,8 @@ package = importlib.util.module_from_spec(spec)
 sys.modules["rag_train.strategies"] = package
 spec.loader.exec_module(package)
 
-from rag_train.config import ConfigError, load_config
-from rag_train.strategies import REGISTRY
+from rag_train.config import ConfigError, flatten, load_config
+from rag_train.strategies import REGISTRY, StrategyConfig
 from rag_train.train.retriever import train_retriever
 from rag_train.train.schema import RetrieverTrainConfig, RLMConfig
 
@@ -88,14 +87,14 @@ for name, schema, extra in [("bad_key", RetrieverTrainConfig, ["strategy.first_r
         out[name] = "accepted"
     except ConfigError as exc:
         out[name] = str(exc)
-with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    load_config(RetrieverTrainConfig, config, [*args, "strategy.name=stale", "strategy.refresh_every=2",
-                                               "strategy.snm_targets=50", "strategy.cache_size=32",
-                                               "strategy.cache_refresh=8", "strategy.corrector.hidden=16",
-                                               "strategy.landmarks=8", "strategy.nystrom_samples=32",
-                                               "strategy.trees=2", "strategy.mh_chains=8"])
-out["warned"] = [str(w.message) for w in caught]
+# every strategy's own keys (the new one's too), each set on the command line of a stale run, at its default value
+out["refused"], out["accepted"] = {}, []
+for key, value in flatten(dataclasses.asdict(StrategyConfig()), "strategy").items():
+    try:
+        load_config(RetrieverTrainConfig, config, [*args, "strategy.name=stale", f"{key}={value}"])
+        out["accepted"].append(key)
+    except ConfigError as exc:
+        out["refused"][key] = str(exc)
 cfg = load_config(RetrieverTrainConfig, config, [*args, "strategy.first_row=7", "train.output_dir=" + sys.argv[1] + "/run"])
 metrics = train_retriever(cfg)
 out.update(steps=metrics["steps"], strategy=metrics["strategy"], saved=open(sys.argv[1] + "/run/config.yaml").read())
@@ -116,10 +115,14 @@ def test_a_new_strategy_is_one_file(recipe_toy_dir, tmp_path):
     assert out["bad_key"] == "strategy.first_row=-1 must be >= 0"  # its own validation
     assert "is not one of the strategies the RLM recipe (Algorithm 2) takes" in out["rlm"]  # its declared limit
     assert out["too_large"].startswith("strategy.first_row=100000 is larger than the corpus")  # its corpus limit
-    # the stale run is told about each key of another strategy given to it that it does not read
-    warned = {w.split("does not read strategy.")[1].split(" ")[0] for w in out["warned"]}
-    assert warned == {"refresh_every", "snm_targets", "cache_size", "cache_refresh", "corrector", "landmarks",
-                      "nystrom_samples", "trees", "mh_chains"}
+    # a stale run refuses every key of another strategy (the new one's first_row too) and takes its own: the keys
+    # stale reads are the fields of its config class, the others' from each registered class
+    stale_reads = {f"strategy.{spec.name}" for spec in dataclasses.fields(REGISTRY["stale"].config)}
+    others = {f"strategy.{spec.name}" for name, cls in REGISTRY.items() for spec in dataclasses.fields(cls.config)
+              if f"strategy.{spec.name}" not in stale_reads} | {"strategy.first_row"}
+    assert set(out["accepted"]) == stale_reads
+    assert {key.rsplit(".", 1)[0] if key.startswith("strategy.corrector.") else key for key in out["refused"]} == others
+    assert "strategy 'stale' does not read strategy.first_row (a key of first_rows)" in out["refused"]["strategy.first_row"]
     assert out["steps"] == 2 and out["strategy"] == "first_rows"
     assert "first_row: 7" in out["saved"]  # the resolved config saved in the run holds its key
 
@@ -167,16 +170,21 @@ def test_keys_keep_their_spelling_and_are_validated_by_their_strategy():
         load_config(RetrieverTrainConfig, RETRIEVER_CONFIG, ["strategy.cache_sise=3"])
 
 
-def test_command_line_keys_of_another_strategy_are_warned_about():
-    with pytest.warns(ConfigWarning, match=r"override 'strategy.cache_size=5': strategy 'stale' does not read "
-                                           r"strategy.cache_size \(a key of negative_cache\)"):
+def test_command_line_keys_of_another_strategy_are_refused():
+    with pytest.raises(ConfigError, match=r"override 'strategy.cache_size=5': strategy 'stale' does not read "
+                                          r"strategy.cache_size \(a key of negative_cache\)"):
         load_config(RetrieverTrainConfig, RETRIEVER_CONFIG, ["strategy.name=stale", "strategy.cache_size=5"])
-    with pytest.warns(ConfigWarning, match=r"strategy 'in_batch' does not read strategy.corrector"):
+    with pytest.raises(ConfigError, match=r"strategy 'in_batch' does not read strategy.corrector"):
         load_config(RetrieverTrainConfig, RETRIEVER_CONFIG, ["strategy.name=in_batch", "strategy.corrector.lr=0.1"])
-    with warnings.catch_warnings():  # the toy file sets keys for every strategy on purpose: no warning for those
-        warnings.simplefilter("error")
-        load_config(RetrieverTrainConfig, RETRIEVER_CONFIG, ["strategy.name=exhaustive", "strategy.refresh_every=7"])
-        load_config(RetrieverTrainConfig, RETRIEVER_CONFIG, ["strategy.name=snm", "strategy.refresh_every=7"])
+    with pytest.raises(ConfigError, match=r"override 'batching.bank_size=8': batching 'grad_accum' does not read "
+                                          r"batching.bank_size \(a key of cont_accum\)"):
+        load_config(RetrieverTrainConfig, RETRIEVER_CONFIG, ["batching.name=grad_accum", "batching.bank_size=8"])
+    # the toy file sets keys for every strategy on purpose (switching by name alone): those load, and a shared key
+    # is read by each strategy that declares it
+    assert load_config(RetrieverTrainConfig, RETRIEVER_CONFIG, ["strategy.name=stale"]).strategy.refresh_every == 50
+    for name in ("exhaustive", "snm"):
+        cfg = load_config(RetrieverTrainConfig, RETRIEVER_CONFIG, [f"strategy.name={name}", "strategy.refresh_every=7"])
+        assert cfg.strategy.selected().refresh_every == 7
 
 
 def test_buffer_search_is_checked_against_the_strategy():
@@ -213,3 +221,28 @@ def test_outside_the_strategies_the_registry_is_read_only_through_strategy_class
                              or isinstance(node, ast.alias) and node.name == "REGISTRY"
                              for node in ast.walk(ast.parse(path.read_text()))))
     assert readers == []
+
+
+def test_a_comparison_gives_each_strategy_the_keys_it_reads(monkeypatch, tmp_path):
+    """compare_strategies passes one set of overrides to several strategies: each gets the ones it reads (the
+    others would be refused by its run), and one that no compared strategy reads is refused before any run."""
+    import rag_train.experiments as experiments
+
+    calls = {}
+
+    def run_once(script, config, out, overrides, processes=1):
+        calls[Path(out).name] = overrides
+        return {"recall": {"1": 0.5}, "reembedded_passages": 0, "mrr@10": 0.5, "wall_seconds": 1.0, "steps": 2}
+
+    monkeypatch.setattr(experiments, "run_once", run_once)
+    given = ["strategy.corrector.hidden=32", "strategy.refresh_every=7", "train.steps=2"]
+    experiments.compare_strategies(RETRIEVER_CONFIG, ["stale", "corrector", "snm"], [0], tmp_path, given)
+    assert calls == {"stale-seed0": ["strategy.name=stale", "train.seed=0", "train.steps=2"],
+                     "corrector-seed0": ["strategy.name=corrector", "train.seed=0", "strategy.corrector.hidden=32",
+                                         "train.steps=2"],
+                     "snm-seed0": ["strategy.name=snm", "train.seed=0", "strategy.refresh_every=7", "train.steps=2"]}
+    calls.clear()
+    with pytest.raises(ConfigError, match=r"override 'strategy.cache_size=5': none of the strategies compared "
+                                          r"\(stale, snm\) reads strategy.cache_size"):
+        experiments.compare_strategies(RETRIEVER_CONFIG, ["stale", "snm"], [0], tmp_path, ["strategy.cache_size=5"])
+    assert calls == {}

@@ -137,8 +137,9 @@ class Plan:
     def table3(self, strategy: str, seed: int) -> Run:
         holder = self.table3_holder()
         shared = [] if (strategy, seed) == (TABLE3[0], self.seeds[0]) else [f"warm_start.from_run={holder}"]
+        budget = [o for o in self.budget.rlm if reads(strategy, o.split("=", 1)[0])]
         return Run("train_rlm.py", RLM_CONFIG, self.runs / "table3" / f"{strategy}-seed{seed}",
-                   [*self.common, *self.budget.rlm, f"strategy.name={strategy}", f"train.seed={seed}", *shared])
+                   [*self.common, *budget, f"strategy.name={strategy}", f"train.seed={seed}", *shared])
 
     def table3_holder(self) -> Path:
         """The run whose warm-start stages every other Table 3 run reuses (it runs first)."""

@@ -77,7 +77,7 @@ def train_retriever(cfg: RetrieverTrainConfig, final_eval: bool = True) -> dict:
     trainable, optimizer, scheduler = run.prepare(Trainable(retriever=model, **strategy.modules()), optimizer, scheduler)
     model = ctx.model = acc.unwrap_model(trainable).retriever  # the same module, on the device
     ctx.gather = lambda *modules: full_weights(acc, trainable, *modules)
-    batching = option(cfg.batching, StepParts(acc, trainable, model, strategy, corpus, cfg.train.temperature))
+    batching = option(cfg.batching.selected(), StepParts(acc, trainable, model, strategy, corpus, cfg.train.temperature))
     guard = run.guard
     step = run.resume()
     if step:

@@ -18,7 +18,7 @@ from typing import Any, ClassVar, Optional
 import torch
 from safetensors.torch import load_file, save_file
 
-from rag_train.config import BatchingConfig, ConfigError
+from rag_train.config import BaseBatchingConfig, ConfigError, check_positive
 from rag_train.io import atomic_write_json
 from rag_train.losses import retrieval_scores
 from rag_train.strategies.base import Strategy, Subset
@@ -53,22 +53,35 @@ class StepResult:
     logged: dict[str, float] = field(default_factory=dict)
 
 
+@dataclass
+class MicroBatchesConfig(BaseBatchingConfig):
+    """The key of the options that split the global batch: each micro-batch holds batch_size / micro_batches of
+    it (N_local x processes)."""
+
+    micro_batches: int = 1  # K: micro-batches per optimizer step
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_positive("batching", "micro_batches", self.micro_batches)
+
+
 class BatchingOption:
     """One way to make Algorithm 1's gradient from the micro-batches of a step. Subclasses set `name` (the
-    value of `batching.name`) and `keys` (the other `batching.*` keys they read: a key another option reads
-    must keep its default), and refuse in `check` what they cannot run."""
+    value of `batching.name`) and `config` (their own config dataclass: the `batching.*` keys they read; a key
+    only other options read must keep its default), and refuse in `check` what they cannot run. The class
+    docstring's first line is the option's line in the `batching` section's documentation."""
 
     name: ClassVar[str] = ""
-    keys: ClassVar[tuple[str, ...]] = ()
+    config: ClassVar[type[BaseBatchingConfig]] = BaseBatchingConfig
     own_backward: ClassVar[bool] = True  # runs its backward passes itself (not under DeepSpeed, which steps in each)
     min_micro_batches: ClassVar[int] = 1  # the fewest `batching.micro_batches` it runs with (checked before any work)
 
-    def __init__(self, cfg: BatchingConfig, parts: StepParts):
+    def __init__(self, cfg: BaseBatchingConfig, parts: StepParts):
         self.cfg = cfg
         self.parts = parts
 
     @classmethod
-    def check(cls, cfg: BatchingConfig, strategy: type[Strategy], world: int) -> None:
+    def check(cls, cfg: BaseBatchingConfig, strategy: type[Strategy], world: int) -> None:
         """ConfigError for a combination this option cannot run (called before any work)."""
 
     def step(self, micro_batches: list[MicroBatch]) -> StepResult:

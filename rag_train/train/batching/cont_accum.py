@@ -20,13 +20,15 @@ softmax, so a strategy with a loss of its own (the negative cache's surrogate) i
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from rag_train.config import BatchingConfig, ConfigError
+from rag_train.config import ConfigError, check_positive
 from rag_train.losses import retrieval_scores, truncated_softmax_ce
 from rag_train.strategies.base import Strategy, Subset, gather_queries
-from rag_train.train.batching.base import (BatchingOption, MicroBatch, StepParts, StepResult, my_passages, propose,
-                                           synced_on_last)
+from rag_train.train.batching.base import (BatchingOption, MicroBatch, MicroBatchesConfig, StepParts, StepResult,
+                                           my_passages, propose, synced_on_last)
 from rag_train.train.passages import gather_with_grad
 
 
@@ -93,17 +95,40 @@ def hardest_negatives(queries: torch.Tensor, vectors: torch.Tensor, rows: torch.
     return vectors[best] * found.unsqueeze(1).to(vectors.dtype), h_rows
 
 
-class ContAccum(BatchingOption):
-    name = "cont_accum"
-    keys = ("micro_batches", "bank_size", "bank_queries", "bank_hard_negatives", "mask_false_negatives")
+@dataclass
+class ContAccumConfig(MicroBatchesConfig):
+    """ContAccum's keys: the banks' capacity and what they hold."""
 
-    def __init__(self, cfg: BatchingConfig, parts: StepParts):
+    bank_size: int = 0  # M: the bank capacity, in training triples (0 = no bank: grad_accum's loss)
+    # banked queries are loss rows with their banked positives (the paper); false = a passage-only bank
+    # (pre-batch negatives, the paper's ablation without M_q: the passage tower's gradient then dwarfs the query's)
+    bank_queries: bool = True
+    # bank, per banked query, its hardest non-positive passage of the subset (seed 002's M_h); a query whose
+    # subset has none (in_batch without extra negatives) leaves its slot empty (masked)
+    bank_hard_negatives: bool = True
+    # a column holding the row's own positive passage (same corpus row) that is not its label column is left out
+    # of that row's softmax (the paper does not mask; duplicates then count as negatives)
+    mask_false_negatives: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_positive("batching", "bank_size", self.bank_size, allow_zero=True)
+
+
+class ContAccum(BatchingOption):
+    """K micro-batches plus FIFO banks of past query / positive / hard-negative vectors that join each
+    micro-batch's softmax as rows and columns (banked queries are loss rows)."""
+
+    name = "cont_accum"
+    config = ContAccumConfig
+
+    def __init__(self, cfg: ContAccumConfig, parts: StepParts):
         super().__init__(cfg, parts)
         dtype = next(parts.model.parameters()).dtype  # fp32 under mixed precision (the weights' dtype)
         self.banks = Banks(cfg.bank_size, parts.model.dim, parts.accelerator.device, cfg.bank_hard_negatives, dtype)
 
     @classmethod
-    def check(cls, cfg: BatchingConfig, strategy: type[Strategy], world: int) -> None:
+    def check(cls, cfg: ContAccumConfig, strategy: type[Strategy], world: int) -> None:
         if strategy.task_loss is not Strategy.task_loss:
             raise ConfigError(f"batching.name=cont_accum replaces the task loss by its banked softmax, and strategy "
                               f"{strategy.__name__} has a loss of its own; take grad_cache or grad_accum with it")

@@ -6,13 +6,16 @@ sees 1/K of the negatives). Takes every strategy: each micro-batch is an Algorit
 
 from __future__ import annotations
 
-from rag_train.train.batching.base import (BatchingOption, MicroBatch, StepResult, mean_logged, my_passages, propose,
-                                           subset_losses, synced_on_last)
+from rag_train.train.batching.base import (BatchingOption, MicroBatch, MicroBatchesConfig, StepResult, mean_logged,
+                                           my_passages, propose, subset_losses, synced_on_last)
 
 
 class GradAccum(BatchingOption):
+    """K micro-batches, each one's loss over its own passages only, averaged (not the big batch's gradient:
+    fewer negatives per query)."""
+
     name = "grad_accum"
-    keys = ("micro_batches",)
+    config = MicroBatchesConfig
     min_micro_batches = 2  # K = 1 is plain
 
     def step(self, micro_batches: list[MicroBatch]) -> StepResult:

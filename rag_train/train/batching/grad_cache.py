@@ -19,7 +19,8 @@ from __future__ import annotations
 import torch
 
 from rag_train.losses import retrieval_scores
-from rag_train.train.batching.base import BatchingOption, MicroBatch, StepResult, propose, synced_on_last
+from rag_train.train.batching.base import (BatchingOption, MicroBatch, MicroBatchesConfig, StepResult, propose,
+                                           synced_on_last)
 from rag_train.train.passages import gather_with_grad, my_share
 
 
@@ -64,8 +65,11 @@ def _reencode(prepared: torch.nn.Module, questions: list[str], passages: list[di
 
 
 class GradCache(BatchingOption):
+    """Representations of all K chunks without gradient, the full-batch loss on them, its gradient per
+    representation cached, each chunk re-encoded with gradient: exactly the full-batch gradient."""
+
     name = "grad_cache"
-    keys = ("micro_batches",)
+    config = MicroBatchesConfig
     min_micro_batches = 2  # K = 1 is plain
 
     def step(self, micro_batches: list[MicroBatch]) -> StepResult:

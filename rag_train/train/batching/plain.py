@@ -9,6 +9,8 @@ from rag_train.train.batching.base import BatchingOption, MicroBatch, StepResult
 
 
 class Plain(BatchingOption):
+    """The whole batch in one forward (K = 1, no bank): the in-batch / subset softmax of seed 000."""
+
     name = "plain"
     own_backward = False
 
