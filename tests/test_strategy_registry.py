@@ -9,7 +9,6 @@ import dataclasses
 import json
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
