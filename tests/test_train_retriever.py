@@ -143,3 +143,14 @@ def test_two_processes_match_one(recipe_toy_dir, tmp_path, name):
     a, b = weights(tmp_path / "one"), weights(tmp_path / "two")
     for key in a:
         torch.testing.assert_close(b[key], a[key], rtol=1e-4, atol=1e-5, msg=key)
+
+
+def test_evaluation_results_become_tracker_scalars():
+    """One flattener for every recipe's evaluations (retriever, RLM, generative): nested recalls by cut-off,
+    scalars as they are, the step and non-numbers left out."""
+    from rag_train.train.run import flat_metrics
+
+    entry = {"step": 7, "nq": {"em": 0.5, "questions": 20, "recall": {"1": 0.25, "5": 0.75}, "kind": "qa"},
+             "dev": {"r_precision": 0.1}}
+    assert flat_metrics(entry) == {"eval/nq/em": 0.5, "eval/nq/questions": 20, "eval/nq/recall@1": 0.25,
+                                   "eval/nq/recall@5": 0.75, "eval/dev/r_precision": 0.1}

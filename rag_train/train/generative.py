@@ -36,7 +36,7 @@ from rag_train.generative.targets import Targets, build_targets
 from rag_train.generative.trie import Trie
 from rag_train.io import atomic_write_json, read_json
 from rag_train.data.tokenizer import load_tokenizer
-from rag_train.train.run import TrainingRun, releases_on_input_fault, save_pretrained_atomic
+from rag_train.train.run import TrainingRun, flat_metrics, releases_on_input_fault, save_pretrained_atomic
 from rag_train.train.step import global_batch, linear_warmup, local_slice, optimizer_step
 from rag_train.train.trainable import Trainable
 
@@ -208,7 +208,7 @@ def train_generative(cfg: GenerativeConfig) -> dict:
             bar.set_postfix(loss=f"{loss.item():.3f}")
         if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < total:
             history.append({"step": step, **evaluate()})
-            run.log(_flat(history[-1]), step)
+            run.log(flat_metrics(history[-1]), step)
         if cfg.train.save_every and step % cfg.train.save_every == 0 and step < total:
             run.save(step, extra=save_pointer)
     bar.close()
@@ -226,7 +226,7 @@ def train_generative(cfg: GenerativeConfig) -> dict:
                "ce_rows": len(space.table.vectors) if space.table is not None else None, "ce_builds": list(ce_builds),
                "steps": step, "steps_per_second": (step - first_step) / train_seconds if step > first_step else None,
                "history": history}
-    run.log(_flat({"step": step, **final}), step)
+    run.log(flat_metrics({"step": step, **final}), step)
     run.write_metrics(metrics)
     run.end()
     return metrics
@@ -238,14 +238,6 @@ def local_slice_range(n: int, rank: int, world: int) -> range:
     start = rank * per + min(rank, extra)
     return range(start, start + per + (rank < extra))
 
-
-def _flat(entry: dict) -> dict[str, float]:
-    out = {}
-    for name, values in entry.items():
-        if isinstance(values, dict):
-            out[f"eval/{name}/r_precision"] = values["r_precision"]
-            out.update({f"eval/{name}/recall@{k}": v for k, v in values["recall"].items()})
-    return out
 
 
 def print_generative_table(cfg: GenerativeConfig, metrics: dict) -> None:

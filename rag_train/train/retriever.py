@@ -35,7 +35,7 @@ from rag_train.models.retriever import DualEncoder
 from rag_train.strategies import StrategyContext, build_strategy, strategy_class
 from rag_train.train.batching import MicroBatch, StepParts, check_batching, tower_grad_norms
 from rag_train.train.schema import RetrieverTrainConfig
-from rag_train.train.run import TrainingRun, releases_on_input_fault
+from rag_train.train.run import TrainingRun, flat_metrics, releases_on_input_fault
 from rag_train.train.step import global_batch, linear_warmup, local_slice, optimizer_step
 from rag_train.train.memory import PeakMemory
 from rag_train.train.trainable import Trainable, deepspeed_stage, full_weights, save_parts
@@ -190,17 +190,3 @@ def train_retriever(cfg: RetrieverTrainConfig, final_eval: bool = True) -> dict:
     run.write_metrics(metrics)
     run.end()
     return metrics
-
-
-def flat_metrics(entry: dict) -> dict[str, float]:
-    """{"nq": {"recall": {"5": .4}}} -> {"eval/nq/recall@5": .4} for trackers."""
-    out = {}
-    for name, values in entry.items():
-        if not isinstance(values, dict):
-            continue
-        for key, value in values.items():
-            if isinstance(value, dict):
-                out.update({f"eval/{name}/{key}@{k}": v for k, v in value.items()})
-            elif isinstance(value, (int, float)):
-                out[f"eval/{name}/{key}"] = value
-    return out

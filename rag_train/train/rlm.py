@@ -45,7 +45,7 @@ from rag_train.models.reader import FiDReader
 from rag_train.data.tokenizer import load_tokenizer
 from rag_train.strategies import StrategyContext, build_strategy, strategy_class
 from rag_train.train.schema import RLMConfig
-from rag_train.train.run import TrainingRun, releases_on_input_fault, save_pretrained_atomic
+from rag_train.train.run import TrainingRun, flat_metrics, releases_on_input_fault, save_pretrained_atomic
 from rag_train.train.step import global_batch, linear_warmup, local_slice, optimizer_step, seed_stage
 from rag_train.train.gate import RetrieverGate
 from rag_train.train.trainable import Trainable, full_weights, save_parts
@@ -306,7 +306,7 @@ class RLMRecipe:
         eval_started = time.time()
         metrics, _ = self.evaluate(final=False)
         self.history.append({"step": self.step, **metrics})
-        self.run.log({f"eval/{n}/{k}": v for n, m in metrics.items() for k, v in m.items()}, self.step)
+        self.run.log(flat_metrics(metrics), self.step)
         return time.time() - eval_started
 
     def save(self) -> dict:

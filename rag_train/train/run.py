@@ -365,6 +365,20 @@ def is_input_fault(exc: BaseException) -> bool:
     return isinstance(exc, (ConfigError, DataError, BufferError, CorruptFileError, ReaderLoadError))
 
 
+def flat_metrics(entry: dict) -> dict[str, float]:
+    """Evaluation results as tracker scalars, for every recipe: {"nq": {"recall": {"5": .4}}} -> {"eval/nq/recall@5": .4}."""
+    out = {}
+    for name, values in entry.items():
+        if not isinstance(values, dict):
+            continue
+        for key, value in values.items():
+            if isinstance(value, dict):
+                out.update({f"eval/{name}/{key}@{k}": v for k, v in value.items()})
+            elif isinstance(value, (int, float)):
+                out[f"eval/{name}/{key}"] = value
+    return out
+
+
 def _flat_config(cfg: Any) -> dict[str, Any]:
     """Trackers take flat scalars: `section.key` -> value, anything but a scalar as its text."""
     from omegaconf import OmegaConf
