@@ -219,8 +219,7 @@ def retriever_command(m: "Matrix", root: Path, extra: tuple = ()) -> list[str]:
     return [str(ROOT / "scripts" / "train_retriever.py"), "--config", str(ROOT / "configs" / "toy" / "retriever.yaml"),
             *_tiny_retriever(root, m.toy), f"train.output_dir={root}", "train.steps=3", "train.batch_size=4",
             "train.tracker=null", "train.eval_every=0", "train.save_every=1", "strategy.name=corrector",
-            "strategy.top_k=4", "strategy.uniform_negatives=2", "strategy.corrector.hidden=16",
-            "strategy.refresh_every=2", *extra]
+            "strategy.top_k=4", "strategy.uniform_negatives=2", "strategy.corrector.hidden=16", *extra]
 
 
 def rlm_command(m: "Matrix", root: Path, extra: tuple = ()) -> list[str]:
