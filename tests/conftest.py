@@ -35,6 +35,19 @@ def recipe_toy_dir(tmp_path_factory):
     return directory
 
 
+def drop_in(package: str) -> str:
+    """Python source that adds the folder in sys.argv[1] to `package`'s search path and imports the package, in a
+    fresh interpreter: what a new file in that package does (its discovery then finds the module there)."""
+    return f"""
+import importlib.util, sys
+spec = importlib.util.find_spec({package!r})
+spec.submodule_search_locations.append(sys.argv[1])
+module = importlib.util.module_from_spec(spec)
+sys.modules[{package!r}] = module
+spec.loader.exec_module(module)
+"""
+
+
 def read_by(name: str, values: dict) -> dict:
     """`values` ({"strategy.key": v, ...} overrides) without the strategy keys that strategy `name` does not read:
     a test passes only what its strategy reads (load_config refuses a command-line key the strategy does not read)."""

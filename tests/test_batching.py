@@ -28,6 +28,7 @@ from rag_train.train.batching.cont_accum import Banks
 from rag_train.train.retriever import train_retriever
 from rag_train.train.trainable import Trainable
 from rag_train.launch import launch_command
+from conftest import drop_in
 from test_train_retriever import CONFIG, ROOT, config, overrides, weights
 
 TEMPERATURE = 0.05  # sentence-transformers' scale 20
@@ -358,15 +359,8 @@ OPTION = Scaled
 
 # In a fresh interpreter, the new module's folder is added to the package's search path before the package (and
 # its discovery) is imported: what a new file in rag_train/train/batching/ does.
-OPTION_DRIVER = '''
-import importlib.util, json, sys
-
-import rag_train.train
-spec = importlib.util.find_spec("rag_train.train.batching")
-spec.submodule_search_locations.append(sys.argv[1])
-package = importlib.util.module_from_spec(spec)
-sys.modules["rag_train.train.batching"] = package
-spec.loader.exec_module(package)
+OPTION_DRIVER = drop_in("rag_train.train.batching") + '''
+import json, sys
 
 import torch
 from rag_train.config import ConfigError, load_config

@@ -17,6 +17,7 @@ from rag_train.config import ConfigError, load_config
 from rag_train.strategies import OWNERS, REGISTRY, StrategyConfig, register
 from rag_train.strategies.base import Strategy
 from rag_train.train.schema import RetrieverTrainConfig, RLMConfig
+from conftest import drop_in
 from test_train_retriever import overrides
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,14 +60,8 @@ class FirstRows(Strategy):
 
 # Runs in a fresh interpreter with the new module's folder added to the package's search path before the
 # package (and its discovery) is imported: exactly what a new file in rag_train/strategies/ does.
-DRIVER = '''
-import dataclasses, importlib.util, json, sys
-
-spec = importlib.util.find_spec("rag_train.strategies")
-spec.submodule_search_locations.append(sys.argv[1])
-package = importlib.util.module_from_spec(spec)
-sys.modules["rag_train.strategies"] = package
-spec.loader.exec_module(package)
+DRIVER = drop_in("rag_train.strategies") + '''
+import dataclasses, json, sys
 
 from rag_train.config import ConfigError, flatten, load_config
 from rag_train.strategies import REGISTRY, StrategyConfig
