@@ -103,8 +103,9 @@ class ContAccumConfig(MicroBatchesConfig):
     # banked queries are loss rows with their banked positives (the paper); false = a passage-only bank
     # (pre-batch negatives, the paper's ablation without M_q: the passage tower's gradient then dwarfs the query's)
     bank_queries: bool = True
-    # bank, per banked query, its hardest non-positive passage of the subset (seed 002's M_h); a query whose
-    # subset has none (in_batch without extra negatives) leaves its slot empty (masked)
+    # bank, per banked query, its hardest non-positive passage of the subset (M_h: in seed 002's official code,
+    # not in the paper's text, which names M_q and M_p only); a query whose subset has none (in_batch without
+    # extra negatives) leaves its slot empty (masked)
     bank_hard_negatives: bool = True
     # a column holding the row's own positive passage (same corpus row) that is not its label column is left out
     # of that row's softmax (the paper does not mask; duplicates then count as negatives)
