@@ -1,6 +1,13 @@
-"""Shared fixtures: one small toy world (with its trained tokenizer) per test session."""
+"""Shared fixtures: one small toy world (with its trained tokenizer) per test session; under pytest-xdist, the
+machine's cores shared out between the workers."""
+
+import os
+import shutil
+import sys
+import tempfile
 
 import pytest
+import torch
 
 from rag_train.strategies import reads
 
@@ -10,10 +17,42 @@ from rag_train.data.tokenizer import load_tokenizer
 TOY_PASSAGES = 2000
 
 
+def pytest_configure(config):
+    """Each xdist worker (the suite runs `-n auto`) takes its share of the cores, in this process and in the
+    processes it launches: OMP_NUM_THREADS counts as the user's request there (rag_train.launch.cpu_threads), so
+    two workers' runs do not each take every core. A test that is about thread counts sets its own environment.
+
+    With PYTHONDONTWRITEBYTECODE set, every process the suite starts (about 200: launchers, ranks, scripts) would
+    compile rag_train from source again, about 2 s each on this project's 2-core CI machine: the suite compiles
+    it once, into a bytecode cache in a temporary folder (PYTHONPYCACHEPREFIX), leaving the checkout clean."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        share = max(1, len(os.sched_getaffinity(0)) // workers)
+        os.environ["OMP_NUM_THREADS"] = str(share)
+        torch.set_num_threads(share)
+    if sys.dont_write_bytecode and "PYTEST_XDIST_WORKER" not in os.environ:  # the controller; workers inherit
+        prefix = tempfile.mkdtemp(prefix="rag-train-test-pycache-")
+        config.add_cleanup(lambda: shutil.rmtree(prefix, ignore_errors=True))
+        os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+        os.environ["PYTHONPYCACHEPREFIX"] = prefix
+        sys.dont_write_bytecode, sys.pycache_prefix = False, prefix
+
+
 @pytest.fixture(scope="session")
 def toy_world(tmp_path_factory):
     """Paths of a 2000-passage toy world (seed 0): passages, {nq,tqa,hotpotqa}-{train,dev}, retrieval-*, tokenizer."""
     return generate_toy_world(tmp_path_factory.mktemp("toy"), TOY_PASSAGES, seed=0, progress=False)
+
+
+@pytest.fixture(scope="session")
+def zygote():
+    """A process that imported torch, transformers and rag_train once and forks one child per job
+    (tests/fault_matrix.py's Zygote): the kill tests' single-process runs start in a fraction of a second."""
+    import fault_matrix
+
+    forks = fault_matrix.Zygote()
+    yield forks
+    forks.close()
 
 
 @pytest.fixture(scope="session")

@@ -116,7 +116,7 @@ def _child(job: dict) -> None:
         os.environ.update(job["env"])
         import torch
 
-        torch.set_num_threads(1)
+        torch.set_num_threads(job.get("threads", 1))
         if job.get("inject"):
             injector = fault_inject.Injector(**job["inject"])
             os.environ[fault_inject.ENV] = injector.to_env()  # and the processes it launches (reproduce)
@@ -129,6 +129,7 @@ def _child(job: dict) -> None:
         else:
             import runpy
 
+            sys.path.insert(0, str(Path(sys.argv[0]).resolve().parent))  # as `python SCRIPT` puts it first
             runpy.run_path(sys.argv[0], run_name="__main__")
         code = 0
     except SystemExit as exc:

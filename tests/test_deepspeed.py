@@ -27,6 +27,9 @@ from rag_train.launch import launch_command  # noqa: E402
 from rag_train.train.run_dir import LOGS  # noqa: E402
 from test_train_rlm import CONFIG, ROOT, STEPS, TOP_K, overrides, weights  # noqa: E402
 
+# one xdist worker runs the whole file: the DDP reference runs once, in the module fixture
+pytestmark = pytest.mark.xdist_group("test_deepspeed")
+
 SCRIPT = ROOT / "scripts" / "train_rlm.py"
 LOSSES = ("reader_loss", "retriever_loss", "corrector_loss")
 # every part trained at every step: where a part has no gradient (the retriever before its gate opens) DeepSpeed

@@ -15,16 +15,15 @@ import pytest
 
 import fault_matrix as fm
 
+# one xdist worker runs the whole file: its quick cells run once, in the module fixture (about 100 s)
+pytestmark = pytest.mark.xdist_group("test_fault_matrix")
+
 
 @pytest.fixture(scope="module")
-def quick_cells(recipe_toy_dir, tmp_path_factory) -> list:
+def quick_cells(recipe_toy_dir, tmp_path_factory, zygote) -> list:
     work = tmp_path_factory.mktemp("fault-matrix")
-    zygote = fm.Zygote()
-    try:
-        matrix = fm.Matrix(work, recipe_toy_dir, zygote, random.Random(fm.SEED))
-        return matrix.run(list(fm.QUICK_ENTRIES), quick=True)
-    finally:
-        zygote.close()
+    matrix = fm.Matrix(work, recipe_toy_dir, zygote, random.Random(fm.SEED))
+    return matrix.run(list(fm.QUICK_ENTRIES), quick=True)
 
 
 @pytest.mark.parametrize("entry", fm.QUICK_ENTRIES)

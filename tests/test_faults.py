@@ -71,10 +71,22 @@ def run_script(args: list, fault: str = "", timeout: int = 240, **extra_env: str
     return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 
-def faulty(toy_dir: Path, out: Path, fault: str, **extra) -> subprocess.CompletedProcess:
+def forked(zygote, script: Path, args: list, fault: str, logs: Path) -> subprocess.CompletedProcess:
+    """`python SCRIPT ARGS...` with FAULT=`fault`, forked from the `zygote` fixture with this process's thread count
+    (a fresh interpreter would spend most of a kill test importing); its output is kept under `logs`."""
+    argv = [str(script), *map(str, args)]
+    files = {name: logs / f"{script.stem}.{fault.replace(':', '-')}.{name}" for name in ("stdout", "stderr")}
+    answer = zygote.run({"argv": argv, "cwd": str(ROOT), "env": {"FAULT": fault}, "threads": torch.get_num_threads(),
+                         **{name: str(path) for name, path in files.items()}})
+    if answer["status"] == "timeout":
+        pytest.fail(f"{script.name} with FAULT={fault!r} hung:\n{files['stderr'].read_text()[-3000:]}")
+    return subprocess.CompletedProcess(argv, answer["status"], files["stdout"].read_text(), files["stderr"].read_text())
+
+
+def faulty(zygote, toy_dir: Path, out: Path, fault: str, **extra) -> subprocess.CompletedProcess:
     """One single-process retriever run with `fault` injected (tests/dist/train_faulty.py)."""
-    return run_script([sys.executable, FAULTY, "--config", CONFIG,
-                       *overrides(toy_dir, out, "corrector", **{**EXTRA, **extra})], fault)
+    return forked(zygote, FAULTY, ["--config", CONFIG, *overrides(toy_dir, out, "corrector", **{**EXTRA, **extra})],
+                  fault, out.parent)
 
 
 def assert_unfinished(out: Path) -> None:
@@ -105,18 +117,18 @@ def reference(recipe_toy_dir, tmp_path_factory) -> tuple[Path, dict]:
 # ---------------------------------------------------------------------------------------------------
 
 
-def test_killed_again_and_again_resumes_to_the_uninterrupted_run(recipe_toy_dir, tmp_path, reference):
+def test_killed_again_and_again_resumes_to_the_uninterrupted_run(recipe_toy_dir, tmp_path, reference, zygote):
     """SIGKILL during the buffer build, then (resumed) inside the step-4 checkpoint write, then (resumed)
     after the final checkpoint was renamed into place but before its pointer moved; the last resume
     finishes the run with the uninterrupted run's metrics and bitwise weights."""
     out = tmp_path / "run"
-    proc = faulty(recipe_toy_dir, out, "kill:buffer")
+    proc = faulty(zygote, recipe_toy_dir, out, "kill:buffer")
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     assert (out / "buffer" / "shard-00000.npy").is_file() and not (out / "buffer" / "shard-00001.npy").exists()
     assert not json.loads((out / "buffer" / "manifest.json").read_text())["complete"]
     assert_unfinished(out)
 
-    proc = faulty(recipe_toy_dir, out, "kill:save_state:4", **{"train.resume": "true"})
+    proc = faulty(zygote, recipe_toy_dir, out, "kill:save_state:4", **{"train.resume": "true"})
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     assert "starting at step 0" in proc.stdout + proc.stderr  # the build resumed, training had no checkpoint yet
     checkpoints = out / "checkpoints"
@@ -124,7 +136,7 @@ def test_killed_again_and_again_resumes_to_the_uninterrupted_run(recipe_toy_dir,
     assert sorted(p.name for p in checkpoints.glob("step-*")) == ["step-00000002"]
     assert_unfinished(out)
 
-    proc = faulty(recipe_toy_dir, out, f"kill:after_rename:{STEPS}", **{"train.resume": "true"})
+    proc = faulty(zygote, recipe_toy_dir, out, f"kill:after_rename:{STEPS}", **{"train.resume": "true"})
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     assert "resumed from" in proc.stdout + proc.stderr and "step 2" in proc.stdout + proc.stderr
     assert not (checkpoints / ".tmp-step-00000004").exists()  # cleaned up at start
@@ -143,11 +155,11 @@ KILL_POINTS = ([f"kill:step:{k}" for k in range(1, STEPS + 1)] + ["kill:buffer"]
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fault", KILL_POINTS)
-def test_killed_at_each_point_resumes_to_the_uninterrupted_run(recipe_toy_dir, tmp_path, reference, fault):
+def test_killed_at_each_point_resumes_to_the_uninterrupted_run(recipe_toy_dir, tmp_path, reference, zygote, fault):
     """Every kill point, each run: after any of the optimizer steps, during the buffer build, inside
     `save_state` and after the rename of each checkpoint."""
     out = tmp_path / "run"
-    proc = faulty(recipe_toy_dir, out, fault)
+    proc = faulty(zygote, recipe_toy_dir, out, fault)
     assert proc.returncode == -signal.SIGKILL, f"FAULT={fault}\n{proc.stderr[-3000:]}"
     assert_unfinished(out)
     metrics = train_retriever(config(recipe_toy_dir, out, **{"train.resume": "true"}))

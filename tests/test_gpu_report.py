@@ -21,6 +21,9 @@ import torch
 
 from rag_train.bench import gpu_report
 
+# one xdist worker runs the whole file: its stages run once, in the module fixture
+pytestmark = pytest.mark.xdist_group("test_gpu_report")
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -7,14 +7,13 @@ One test per kill point (tests/dist/rlm_faulty.py); docs/reliability.md lists th
 from __future__ import annotations
 
 import signal
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 import rag_train.train.rlm as rlm
-from test_faults import ROOT, results, run_script
+from test_faults import ROOT, forked, results
 from test_train_rlm import CONFIG, config, overrides, weights
 
 FAULTY = ROOT / "tests" / "dist" / "rlm_faulty.py"
@@ -31,10 +30,10 @@ def straight(recipe_toy_dir, tmp_path_factory) -> tuple[Path, dict]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fault", KILL_POINTS)
-def test_killed_in_any_stage_resumes_to_the_straight_run(recipe_toy_dir, tmp_path, straight, fault):
+def test_killed_in_any_stage_resumes_to_the_straight_run(recipe_toy_dir, tmp_path, straight, zygote, fault):
     out = tmp_path / "run"
-    proc = run_script([sys.executable, FAULTY, "--config", CONFIG, *overrides(recipe_toy_dir, out, "corrector", **EXTRA)],
-                      fault)
+    proc = forked(zygote, FAULTY, ["--config", CONFIG, *overrides(recipe_toy_dir, out, "corrector", **EXTRA)], fault,
+                  tmp_path)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     assert not (out / "metrics.json").exists() and not (out / "reader").exists()
     resumed = rlm.train_rlm(config(recipe_toy_dir, out, "corrector", **EXTRA, **{"train.resume": "true"}))

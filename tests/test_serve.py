@@ -22,6 +22,9 @@ from rag_train.data.corpus import Corpus
 from rag_train.serving.serve import MicroBatcher, ServeLimits, create_app, validation_detail
 from test_export import _isolated_python, exported
 
+# one xdist worker runs the whole file: the export is built and its server started once (module fixture)
+pytestmark = pytest.mark.xdist_group("test_serve")
+
 ROOT = Path(__file__).resolve().parents[1]
 REQUEST_TIMEOUT = 3  # the module server's --request-timeout (seconds; the default is 10)
 

@@ -38,7 +38,7 @@ def test_expected_user_warning_asserted():
 def test_an_unexpected_warning_fails_its_test(tmp_path):
     (tmp_path / "test_cases.py").write_text(CASES)
     proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-c", str(ROOT / "pyproject.toml"),
-                           "--rootdir", str(tmp_path), "-rA", str(tmp_path / "test_cases.py")],
+                           "--rootdir", str(tmp_path), "-n", "0", "-rA", str(tmp_path / "test_cases.py")],
                           cwd=tmp_path, capture_output=True, text=True, timeout=120,
                           env=dict(os.environ, PYTHONPATH=str(ROOT)))
     outcome = {line.split("::")[-1].split()[0]: line.split()[0] for line in proc.stdout.splitlines()

@@ -51,6 +51,8 @@ def main(argv=None) -> None:
     parser.add_argument("--passages", type=int, default=2)
     parser.add_argument("--distractor", choices=DISTRACTORS, default="random")
     parser.add_argument("--eval-distractor", choices=DISTRACTORS, default=None)
+    parser.add_argument("--eval-passages", type=int, default=None,
+                        help="passages per dev question (default --passages; the run reads top_k=4)")
     parser.add_argument("--max-length", type=int, default=64)
     parser.add_argument("--eval-every", type=int, default=200)
     parser.add_argument("--eval-questions", type=int, default=100)
@@ -99,6 +101,7 @@ def main(argv=None) -> None:
         return fid_inputs(tokenizer, [q["question"] for q in questions],
                           [passages(q, k, distractor) for q in questions], args.max_length)
 
+    eval_passages = args.eval_passages or args.passages
     started = time.time()
     for step in range(args.steps):
         k = 1 if step < args.copy_steps else args.passages
@@ -115,11 +118,11 @@ def main(argv=None) -> None:
             em = {}
             with torch.no_grad():
                 for family, questions in dev.items():
-                    out = reader.generate(**batch_tensors(questions, args.passages, args.eval_distractor or args.distractor),
+                    out = reader.generate(**batch_tensors(questions, eval_passages, args.eval_distractor or args.distractor),
                                          max_new_tokens=8)
                     predictions = tokenizer.batch_decode(out, skip_special_tokens=True)
                     em[family] = sum(exact_match(p, q["answers"]) for p, q in zip(predictions, questions)) / len(questions)
             reader.train()
-            print(f"step {step + 1} passages {k} loss {loss.item():.3f} dev EM@{args.passages} "
+            print(f"step {step + 1} passages {k} loss {loss.item():.3f} dev EM@{eval_passages} "
                   + " ".join(f"{f} {100 * v:.0f}" for f, v in em.items()) + f"  ({time.time() - started:.0f} s)",
                   flush=True)
