@@ -230,6 +230,9 @@ def compare_batching_main(argv: Optional[list[str]] = None) -> None:
         f"ContAccum {n}x{k}, passage-only bank M={args.bank} (w/o M_q)": [
             f"train.batch_size={total}", "batching.name=cont_accum", f"batching.micro_batches={k}",
             f"batching.bank_size={args.bank}", "batching.bank_queries=false"],
+        f"ContAccum {n}x{k}, M={args.bank}, banks emptied each step (w/o past encoders)": [
+            f"train.batch_size={total}", "batching.name=cont_accum", f"batching.micro_batches={k}",
+            f"batching.bank_size={args.bank}", "batching.bank_past_encoders=false"],
         f"in-batch {total} (a card that fits it)": [f"train.batch_size={total}"],
     }
     started, results = time.time(), {}

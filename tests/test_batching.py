@@ -244,6 +244,33 @@ def test_bank_invariants(world):
     assert not set(banks["h_rows"].tolist()) & positives and (banks["h_rows"] >= 0).all()
 
 
+def test_without_past_encoders_each_step_starts_from_empty_banks(world):
+    """bank_past_encoders=false (the paper's "w/o Past Enc."): with the weights unchanged, every step's loss is
+    the one a ContAccum with fresh banks computes on the same micro-batches, and the banks then hold that step's
+    triples only; with the default the second step reads the first step's vectors and its loss differs."""
+    toy_dir, corpus, examples = world
+    model = tiny_model(toy_dir)
+    parts = step_parts(model, corpus)  # in-batch negatives only: no sampler whose draws differ between runs
+    batches = micro_batches(corpus, examples, 2)
+
+    def steps(past: bool, count: int) -> tuple[list[float], object]:
+        option = OPTIONS["cont_accum"](BatchingConfig(name="cont_accum", micro_batches=2, bank_size=10,
+                                                      bank_past_encoders=past), parts)
+        losses = []
+        for _ in range(count):
+            losses.append(option.step(batches).loss.item())
+            model.zero_grad(set_to_none=True)
+        return losses, option
+
+    fresh, _ = steps(True, 1)
+    without, option = steps(False, 3)
+    assert without == [fresh[0]] * 3
+    assert option.banks.size == 8 and option.banks.ordered()["p_rows"].tolist() == \
+        batches[0].positives.tolist() + batches[1].positives.tolist()
+    default, _ = steps(True, 2)
+    assert default[0] == fresh[0] and abs(default[1] - fresh[0]) > 1e-4
+
+
 def test_bank_capacity_and_wrap():
     """Hand-checked FIFO: capacity 3, enqueue 2 then 2 then 5 (more than it holds: the newest 3 stay)."""
     banks = Banks(3, 1, torch.device("cpu"), hard_negatives=False)

@@ -8,8 +8,8 @@ Per micro-batch k (of N_local questions per process; the bank is the same on eve
      its banked positive (banked queries are loss rows: they train the passage tower). Cross-entropy over all
      rows, back-propagated with weight 1/K;
   4. AFTER the logits, the micro-batch's query, positive and hard-negative vectors (detached) are enqueued, the
-     oldest dropped beyond `bank_size`. The banks are never cleared at optimizer steps: they hold vectors of past
-     encoders, as the paper's do.
+     oldest dropped beyond `bank_size`. The banks are not emptied at optimizer steps: they hold vectors of past
+     encoders, as the paper's do (`bank_past_encoders=false` empties them, the paper's "w/o Past Enc." ablation).
 The hard negative of a question is the highest-scoring passage of its subset that is no positive of the
 micro-batch (a strategy that adds negatives; otherwise the slot is empty and masked). Under DDP the banks hold
 the global micro-batches, and each process takes 1/N of the banked rows, so the loss is the one process's.
@@ -48,6 +48,10 @@ class Banks:
         self.h_rows = torch.full((capacity,), -1, dtype=torch.long, device=device) if hard_negatives else None
         self.size = 0
         self.next = 0  # the slot written next: the oldest once full
+
+    def empty(self) -> None:
+        """No occupied slot (the storage stays: only the first `size` slots are ever read)."""
+        self.size = self.next = 0
 
     def enqueue(self, q: torch.Tensor, p: torch.Tensor, p_rows: torch.Tensor, h=None, h_rows=None) -> None:
         if self.capacity == 0:
@@ -110,6 +114,9 @@ class ContAccumConfig(MicroBatchesConfig):
     # a column holding the row's own positive passage (same corpus row) that is not its label column is left out
     # of that row's softmax (the paper does not mask; duplicates then count as negatives)
     mask_false_negatives: bool = False
+    # false: the banks are emptied at each optimizer step, so micro-batch k sees only this step's micro-batches
+    # 0..k-1, encoded by the current weights (seed 002's "w/o Past Enc." ablation, Table 2: -2.3 Top@20)
+    bank_past_encoders: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -139,6 +146,8 @@ class ContAccum(BatchingOption):
 
     def step(self, micro_batches: list[MicroBatch]) -> StepResult:
         count = len(micro_batches)
+        if not self.cfg.bank_past_encoders:
+            self.banks.empty()
         losses, auxes, columns = [], [], 0
         for k, batch in enumerate(micro_batches):
             with synced_on_last(self.parts, k, count):
