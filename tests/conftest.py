@@ -22,8 +22,8 @@ def pytest_configure(config):
     processes it launches: OMP_NUM_THREADS counts as the user's request there (rag_train.launch.cpu_threads), so
     two workers' runs do not each take every core. A test that is about thread counts sets its own environment.
 
-    With PYTHONDONTWRITEBYTECODE set, every process the suite starts (about 200: launchers, ranks, scripts) would
-    compile rag_train from source again, about 2 s each on this project's 2-core CI machine: the suite compiles
+    With PYTHONDONTWRITEBYTECODE set, every process the suite starts (about 125: launchers, ranks, scripts) would
+    compile rag_train from source again, about 2 s of CPU each on this project's 2-core CI machine: the suite compiles
     it once, into a bytecode cache in a temporary folder (PYTHONPYCACHEPREFIX), leaving the checkout clean."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:
