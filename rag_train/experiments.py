@@ -211,30 +211,114 @@ def compare_strategies_main(argv: Optional[list[str]] = None) -> None:
     _publish(table, f"{len(args.strategies)} strategies x {len(args.seeds)} seeds", started, args.out)
 
 
+def batching_setups(local: int, micros: list[int], banks: list[int]) -> dict[str, list[str]]:
+    """label -> overrides, in seed 002's Table 1 order at (micros[0], banks[0]), then its Figure 3 sweep: ContAccum
+    with and without M_q at the other bank sizes, and GradAccum, ContAccum (every bank size) and in-batch at N_total
+    for the other K (K = 1: the dual bank alone, no accumulation)."""
+    def accum(name: str, k: int, *extra: str) -> list[str]:
+        return [f"train.batch_size={local * k}", f"batching.name={name}", f"batching.micro_batches={k}", *extra]
+
+    def cont(k: int, m: int, *extra: str) -> list[str]:
+        return accum("cont_accum", k, f"batching.bank_size={m}", *extra)
+
+    k, m, n = micros[0], banks[0], local
+    setups = {
+        f"in-batch {n} (what fits)": [f"train.batch_size={n}"],
+        f"GradAccum {n}x{k}": accum("grad_accum", k),
+        f"GradCache {n}x{k}": accum("grad_cache", k),
+        f"ContAccum {n}x{k}, M={m}": cont(k, m),
+        f"ContAccum {n}x{k}, passage-only bank M={m} (w/o M_q)": cont(k, m, "batching.bank_queries=false"),
+        f"ContAccum {n}x{k}, M={m}, banks emptied each step (w/o past encoders)":
+            cont(k, m, "batching.bank_past_encoders=false"),
+        f"in-batch {n * k} (a card that fits it)": [f"train.batch_size={n * k}"],
+    }
+    for m in banks[1:]:
+        setups[f"ContAccum {n}x{k}, M={m}"] = cont(k, m)
+        setups[f"ContAccum {n}x{k}, passage-only bank M={m} (w/o M_q)"] = cont(k, m, "batching.bank_queries=false")
+    for k in micros[1:]:
+        if k > 1:
+            setups[f"GradAccum {n}x{k}"] = accum("grad_accum", k)
+        for m in banks:
+            setups[f"ContAccum {n}x{k}, M={m}"] = cont(k, m)
+        if k > 1:
+            setups[f"in-batch {n * k} (a card that fits it)"] = [f"train.batch_size={n * k}"]
+    return setups
+
+
+def batching_sweep_table(results: dict[str, list[dict]], local: int, micros: list[int], banks: list[int]) -> str:
+    """Seed 002's Figure 3 as a grid: one row per K (N_total = N_local x K), R@1 mean ± std (R@20 mean) of in-batch
+    at N_total, GradAccum and ContAccum at each bank size M; `-` where a setup was not run."""
+    def at(label: str) -> str:
+        runs = results.get(label)
+        if not runs:
+            return "-"
+        return f"{cell([r['recall']['1'] for r in runs])} ({cell([r['recall'].get('20') for r in runs]).split(' ')[0]})"
+
+    n = local
+    lines = ["| K | N_total | in-batch N_total | GradAccum | " + " | ".join(f"ContAccum M={m}" for m in banks) + " |",
+             "|---|---|---|---|" + "---|" * len(banks)]
+    for k in sorted(set(micros)):
+        batch = f"in-batch {n} (what fits)" if k == 1 else f"in-batch {n * k} (a card that fits it)"
+        accum = f"in-batch {n} (what fits)" if k == 1 else f"GradAccum {n}x{k}"
+        contaccum = " | ".join(at(f"ContAccum {n}x{k}, M={m}") for m in banks)
+        lines.append(f"| {k} | {n * k} | {at(batch)} | {at(accum)} | {contaccum} |")
+    return "\n".join(lines)
+
+
+def grad_ratio_figure(results: dict[str, list[dict]], path: Path, smooth: int = 10) -> None:
+    """Seed 002's Figure 5: ||grad g|| / ||grad f|| per optimizer step (mean over seeds, a running mean over `smooth`
+    steps) of every setup with a bank, GradCache as the reference, log scale."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from rag_train.io import atomic_open
+
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
+    for label, runs in results.items():
+        if not ("M=" in label or label.startswith("GradCache")) or "emptied" in label:
+            continue
+        curves = [r.get("grad_ratio_by_step") for r in runs]
+        if not all(curves):
+            continue
+        length = min(map(len, curves))
+        mean = np.mean([c[:length] for c in curves], axis=0)
+        window = min(smooth, length)
+        smoothed = np.convolve(mean, np.ones(window) / window, mode="valid")
+        style = "--" if "w/o M_q" in label else (":" if label.startswith("GradCache") else "-")
+        ax.plot(np.arange(window, length + 1), smoothed, style, label=label.replace(" (w/o M_q)", ", w/o M_q"))
+    ax.axhline(1.0, color="black", linewidth=0.6)
+    ax.set_yscale("log")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("‖∇g‖ / ‖∇f‖ (passage / query tower)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    try:
+        with atomic_open(path, "wb") as handle:
+            fig.savefig(handle, dpi=110, format="png")
+    finally:
+        plt.close(fig)
+
+
 def compare_batching_main(argv: Optional[list[str]] = None) -> None:
     """`scripts/compare_batching.py`: seed 002's Table 1 on the toy world (in-batch, GradAccum, GradCache, ContAccum
-    at the same N_total = N_local x K), one markdown table; each run its own process, a finished run reused."""
+    at the same N_total = N_local x K), its Figure 3 sweep over K and M and its Figure 5 (the towers' gradient-norm
+    ratio per step); each run its own process, a finished run reused."""
     parser = _comparison_parser(compare_batching_main.__doc__, "runs/large_batches")
     parser.add_argument("--local", type=int, default=4, help="N_local: the batch that fits")
-    parser.add_argument("--micro", type=int, default=4, help="K micro-batches: N_total = local x micro")
-    parser.add_argument("--bank", type=int, default=64, help="ContAccum bank size M")
+    parser.add_argument("--micro", type=int, nargs="+", default=[4],
+                        help="K micro-batches (N_total = local x K); the first is Table 1's, the others sweep")
+    parser.add_argument("--bank", type=int, nargs="+", default=[64],
+                        help="ContAccum bank sizes M; the first is Table 1's, the others sweep")
+    parser.add_argument("--sweep-out", default=None, help="markdown file for the K x M grid (with several K or M)")
+    parser.add_argument("--figure", default=None, help="PNG of the gradient-norm ratio per step")
     args = parser.parse_args(argv)
+    if min(args.micro) < 1 or min(args.bank) < 1 or args.local < 1:
+        parser.error("--local, --micro and --bank take positive integers")
 
-    n, k, total = args.local, args.micro, args.local * args.micro
-    setups = {  # label -> overrides, in Table 1's order
-        f"in-batch {n} (what fits)": [f"train.batch_size={n}"],
-        f"GradAccum {n}x{k}": [f"train.batch_size={total}", "batching.name=grad_accum", f"batching.micro_batches={k}"],
-        f"GradCache {n}x{k}": [f"train.batch_size={total}", "batching.name=grad_cache", f"batching.micro_batches={k}"],
-        f"ContAccum {n}x{k}, M={args.bank}": [f"train.batch_size={total}", "batching.name=cont_accum",
-                                              f"batching.micro_batches={k}", f"batching.bank_size={args.bank}"],
-        f"ContAccum {n}x{k}, passage-only bank M={args.bank} (w/o M_q)": [
-            f"train.batch_size={total}", "batching.name=cont_accum", f"batching.micro_batches={k}",
-            f"batching.bank_size={args.bank}", "batching.bank_queries=false"],
-        f"ContAccum {n}x{k}, M={args.bank}, banks emptied each step (w/o past encoders)": [
-            f"train.batch_size={total}", "batching.name=cont_accum", f"batching.micro_batches={k}",
-            f"batching.bank_size={args.bank}", "batching.bank_past_encoders=false"],
-        f"in-batch {total} (a card that fits it)": [f"train.batch_size={total}"],
-    }
+    setups = batching_setups(args.local, args.micro, args.bank)
     started, results = time.time(), {}
     for label, extra in setups.items():
         slug = "".join(c for c in label.replace(" ", "_") if c.isalnum() or c in "_-")
@@ -243,3 +327,11 @@ def compare_batching_main(argv: Optional[list[str]] = None) -> None:
                                    [*args.overrides, *extra, f"train.seed={seed}"], threads=1)
                           for seed in args.seeds]
     _publish(batching_table(results), f"{len(setups)} setups x {len(args.seeds)} seeds", started, args.out)
+    if len(args.micro) > 1 or len(args.bank) > 1:
+        print()
+        _publish(batching_sweep_table(results, args.local, args.micro, args.bank), "the K x M grid", started,
+                 args.sweep_out)
+    if args.figure:
+        Path(args.figure).parent.mkdir(parents=True, exist_ok=True)
+        grad_ratio_figure(results, Path(args.figure))
+        print(f"figure: {args.figure}", file=sys.stderr)

@@ -23,7 +23,7 @@ from rag_train.data.corpus import Corpus
 from rag_train.data.supervised import load_retrieval
 from rag_train.models.retriever import DualEncoder, format_passage
 from rag_train.strategies import REGISTRY, StrategyConfig, StrategyContext
-from rag_train.train.batching import OPTIONS, BatchingConfig, MicroBatch, StepParts, check_batching
+from rag_train.train.batching import OPTIONS, BatchingConfig, MicroBatch, StepParts, check_batching, tower_grad_norms
 from rag_train.train.batching.cont_accum import Banks
 from rag_train.train.retriever import train_retriever
 from rag_train.train.trainable import Trainable
@@ -268,6 +268,70 @@ def test_without_past_encoders_each_step_starts_from_empty_banks(world):
     assert option.banks.size == 8 and option.banks.ordered()["p_rows"].tolist() == \
         batches[0].positives.tolist() + batches[1].positives.tolist()
     assert abs(default[1] - default[0]) > 1e-4
+
+
+@pytest.mark.parametrize("mask", [True, False])
+def test_mask_false_negatives_hides_only_other_copies_of_the_rows_positive(world, mask):
+    """Example 0 in both micro-batches of one step (bank_size 4, no hard-negative bank): in micro-batch 2 its fresh
+    row meets its banked positive and its banked row meets its fresh positive. The loss is recomputed by hand from
+    fresh encodings (weights unchanged: no optimizer step): with the mask those two copies leave the two rows'
+    softmax (nothing else does), without it they stay in as negatives."""
+    toy_dir, corpus, examples = world
+    model = tiny_model(toy_dir)
+    first, second = [examples[0], examples[1]], [examples[2], examples[0]]
+    batches = [micro_batches(corpus, part, 1)[0] for part in (first, second)]
+    option = OPTIONS["cont_accum"](BatchingConfig(name="cont_accum", micro_batches=2, bank_size=4,
+                                                  bank_hard_negatives=False, mask_false_negatives=mask),
+                                   step_parts(model, corpus))
+    loss = option.step(batches).loss.item()
+
+    def hand(rows: list, column_rows: list[int], labels: list[int], masked: bool) -> float:
+        with torch.no_grad():
+            q = model.encode_queries([ex.question for ex in rows])
+            c = model.encode_passages(corpus.passages(column_rows))
+        scores = q @ c.T
+        positives = [corpus.rows([ex.positive_ids[0]])[0] for ex in rows]
+        for i, label in enumerate(labels):
+            for j, row in enumerate(column_rows):
+                if masked and row == positives[i] and j != label:
+                    scores[i, j] = float("-inf")
+        return float(torch.nn.functional.cross_entropy(scores / TEMPERATURE, torch.tensor(labels)))
+
+    def row(ex) -> int:
+        return int(corpus.rows([ex.positive_ids[0]])[0])
+
+    def step_loss(masked: bool) -> float:
+        one = sorted({row(ex) for ex in first})  # the in-batch subset: the batch's positives, in row order
+        two = sorted({row(ex) for ex in second})
+        banked = [row(ex) for ex in first]  # bank columns after micro-batch 1, labels of its banked queries
+        loss_one = hand(first, one, [one.index(row(ex)) for ex in first], masked)  # empty banks: nothing to mask
+        loss_two = hand(second + first, two + banked, [two.index(row(ex)) for ex in second] + [len(two), len(two) + 1],
+                        masked)
+        return (loss_one + loss_two) / 2
+
+    assert loss == pytest.approx(step_loss(mask), rel=1e-9)
+    assert abs(step_loss(True) - step_loss(False)) > 1e-4
+
+
+def test_tower_grad_norms_is_each_towers_whole_gradient(world):
+    """The norms against the flattened gradients of each tower's parameters, after one ContAccum step; shared
+    towers report nothing."""
+    toy_dir, corpus, examples = world
+    model = tiny_model(toy_dir)
+    option = OPTIONS["cont_accum"](BatchingConfig(name="cont_accum", micro_batches=2, bank_size=4),
+                                   step_parts(model, corpus))
+    option.step(micro_batches(corpus, examples, 2))
+    values = tower_grad_norms(model)
+
+    def flat(tower: nn.Module) -> float:
+        return float(torch.cat([p.grad.flatten() for p in tower.parameters() if p.grad is not None]).norm())
+
+    query, passage = flat(model.query_encoder), flat(model.passage_encoder)
+    assert values["grad_norm_query"] == pytest.approx(query, rel=1e-12)
+    assert values["grad_norm_passage"] == pytest.approx(passage, rel=1e-12)
+    assert values["grad_ratio_passage_query"] == pytest.approx(passage / query, rel=1e-12)
+    assert abs(query - passage) > 1e-6 * query  # the two towers' gradients differ: a swap would show
+    assert tower_grad_norms(tiny_model(toy_dir, shared=True)) == {}
 
 
 def test_bank_capacity_and_wrap():

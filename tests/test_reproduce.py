@@ -3,11 +3,22 @@ written from given metrics (tables, computed verdicts against the paper, PNG plo
 
 from __future__ import annotations
 
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
 from rag_train.config import load_config
+from rag_train.experiments import batching_setups, batching_sweep_table
 from rag_train.train.schema import RetrieverTrainConfig, RLMConfig
 from rag_train.reproduction.plan import FULL, QUICK, RETRIEVER_CONFIG, TABLE3, Plan
 from rag_train.reproduction.analysis import ANALYSIS
 from rag_train.reproduction.report import write_report
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def retriever_metrics(r1: float, reembedded: int = 0, rate: float = 2.0, seconds: float = 10.0) -> dict:
@@ -173,3 +184,50 @@ def test_plan_shares_one_warm_start_and_reuses_the_default_corrector(tmp_path):
     assert "strategy.refresh_every=50" in plan.table3("exhaustive", 0).overrides
     cfg = load_config(RetrieverTrainConfig, RETRIEVER_CONFIG, plan.ablation(64, 1).overrides)
     assert (cfg.strategy.name, cfg.strategy.corrector.hidden, cfg.train.seed) == ("corrector", 64, 1)
+
+
+def batching_metrics(r1: float, r20: float) -> dict:
+    return {"recall": {"1": r1, "20": r20}, "mrr@10": r1, "steps_per_second": 1.0, "peak_memory_mib": 1.0}
+
+
+def test_batching_sweep_is_seed_002s_grid():
+    """The K x M grid from batching_setups' labels: in-batch at N_total, GradAccum (in-batch N_local at K = 1) and
+    ContAccum per bank size, mean ± sd over seeds by hand; a setup not run is `-`."""
+    setups = batching_setups(4, [4, 1, 2], [64, 16])
+    assert setups["ContAccum 4x1, M=16"] == ["train.batch_size=4", "batching.name=cont_accum",
+                                             "batching.micro_batches=1", "batching.bank_size=16"]
+    assert "GradAccum 4x1" not in setups and "in-batch 8 (a card that fits it)" in setups
+    results = {label: [batching_metrics(0.10 + 0.01 * i, 0.5), batching_metrics(0.12 + 0.01 * i, 0.7)]
+               for i, label in enumerate(setups)}
+    del results["ContAccum 4x2, M=16"]
+    lines = batching_sweep_table(results, 4, [4, 1, 2], [64, 16]).splitlines()
+    index = {label: i for i, label in enumerate(setups)}
+
+    def cell(label: str) -> str:  # seeds (10 + i, 12 + i): mean 11 + i, sd sqrt(2); R@20 (50, 70): mean 60
+        return f"{11 + index[label]:.1f} ± 1.4 (60.0)"
+
+    assert lines[2] == (f"| 1 | 4 | {cell('in-batch 4 (what fits)')} | {cell('in-batch 4 (what fits)')} | "
+                        f"{cell('ContAccum 4x1, M=64')} | {cell('ContAccum 4x1, M=16')} |")
+    assert lines[3] == (f"| 2 | 8 | {cell('in-batch 8 (a card that fits it)')} | {cell('GradAccum 4x2')} | "
+                        f"{cell('ContAccum 4x2, M=64')} | - |")
+    assert lines[4].startswith(f"| 4 | 16 | {cell('in-batch 16 (a card that fits it)')} | {cell('GradAccum 4x4')} |")
+
+
+def test_quick_large_batches_section_runs_seed_002s_table(tmp_path):
+    """`reproduce.py --quick --only large_batches` end to end: the runs, the table in reproduction.md and the
+    per-step gradient-ratio curve. GradCache N x K computes the full-batch gradient, so its run equals in-batch at
+    N_total (same seed, same batches) to every metric; the tower ratio is logged at every step."""
+    runs = tmp_path / "runs"
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "reproduce.py"), "--quick", "--only", "large_batches",
+                    "--runs", str(runs)], check=True, capture_output=True)
+    folder = runs / "large_batches"
+    cache, full = (json.loads((folder / f"{name}-seed0" / "metrics.json").read_text())
+                   for name in ("GradCache_2x2", "in-batch_4_a_card_that_fits_it"))
+    assert cache["recall"] == full["recall"] and cache["mrr@10"] == full["mrr@10"]
+    contaccum = json.loads((folder / "ContAccum_2x2_M4-seed0" / "metrics.json").read_text())
+    assert len(contaccum["grad_ratio_by_step"]) == contaccum["steps"] == 6
+    assert statistics.mean(contaccum["grad_ratio_by_step"]) == pytest.approx(contaccum["grad_ratio_passage_query"])
+    report = (runs / "report" / "reproduction.md").read_text()
+    table = (runs / "report" / "large_batches_raw_lm_table.md").read_text().strip()
+    assert table in report and "| GradCache 2x2 |" in table
+    assert (runs / "report" / "figures" / "large_batches" / "grad_ratio_raw_lm.png").stat().st_size > 0

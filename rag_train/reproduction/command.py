@@ -15,7 +15,11 @@ Sections (--only):
             shared warm start (`warm_start.from_run`); EM on the three toy datasets, steps/s;
   ablation  corrector hidden size (paper Table 2): steps/s and recall, random init;
   curves    recall and EM over training steps for stale, corrector and exhaustive (the table1/table3 runs);
-  synthetic the Section 5.3 grid (scripts/synthetic_corrector.py; an existing results.json is reused).
+  synthetic the Section 5.3 grid (scripts/synthetic_corrector.py; an existing results.json is reused);
+  large_batches
+            seed 002 (ContAccum) in its own regime: scripts/compare_batching.py with raw dot products at
+            temperature 1 from the LM-pretrained init (the paper's BERT): its Table 1, the K x M sweep of its
+            Figure 3 and the gradient-norm ratio per step of its Figure 5 (<out>/large_batches_raw_lm_*.md).
 
 Cost on 2 CPU cores (estimated from single runs, one torch thread per run): table1 + ablation + curves with
 the default 3 seeds about 35 min (a 300-step run is 40-70 s); table3 is dominated by the shared reader warm start

@@ -14,14 +14,14 @@ from rag_train.config import load_config
 from rag_train.strategies import reads
 from rag_train.train.lm_pretrain import LMPretrainConfig, pretrain_toy_lm
 from rag_train.train.schema import RetrieverTrainConfig
-from rag_train.experiments import run_once
+from rag_train.experiments import compare_batching_main, run_once
 from rag_train.io import atomic_write_json, read_json, remove_temporaries_of
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository: its configs/ and scripts/
 RETRIEVER_CONFIG = ROOT / "configs" / "toy" / "retriever.yaml"
 RLM_CONFIG = ROOT / "configs" / "toy" / "rlm.yaml"
 LM_CONFIG = ROOT / "configs" / "toy" / "lm.yaml"
-SECTIONS = ("table1", "table3", "ablation", "curves", "synthetic")
+SECTIONS = ("table1", "table3", "ablation", "curves", "synthetic", "large_batches")
 INITS = ("random", "lm", "pretrained")
 INIT_LABELS = {"random": "random init (no counterpart in the paper)", "lm": "LM-pretrained init (paper: T5-base)",
                "pretrained": "retrieval-pretrained init (paper: GTR-base)"}
@@ -29,6 +29,7 @@ TABLE1 = ("in_batch", "stale", "corrector", "exhaustive", "snm", "negative_cache
 TABLE3 = ("closed_book", "frozen", "corrector", "exhaustive")
 CURVES = ("stale", "corrector", "exhaustive")
 RLM_CURVES = ("frozen", "corrector", "exhaustive")
+LARGE_BATCHES = "large_batches_raw_lm"  # <out>/<this>_table.md, _sweep.md
 INVOCATIONS = "invocations.json"  # under --runs: every invocation that ran sections, with its wall time
 
 
@@ -42,6 +43,10 @@ class Budget:
     lm: tuple[str, ...]  # the T5 stand-in: span corruption on this world's passages (configs/toy/lm.yaml)
     rlm: tuple[str, ...]  # every Algorithm 2 run
     synthetic: tuple[str, ...]  # scripts/synthetic_corrector.py arguments
+    # seed 002 in its own regime (scripts/compare_batching.py: raw dot products at temperature 1, from the LM init):
+    # its arguments (N_local, the K and M sweeps) and the overrides of every run
+    large_batches: tuple[str, ...]
+    large_batches_runs: tuple[str, ...]
     seeds: tuple[int, ...]
     hidden: tuple[int, ...]  # corrector sizes of the ablation
     toy_passages: Optional[int] = None  # None: the configs' world (3,000 passages in data/toy)
@@ -53,6 +58,8 @@ FULL = Budget(
     lm=(),
     rlm=("strategy.refresh_every=50", "train.eval_every=100"),
     synthetic=(),
+    large_batches=("--local", "4", "--micro", "4", "1", "2", "8", "--bank", "64", "16", "128"),
+    large_batches_runs=("train.steps=600", "train.eval_every=0", "train.log_every=10", "data.max_eval_examples=300"),
     seeds=(0, 1, 2),
     hidden=(64, 256, 1024),
 )
@@ -64,6 +71,8 @@ QUICK = Budget(
     rlm=("train.steps=6", "train.eval_every=3", "strategy.refresh_every=3", "warm_start.reader_steps=8",
          "warm_start.reader_copy_steps=4", "warm_start.retriever_steps=6", "data.max_eval_examples=16"),
     synthetic=("--quick",),
+    large_batches=("--local", "2", "--micro", "2", "--bank", "4"),
+    large_batches_runs=("train.steps=6", "train.eval_every=0", "train.log_every=1", "data.max_eval_examples=16"),
     seeds=(0,),
     hidden=(64, 256),
     toy_passages=300,
@@ -156,7 +165,7 @@ class Plan:
             return ([self.pretrain()] + [self.table1(i, s, seed) for i in INITS for s in CURVES for seed in self.seeds]
                     + [self.table3(TABLE3[0], self.seeds[0])]
                     + [self.table3(s, seed) for seed in self.seeds for s in RLM_CURVES])
-        if name == "synthetic":
+        if name in ("synthetic", "large_batches"):  # scripts of their own, run by execute
             return []
         raise ValueError(f"unknown section {name!r}; expected one of {SECTIONS}")
 
@@ -168,9 +177,11 @@ class Plan:
             section_started = time.time()
             if section == "synthetic":
                 self.run_synthetic()
-            if section in ("table1", "curves"):
+            if section in ("table1", "curves", "large_batches"):
                 built = pretrain_toy_lm(self.lm())
                 print(f"[reproduce] toy LM {'reused' if built['reused'] else 'trained'}: {built['folder']}", flush=True)
+            if section == "large_batches":
+                compare_batching_main(self.large_batches_args())
             for run in self.section(section):
                 if run.out in done:
                     continue
@@ -182,6 +193,17 @@ class Plan:
             tally.seconds[section] = round(time.time() - section_started, 1)
             print(f"[reproduce] {section}: {tally.seconds[section]:.0f} s", flush=True)
         return tally
+
+    def large_batches_args(self) -> list[str]:
+        """scripts/compare_batching.py's arguments: seed 002's Table 1, Figure 3 sweep and Figure 5 with its scoring
+        (raw dot products, temperature 1, in-batch negatives only) from the LM-pretrained init (its BERT)."""
+        out = self.out / LARGE_BATCHES
+        return [*self.budget.large_batches, "--seeds", *map(str, self.seeds), "--runs", str(self.runs / "large_batches"),
+                "--out", f"{out}_table.md", "--sweep-out", f"{out}_sweep.md",
+                "--figure", str(self.out / "figures" / "large_batches" / "grad_ratio_raw_lm.png"),
+                *self.common, f"retriever.model={self.lm().folder()}", "strategy.name=in_batch",
+                "strategy.uniform_negatives=0", "retriever.normalize=false", "train.temperature=1.0",
+                *self.budget.large_batches_runs]
 
     def synthetic_dir(self) -> Path:
         return self.out / "figures" / "synthetic"

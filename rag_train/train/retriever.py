@@ -182,6 +182,7 @@ def train_retriever(cfg: RetrieverTrainConfig, final_eval: bool = True) -> dict:
         "peak_memory_mib": peak_memory,  # over this process's steps (CPU: peak RSS; CUDA: max allocated)
         # mean over this run's steps of ||grad passage tower|| / ||grad query tower|| (None: shared towers)
         "grad_ratio_passage_query": sum(grad_ratios) / len(grad_ratios) if grad_ratios else None,
+        "grad_ratio_by_step": list(grad_ratios),  # seed 002's Figure 5: one value per optimizer step, from step 1
         "history": history,
         # per logged step (train.log_every): the strategy's own values, e.g. the corrector's tracking on its subset
         "strategy_log": {k.removeprefix("strategy_log/"): v for k, v in run.totals.items() if k.startswith("strategy_log/")},
