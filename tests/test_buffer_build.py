@@ -111,6 +111,17 @@ def test_buffer_views_span_shards(tmp_path):
         buffer.shard(40, 51)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_buffer_moments_over_shards(tmp_path, dtype):
+    """Per-dimension mean and population sd streamed over 3 shards in chunks of 7 rows = numpy over the decoded rows."""
+    matrix = torch.randn(50, 4, generator=torch.Generator().manual_seed(0)) * torch.tensor([1.0, 3.0, 0.1, 10.0]) + 2
+    buffer = Buffer.write(tmp_path / "b", matrix, dtype=dtype, shard_rows=20)
+    stored = buffer.gather(np.arange(50)).astype(np.float64)
+    mean, std = buffer.moments(chunk_rows=7)
+    np.testing.assert_allclose(mean.numpy(), stored.mean(axis=0), rtol=1e-12)
+    np.testing.assert_allclose(std.numpy(), stored.std(axis=0), rtol=1e-9)
+
+
 def test_open_refuses_mismatch_incomplete_and_corruption(tmp_path):
     Buffer.write(tmp_path / "b", torch.ones(6, 4), model_fingerprint="m1", corpus_fingerprint="c1", shard_rows=4)
     assert Buffer.open(tmp_path / "b", "m1", "c1").rows == 6

@@ -1,4 +1,4 @@
-"""Corrector: identity at init, the query fold used by search, safetensors round trip."""
+"""Corrector: identity at init, the query fold used by search, the standardized input, safetensors round trip."""
 
 import pytest
 import torch
@@ -49,6 +49,43 @@ def test_save_load_round_trip(tmp_path):
     assert (loaded.dim, loaded.hidden) == (6, 10)
     stale = torch.randn(4, 6)
     assert torch.equal(loaded(stale), corrector(stale))
+
+
+def _standardized(dim=8, hidden=16):
+    corrector = _trained_like(dim, hidden)
+    standardized = Corrector(dim, hidden, standardize=True)
+    standardized.load_state_dict(corrector.state_dict(), strict=False)  # the same W1, c1, W2, c2
+    mean, std = torch.randn(dim) * 3, torch.rand(dim) + 0.5
+    std[1] = 0.0  # a constant dimension: left unscaled
+    standardized.set_input_statistics(mean, std)
+    return corrector, standardized, mean, torch.where(std > 0, std, torch.ones_like(std))
+
+
+def test_standardized_input_is_the_plain_corrector_on_standardized_vectors():
+    """h_std(b) = b + W2 relu(W1 (b - mean) / sd + c1) + c2, by hand; identity at init still; the search fold
+    (hidden_activations + fold_queries) gives the same scores; a plain corrector cannot take statistics."""
+    corrector, standardized, mean, std = _standardized()
+    stale, queries = torch.randn(30, 8) * 2 + 1, torch.randn(5, 8)
+    x = (stale - mean) / std
+    w1, c1, w2, c2 = corrector.first.weight, corrector.first.bias, corrector.second.weight, corrector.second.bias
+    torch.testing.assert_close(standardized(stale), stale + torch.relu(x @ w1.T + c1) @ w2.T + c2)
+    torch.testing.assert_close(standardized.hidden_activations(stale), torch.relu(x @ w1.T + c1), rtol=1e-5, atol=1e-5)
+    q_hidden, q_bias = standardized.fold_queries(queries)
+    folded = queries @ stale.T + q_hidden @ standardized.hidden_activations(stale).T + q_bias[:, None]
+    torch.testing.assert_close(folded, queries @ standardized(stale).T, rtol=1e-4, atol=1e-4)
+    fresh = Corrector(8, 16, standardize=True)
+    fresh.set_input_statistics(mean, std)
+    assert torch.equal(fresh(stale), stale)
+    with pytest.raises(ValueError, match="standardize=True"):
+        corrector.set_input_statistics(mean, std)
+
+
+def test_standardized_round_trip(tmp_path):
+    _, standardized, _, _ = _standardized(dim=8, hidden=16)
+    standardized.save(tmp_path / "c.safetensors")
+    loaded = Corrector.load(tmp_path / "c.safetensors")
+    stale = torch.randn(4, 8)
+    assert loaded.standardize and torch.equal(loaded(stale), standardized(stale))
 
 
 def test_load_rejects_other_files(tmp_path):

@@ -252,6 +252,20 @@ def test_corrector_search_goes_through_h(world):
     assert torch.equal(strategy.retrieve(queries, 6), expected)
 
 
+def test_standardized_corrector_reads_the_buffers_moments_and_searches_through_h(world):
+    """strategy.corrector.standardize: the input statistics are the stale buffer's (numpy over its rows), and search
+    (the folded first layer) is brute force over h(B)."""
+    strategy, model = make(world, "corrector", corrector=CorrectorConfig(hidden=12, standardize=True))
+    stale = stale_matrix(world).double()
+    torch.testing.assert_close(strategy.corrector.input_mean.double(), stale.mean(0), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(strategy.corrector.input_std.double(), stale.std(0, unbiased=False), rtol=1e-5, atol=1e-6)
+    perturb(strategy.corrector, scale=0.5, seed=41)
+    queries = queries_of(model)
+    with torch.no_grad():
+        corrected = strategy.corrector(stale.float())
+    assert torch.equal(strategy.retrieve(queries, 6), brute_topk(queries, corrected, 6))
+
+
 @pytest.mark.parametrize("loss", ["ce", "mse"])
 def test_corrector_and_task_gradients_are_separate(world, loss):
     strategy, model = make(world, "corrector", corrector=CorrectorConfig(hidden=12, loss=loss), uniform_negatives=2)

@@ -68,7 +68,7 @@ def final_corrector(run: Path, dim: int) -> Corrector | None:
              if k.startswith("corrector.")}
     if not state:
         return None
-    corrector = Corrector(dim, state["first.weight"].shape[0])
+    corrector = Corrector(dim, state["first.weight"].shape[0], standardize="input_mean" in state)
     corrector.load_state_dict(state)
     return corrector
 
@@ -128,15 +128,19 @@ def ranking_stats(queries: torch.Tensor, candidate: torch.Tensor, fresh: torch.T
 
 
 def fit_offline(stale: torch.Tensor, fresh: torch.Tensor, queries: torch.Tensor, hidden: int, steps: int,
-                temperature: float, seed: int = 0) -> torch.nn.Module:
+                temperature: float, seed: int = 0, moments: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+                ) -> torch.nn.Module:
     """A corrector trained after the fact on the final (B[y], g(y)) pairs of the given rows — the target no longer
     moves and every row is available — with the run's loss, CE(P~ || P~_h) at the run's temperature, over 64
     training questions x 512 uniform rows per Adam step (lr 1e-3): how far a corrector of this width can get at all.
-    A source of another width than g (the passages' token bags) gets the corrector's two layers without its identity."""
+    A source of another width than g (the passages' token bags) gets the corrector's two layers without its identity.
+    `moments` (the whole buffer's mean and sd): the corrector standardizes its input (strategy.corrector.standardize)."""
     generator = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     if stale.shape[1] == fresh.shape[1]:
-        corrector = Corrector(stale.shape[1], hidden)
+        corrector = Corrector(stale.shape[1], hidden, standardize=moments is not None)
+        if moments is not None:
+            corrector.set_input_statistics(*moments)
     else:
         corrector = torch.nn.Sequential(torch.nn.Linear(stale.shape[1], hidden), torch.nn.ReLU(),
                                         torch.nn.Linear(hidden, fresh.shape[1]))
@@ -205,12 +209,13 @@ def question_sets(files, corpus: Corpus, limit: int) -> list[Questions]:
 
 def diagnose(run: Path, k: Optional[int] = None, limit: int = 500, fit_hidden: tuple[int, ...] = (),
              fit_steps: int = 1500, content_rows: int = 0, content_inits: tuple[str, ...] = (),
-             fit_content_hidden: tuple[int, ...] = ()) -> dict:
+             fit_content_hidden: tuple[int, ...] = (), fit_standardized: bool = False) -> dict:
     """The tables' numbers as a dict: {"rows": {group: {"n", "stale": {...}, "corrector": {...}, "lstsq": {...}}},
     "rankings": [{"questions", "searched", ...}], "k", "seen_rows"} and, with `content_rows` > 0, "content":
     {vectors: content_probe} over that many rows drawn at random (the bags are dense [rows, vocabulary]), also for
     the stale buffer each of `content_inits` would give (a `retriever.model` value; `tiny`: the run's random init).
     `fit_content_hidden`: offline fits as `fit_hidden`, from every passage's token bag instead of B ("offline bag hH").
+    `fit_standardized`: each `fit_hidden` width also fitted with its input standardized ("offline std hH").
     """
     cfg = load_config(RetrieverTrainConfig, run / "config.yaml", [])
     k = k or cfg.strategy.top_k
@@ -247,6 +252,12 @@ def diagnose(run: Path, k: Optional[int] = None, limit: int = 500, fit_hidden: t
             fitted = fit_offline(stale[seen], fresh[seen], training, hidden, fit_steps, cfg.train.temperature)
         with torch.no_grad():
             searched[f"offline h{hidden}"] = fitted(stale)
+        if fit_standardized:
+            with torch.enable_grad():
+                fitted = fit_offline(stale[seen], fresh[seen], training, hidden, fit_steps, cfg.train.temperature,
+                                     moments=buffer.moments())
+            with torch.no_grad():
+                searched[f"offline std h{hidden}"] = fitted(stale)
 
     def bags_of(rows: Sequence[int]) -> torch.Tensor:
         texts = [format_passage(p) for p in corpus.passages(rows)]
@@ -313,6 +324,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--fit-hidden", type=int, nargs="*", default=[],
                         help="also fit a corrector of each width offline on the final (B, g) of the seen rows (a ceiling)")
     parser.add_argument("--fit-steps", type=int, default=1500)
+    parser.add_argument("--fit-standardized", action="store_true",
+                        help="with --fit-hidden: also fit each width with its input standardized by the buffer's moments")
     parser.add_argument("--fit-content-hidden", type=int, nargs="*", default=[],
                         help="also fit a corrector of each width offline from the passages' token bags (what B could hold)")
     parser.add_argument("--content", type=int, default=0, metavar="ROWS",
@@ -323,7 +336,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     report = diagnose(args.run, args.k, args.questions, tuple(args.fit_hidden), args.fit_steps, args.content,
-                      tuple(args.content_init), tuple(args.fit_content_hidden))
+                      tuple(args.content_init), tuple(args.fit_content_hidden), args.fit_standardized)
     print_tables(report)
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))

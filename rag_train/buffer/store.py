@@ -220,6 +220,19 @@ class Buffer:
                 pieces.append((lo, array[lo - shard_start:hi - shard_start]))
         return pieces
 
+    def moments(self, chunk_rows: int = 1 << 16) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-dimension mean and (population) standard deviation of every row, float64, in one streaming pass over
+        the memmaps (every process computes the same from the same files)."""
+        total, squares = np.zeros(self.dim), np.zeros(self.dim)
+        for _, array in self.views():
+            for lo in range(0, len(array), chunk_rows):
+                block = decode_rows(array[lo:lo + chunk_rows], self.dtype).astype(np.float64)
+                total += block.sum(axis=0)
+                squares += np.square(block).sum(axis=0)
+        mean = total / max(self.rows, 1)
+        variance = np.maximum(squares / max(self.rows, 1) - np.square(mean), 0.0)
+        return torch.from_numpy(mean), torch.from_numpy(np.sqrt(variance))
+
     def gather(self, rows: np.ndarray) -> np.ndarray:
         """float32 [len(rows), dim] for global rows in any order (repeats too), read shard by shard in ascending
         order from the memmaps: only the rows asked for are copied (`array()` of a buffer of several shards copies

@@ -1,7 +1,9 @@
 """Corrector network h (seed 000): maps stale buffer vectors towards the current passage encoder.
 
 h(b) = b + W2 relu(W1 b + c1) + c2 with W2 = 0 and c2 = 0 at init, so training starts exactly at
-the stale buffer. Search never materialises h(B) for the whole buffer: since
+the stale buffer. With `standardize`, the first layer reads (b - mean) / sd, the buffer's fixed per-dimension
+statistics (`set_input_statistics`): the same function class, but hidden units that see the passages' differences
+rather than the direction every vector of an anisotropic (language-model) buffer shares. Search never materialises h(B) for the whole buffer: since
 <q, h(b)> = <q, b> + <W2^T q, relu(W1 b + c1)> + <q, c2>, the second layer is folded into the
 queries (`fold_queries`) and only `hidden_activations` is computed per buffer row.
 """
@@ -22,16 +24,36 @@ from rag_train.io import atomic_open
 class Corrector(nn.Module):
     """Two-layer residual ReLU MLP, identity at initialisation."""
 
-    def __init__(self, dim: int, hidden: int):
+    def __init__(self, dim: int, hidden: int, standardize: bool = False):
         super().__init__()
         if dim <= 0 or hidden <= 0:
             raise ValueError(f"Corrector needs dim > 0 and hidden > 0, got dim={dim}, hidden={hidden}")
         self.dim = dim
         self.hidden = hidden
+        self.standardize = standardize
         self.first = nn.Linear(dim, hidden)  # W1, c1
         self.second = nn.Linear(hidden, dim)  # W2, c2
         nn.init.zeros_(self.second.weight)
         nn.init.zeros_(self.second.bias)
+        if standardize:  # saved with the weights: the statistics are part of h
+            self.register_buffer("input_mean", torch.zeros(dim))
+            self.register_buffer("input_std", torch.ones(dim))
+
+    @torch.no_grad()
+    def set_input_statistics(self, mean: torch.Tensor, std: torch.Tensor) -> None:
+        """The buffer's per-dimension mean and standard deviation (a dimension with sd 0 is left unscaled)."""
+        if not self.standardize:
+            raise ValueError("set_input_statistics needs a Corrector built with standardize=True")
+        self.input_mean.copy_(mean)
+        self.input_std.copy_(torch.where(std > 0, std, torch.ones_like(std)))
+
+    def _first_layer(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """W1 and c1 acting on b itself: the standardization folded in (W1 / sd, c1 - (W1 / sd) mean)."""
+        weight, bias = self.first.weight, self.first.bias
+        if self.standardize:
+            weight = weight / self.input_std.to(weight.dtype)
+            bias = bias - weight @ self.input_mean.to(weight.dtype)
+        return weight.to(dtype), bias.to(dtype)
 
     @property
     def device(self) -> torch.device:
@@ -42,14 +64,14 @@ class Corrector(nn.Module):
         return self.first.weight.dtype
 
     def forward(self, stale: torch.Tensor) -> torch.Tensor:
-        return stale + self.second(torch.relu(self.first(stale)))
+        weight, bias = self._first_layer(stale.dtype) if self.standardize else (self.first.weight, self.first.bias)
+        return stale + self.second(torch.relu(torch.nn.functional.linear(stale, weight, bias)))
 
     @torch.no_grad()
     def hidden_activations(self, stale: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """relu(W1 b + c1) for a block of rows, written into `out` (reused across chunks) when given.
         Search-time only (no autograd); training uses `forward` on the retrieved subset."""
-        weight = self.first.weight.to(stale.dtype)
-        bias = self.first.bias.to(stale.dtype)
+        weight, bias = self._first_layer(stale.dtype)
         if stale.is_cuda:
             # bias + ReLU in cuBLASLt's GEMM epilogue: a separate relu_ pass over [rows, hidden] took 29% of
             # a 28M-row corrector-full search on an H100 (docs/search_benchmark.md)
@@ -64,7 +86,7 @@ class Corrector(nn.Module):
     def save(self, path: str | Path) -> None:
         """Weights as safetensors with the shape in the metadata (atomic write)."""
         state = {name: tensor.detach().cpu().contiguous() for name, tensor in self.state_dict().items()}
-        metadata = {"corrector": json.dumps({"dim": self.dim, "hidden": self.hidden})}
+        metadata = {"corrector": json.dumps({"dim": self.dim, "hidden": self.hidden, "standardize": self.standardize})}
         with atomic_open(path, "wb") as handle:
             handle.write(save(state, metadata=metadata))
 
@@ -80,6 +102,6 @@ class Corrector(nn.Module):
         if meta is None:
             raise ValueError(f"{path}: not a corrector file (no 'corrector' metadata with dim/hidden)")
         shape = json.loads(meta)
-        corrector = cls(int(shape["dim"]), int(shape["hidden"]))
+        corrector = cls(int(shape["dim"]), int(shape["hidden"]), bool(shape.get("standardize", False)))
         corrector.load_state_dict(load_file(str(path), device=str(map_location)))
         return corrector.to(map_location)

@@ -31,6 +31,10 @@ class CorrectorConfig:
     # keeps the encoder's (0 = off; a non-finite corrector loss or gradient always skips it). See
     # train.step.optimizer_step; train.max_bad_steps such steps in a row stop the run.
     max_loss: float = 0.0
+    # the first layer reads the stale vectors standardized by the buffer's own per-dimension mean and sd (computed
+    # once at start: the buffer never changes); the same function class, but hidden units that respond to how
+    # passages differ, not to the direction an anisotropic language-model buffer shares (docs/toy_world.md)
+    standardize: bool = False
 
     def __post_init__(self) -> None:
         check_positive("strategy.corrector", "hidden", self.hidden)
@@ -56,7 +60,9 @@ class CorrectorStrategy(Stale):
 
     def __init__(self, cfg: CorrectorStrategyConfig, ctx: StrategyContext):
         super().__init__(cfg, ctx)
-        self.corrector = Corrector(self.buffer.dim, cfg.corrector.hidden).to(search_device(ctx))
+        self.corrector = Corrector(self.buffer.dim, cfg.corrector.hidden, cfg.corrector.standardize).to(search_device(ctx))
+        if cfg.corrector.standardize:
+            self.corrector.set_input_statistics(*self.buffer.moments())
         # times each corpus row was in the corrector's training subset, saturating at 255 (one byte a row): which
         # rows h has seen, for scripts/diagnose_retriever.py (checkpointed with the strategy's state)
         self.seen = torch.zeros(len(ctx.corpus), dtype=torch.uint8)
