@@ -265,9 +265,9 @@ def batching_sweep_table(results: dict[str, list[dict]], local: int, micros: lis
     return "\n".join(lines)
 
 
-def grad_ratio_figure(results: dict[str, list[dict]], path: Path, smooth: int = 10) -> None:
-    """Seed 002's Figure 5: ||grad g|| / ||grad f|| per optimizer step (mean over seeds, a running mean over `smooth`
-    steps) of every setup with a bank, GradCache as the reference, log scale."""
+def grad_ratio_figure(results: dict[str, list[dict]], labels: list[str], path: Path, smooth: int = 25) -> None:
+    """Seed 002's Figure 5: ||grad g|| / ||grad f|| per optimizer step of the setups in `labels` (mean over seeds,
+    then a running mean over `smooth` steps), log scale; dashed: passage-only banks."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -277,17 +277,15 @@ def grad_ratio_figure(results: dict[str, list[dict]], path: Path, smooth: int = 
     from rag_train.io import atomic_open
 
     fig, ax = plt.subplots(figsize=(6.4, 3.8))
-    for label, runs in results.items():
-        if not ("M=" in label or label.startswith("GradCache")) or "emptied" in label:
-            continue
-        curves = [r.get("grad_ratio_by_step") for r in runs]
-        if not all(curves):
+    for label in labels:
+        curves = [r.get("grad_ratio_by_step") for r in results[label]]
+        if not curves or not all(curves):
             continue
         length = min(map(len, curves))
         mean = np.mean([c[:length] for c in curves], axis=0)
         window = min(smooth, length)
         smoothed = np.convolve(mean, np.ones(window) / window, mode="valid")
-        style = "--" if "w/o M_q" in label else (":" if label.startswith("GradCache") else "-")
+        style = "--" if "w/o M_q" in label else ("-" if "ContAccum" in label else ":")
         ax.plot(np.arange(window, length + 1), smoothed, style, label=label.replace(" (w/o M_q)", ", w/o M_q"))
     ax.axhline(1.0, color="black", linewidth=0.6)
     ax.set_yscale("log")
@@ -333,5 +331,7 @@ def compare_batching_main(argv: Optional[list[str]] = None) -> None:
                  args.sweep_out)
     if args.figure:
         Path(args.figure).parent.mkdir(parents=True, exist_ok=True)
-        grad_ratio_figure(results, Path(args.figure))
+        n, k = args.local, args.micro[0]  # Table 1's K: every option at N_total, each bank with and without M_q
+        plotted = [label for label in setups if f"{n}x{k}" in label and "emptied" not in label]
+        grad_ratio_figure(results, plotted, Path(args.figure))
         print(f"figure: {args.figure}", file=sys.stderr)
