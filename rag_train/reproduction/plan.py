@@ -15,6 +15,7 @@ from rag_train.strategies import reads
 from rag_train.train.lm_pretrain import LMPretrainConfig, pretrain_toy_lm
 from rag_train.train.schema import RetrieverTrainConfig
 from rag_train.experiments import compare_batching_main, run_once
+from rag_train.reproduction.large_batches import large_batches_outputs
 from rag_train.io import atomic_write_json, read_json, remove_temporaries_of
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository: its configs/ and scripts/
@@ -29,7 +30,6 @@ TABLE1 = ("in_batch", "stale", "corrector", "exhaustive", "snm", "negative_cache
 TABLE3 = ("closed_book", "frozen", "corrector", "exhaustive")
 CURVES = ("stale", "corrector", "exhaustive")
 RLM_CURVES = ("frozen", "corrector", "exhaustive")
-LARGE_BATCHES = "large_batches_raw_lm"  # <out>/<this>_table.md, _sweep.md
 INVOCATIONS = "invocations.json"  # under --runs: every invocation that ran sections, with its wall time
 
 
@@ -197,10 +197,9 @@ class Plan:
     def large_batches_args(self) -> list[str]:
         """scripts/compare_batching.py's arguments: seed 002's Table 1, Figure 3 sweep and Figure 5 with its scoring
         (raw dot products, temperature 1, in-batch negatives only) from the LM-pretrained init (its BERT)."""
-        out = self.out / LARGE_BATCHES
+        table, sweep, figure = large_batches_outputs(self.out)
         return [*self.budget.large_batches, "--seeds", *map(str, self.seeds), "--runs", str(self.runs / "large_batches"),
-                "--out", f"{out}_table.md", "--sweep-out", f"{out}_sweep.md",
-                "--figure", str(self.out / "figures" / "large_batches" / "grad_ratio_raw_lm.png"),
+                "--out", str(table), "--sweep-out", str(sweep), "--figure", str(figure),
                 *self.common, f"retriever.model={self.lm().folder()}", "strategy.name=in_batch",
                 "strategy.uniform_negatives=0", "retriever.normalize=false", "train.temperature=1.0",
                 *self.budget.large_batches_runs]

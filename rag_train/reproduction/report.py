@@ -18,7 +18,8 @@ from rag_train.reproduction.analysis import (percent, rlm_analysis, rlm_curves_a
                                              table1_curves_analysis)
 from rag_train.reproduction.metrics import DATASET_LABELS, DATASETS, em_curve, hotpotqa_gold_recall, mean_em, mean_of
 from rag_train.reproduction.paper import PAPER_TABLE1, PAPER_TABLE2_STEPS_PER_SECOND, PAPER_TABLE3
-from rag_train.reproduction.plan import CURVES, INIT_LABELS, INITS, LARGE_BATCHES, RLM_CURVES, TABLE1, TABLE3
+from rag_train.reproduction.large_batches import large_batches_section
+from rag_train.reproduction.plan import CURVES, INIT_LABELS, INITS, RLM_CURVES, TABLE1, TABLE3
 from rag_train.reproduction.plots import plot_ablation, plot_curves, plot_table1, plot_table3
 from rag_train.analysis.synthetic import aggregate
 
@@ -433,27 +434,9 @@ def write_report(results: dict, meta: dict, out: Path) -> Path:
             f"![KL after vs staleness]({rel}/kl_after_vs_staleness.png)", ""]
     else:
         lines += ["_(not run: `--only synthetic`)_", ""]
-    lines += large_batches_section(out)
     path = out / "reproduction.md"
-    atomic_write_text(path, "\n".join(lines).rstrip() + "\n")  # StorageError naming it on a full disk
+    atomic_write_text(path, "\n".join(lines + large_batches_section(out)).rstrip() + "\n")  # StorageError on a full disk
     return path
-
-
-def large_batches_section(out: Path) -> list[str]:
-    """Seed 002's tables as `compare_batching.py` wrote them into `out` (the section `large_batches`)."""
-    lines = ["## Seed 002 in its own regime: ContAccum, GradCache, GradAccum", "",
-             "Raw dot products at temperature 1 and in-batch negatives, from the LM-pretrained init (the paper's "
-             "BERT); the discussion and the other regimes: [large_batches.md](large_batches.md).", ""]
-    table, sweep = (out / f"{LARGE_BATCHES}_{part}.md" for part in ("table", "sweep"))
-    if not table.is_file():
-        return lines + ["_(not run: `--only large_batches`)_", ""]
-    lines += [table.read_text().strip(), ""]
-    if sweep.is_file():
-        lines += ["Figure 3's sweep: R@1 mean ± sd (R@20 mean) by K and bank size M:", "", sweep.read_text().strip(), ""]
-    figure = out / "figures" / "large_batches" / "grad_ratio_raw_lm.png"
-    if figure.is_file():
-        lines += [f"![gradient-norm ratio per step]({os.path.relpath(figure, out)})", ""]
-    return lines
 
 
 def describe_machine() -> str:
