@@ -3,7 +3,8 @@
 h(b) = b + W2 relu(W1 b + c1) + c2 with W2 = 0 and c2 = 0 at init, so training starts exactly at
 the stale buffer. With `standardize`, the first layer reads (b - mean) / sd, the buffer's fixed per-dimension
 statistics (`set_input_statistics`): the same function class, but hidden units that see the passages' differences
-rather than the direction every vector of an anisotropic (language-model) buffer shares. Search never materialises h(B) for the whole buffer: since
+rather than the direction every vector of an anisotropic (language-model) buffer shares; search folds them into
+W1 and c1. Search never materialises h(B) for the whole buffer: since
 <q, h(b)> = <q, b> + <W2^T q, relu(W1 b + c1)> + <q, c2>, the second layer is folded into the
 queries (`fold_queries`) and only `hidden_activations` is computed per buffer row.
 """
@@ -64,8 +65,9 @@ class Corrector(nn.Module):
         return self.first.weight.dtype
 
     def forward(self, stale: torch.Tensor) -> torch.Tensor:
-        weight, bias = self._first_layer(stale.dtype) if self.standardize else (self.first.weight, self.first.bias)
-        return stale + self.second(torch.relu(torch.nn.functional.linear(stale, weight, bias)))
+        # the layers are called as modules (DeepSpeed ZeRO-3 gathers their weights in the modules' hooks)
+        x = (stale - self.input_mean.to(stale.dtype)) / self.input_std.to(stale.dtype) if self.standardize else stale
+        return stale + self.second(torch.relu(self.first(x)))
 
     @torch.no_grad()
     def hidden_activations(self, stale: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
