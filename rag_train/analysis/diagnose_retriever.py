@@ -247,6 +247,7 @@ def diagnose(run: Path, k: Optional[int] = None, limit: int = 500, fit_hidden: t
     # the offline fits' queries: the training questions; their rows: those the run's corrector saw
     training = (torch.cat([q for q, questions in zip(encoded, sets) if questions.name.endswith("(train)")])
                 if fit_hidden or fit_content_hidden else None)
+    moments = buffer.moments() if fit_standardized else None  # one pass over the buffer for every width
     for hidden in fit_hidden:
         with torch.enable_grad():
             fitted = fit_offline(stale[seen], fresh[seen], training, hidden, fit_steps, cfg.train.temperature)
@@ -255,7 +256,7 @@ def diagnose(run: Path, k: Optional[int] = None, limit: int = 500, fit_hidden: t
         if fit_standardized:
             with torch.enable_grad():
                 fitted = fit_offline(stale[seen], fresh[seen], training, hidden, fit_steps, cfg.train.temperature,
-                                     moments=buffer.moments())
+                                     moments=moments)
             with torch.no_grad():
                 searched[f"offline std h{hidden}"] = fitted(stale)
 
