@@ -328,6 +328,20 @@ def test_algorithm_1_trains_and_resumes_bitwise(recipe_toy_dir, tmp_path):
         assert torch.equal(a[key], b[key]), key
 
 
+def test_refresh_every_zero_never_reencodes(recipe_toy_dir, tmp_path):
+    """Seed 000's "Dynnibal +0": with refresh_every 0 (and no warm start or full refresh) nothing is re-encoded, and
+    the run is, bitwise, the one whose first refresh would come after its last step."""
+    never = train(recipe_toy_dir, tmp_path / "zero", **{"strategy.refresh_every": 0})
+    late = train(recipe_toy_dir, tmp_path / "late", **{"strategy.refresh_every": STEPS + 1})
+    assert never["reembedded_passages"] == 0 and never["strategy_summary"]["refreshes"] == 0
+    assert never["strategy_log"]["dynnibal/sampled"] == [1] * STEPS
+    assert results(never) == results(late)
+    a, b = weights(tmp_path / "zero"), weights(tmp_path / "late")
+    assert a.keys() == b.keys() and all(torch.equal(a[key], b[key]) for key in a)
+    refreshed = train(recipe_toy_dir, tmp_path / "refreshed")  # the test config refreshes every REFRESH steps
+    assert refreshed["reembedded_passages"] > 0  # so the config above really differs only by the refreshes
+
+
 def train(toy_dir, out, steps=STEPS, **extra):
     return train_retriever(config(toy_dir, out, "dynnibal", steps=steps, **extra))
 

@@ -7,6 +7,8 @@ import json
 import statistics
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -14,7 +16,7 @@ import pytest
 from rag_train.config import load_config
 from rag_train.experiments import batching_setups, batching_sweep_table
 from rag_train.train.schema import RetrieverTrainConfig, RLMConfig
-from rag_train.reproduction.plan import FULL, QUICK, RETRIEVER_CONFIG, TABLE3, Plan
+from rag_train.reproduction.plan import FULL, QUICK, RETRIEVER_CONFIG, TABLE3, Plan, Run, run_all
 from rag_train.reproduction.analysis import ANALYSIS
 from rag_train.reproduction.report import write_report
 
@@ -86,7 +88,7 @@ def test_report_from_given_metrics(tmp_path):
     assert "| exhaustive | 1 | 9000 | 42.0 | 44.0 | 21.0 | 35.7 | 3.00 | never |" in text
     assert "in 1 of 2 corrector / exhaustive runs the retriever never trained" in text
     assert "Test CPU, 2 cores" in text and "**1.5 min**" in text and "2.0 min" in text  # 60 + 30 s; 123 s
-    assert "| 2025-01-01 11:00 | 0.5 | table1 0.5 | 1 / 3 | 1 | 0.5 / 1.0 |" in text
+    assert "| 2025-01-01 11:00 | 0.5 | table1 0.5 | 1 / 3 | 1 x 1 | 0.5 / 1.0 |" in text
     # computed verdicts against the paper
     assert "stale − in_batch: measured -10.0 points (stale ahead on 0/2 seeds" in text
     assert "corrector − stale: measured +24.0 points (corrector ahead on 2/2 seeds" in text
@@ -231,3 +233,84 @@ def test_quick_large_batches_section_runs_seed_002s_table(tmp_path):
     table = (runs / "report" / "large_batches_raw_lm_table.md").read_text().strip()
     assert table in report and "| GradCache 2x2 |" in table
     assert (runs / "report" / "figures" / "large_batches" / "grad_ratio_raw_lm.png").stat().st_size > 0
+
+
+def test_quick_dynnibal_section_runs_seed_001s_rows(tmp_path):
+    """`reproduce.py --quick --only dynnibal --jobs 2` end to end (8 steps: uniform warm start for 3, every target
+    encoded after step 3, Nyström refreshes after steps 4, 6 and 8 (w = 2), every target encoded again after step 5):
+    each row re-embeds what its schedule says (the control refreshes exhaustively once per warm-start length), SNM
+    holds 3 d' + s' targets, the GTR-like rows start from the pretrained retriever, and the report's cells and gap
+    shares are those of the runs' metrics, computed by hand."""
+    runs = tmp_path / "runs"
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "reproduce.py"), "--quick", "--only", "dynnibal",
+                    "--runs", str(runs), "--jobs", "2"], check=True, capture_output=True)
+    passages, landmarks, samples = 300, 8, 32  # QUICK's world and Nyström sizes
+    folder = runs / "dynnibal"
+    rows = ("uniform", "dynnibal-plus0", "dynnibal", "snm", "exhaustive", "exhaustive-rare")
+    metrics = {(init, row): json.loads((folder / init / f"{row}-seed0" / "metrics.json").read_text())
+               for init in ("lm", "pretrained") for row in rows}
+    for init in ("lm", "pretrained"):
+        reembedded = {row: metrics[init, row]["reembedded_passages"]
+                      for row in ("dynnibal-plus0", "dynnibal", "snm", "exhaustive-rare")}
+        assert reembedded == {"dynnibal-plus0": 0, "dynnibal": 2 * passages + 3 * (landmarks + samples),
+                              "snm": (8 // 2) * (3 * landmarks + samples),
+                              "exhaustive-rare": 2 * passages}  # after steps 3 and 6: once per warm-start length
+        assert metrics[init, "dynnibal"]["strategy_summary"]["full_encodings"] == 2
+    pretrained = (folder / "pretrained" / "uniform-seed0" / "config.yaml").read_text()
+    assert f"model: {folder / 'pretrain' / 'retriever'}\n" in pretrained
+    report = (runs / "report" / "reproduction.md").read_text()
+    section = report[report.index("### retrieval-pretrained init"):]
+    m = {row: metrics["pretrained", row] for row in ("uniform", "dynnibal", "snm", "exhaustive")}
+    memory = 100 * (3 * landmarks + samples) / passages
+    assert (f"| SNM at Dynnibal's device memory | {memory:.1f}% | {m['snm']['reembedded_passages']:,} | "
+            f"{100 * m['snm']['recall']['1']:.1f} | {100 * m['snm']['recall']['5']:.1f} |") in section
+    low, high = m["uniform"]["recall"]["1"], m["exhaustive"]["recall"]["1"]
+    if high > low:  # the 8-step runs need not open a gap; when they do, the share is (dyn - low) / (high - low)
+        share = 100 * (m["dynnibal"]["recall"]["1"] - low) / (high - low)
+        assert f"Dynnibal (warm start, refreshes, full refresh) {share:.0f}% (per seed: {share:.0f}%)" in section
+    else:
+        assert "**undecided (exhaustive is not above uniform: no gap)**" in section
+
+
+def _recording_runs(tmp_path: Path, monkeypatch, fail: str = "", hold: bool = True) -> tuple[list[Run], list]:
+    """A pretraining run, a run that starts from its output and an independent one; executing them records start
+    and end. With `hold` the pretraining run holds until the independent one has started (5 s at most), so with two
+    jobs they overlap; the one named `fail` raises as a failed run would."""
+    log: list[tuple[str, str]] = []
+    started = {name: threading.Event() for name in ("pre", "after", "other")}
+
+    def execute(run: Run, threads=None) -> dict:
+        name = run.out.name
+        log.append(("start", name))
+        started[name].set()
+        if name == "pre" and hold:
+            started["other"].wait(timeout=5)
+            time.sleep(0.2)  # the independent run fails or finishes meanwhile
+        log.append(("end", name))
+        if name == fail:
+            raise subprocess.CalledProcessError(3, ["train_retriever.py"])
+        return {}
+
+    monkeypatch.setattr(Run, "execute", execute)
+    pre = Run("train_retriever.py", RETRIEVER_CONFIG, tmp_path / "pre")
+    after = Run("train_retriever.py", RETRIEVER_CONFIG, tmp_path / "after", [f"retriever.model={pre.out}/retriever"])
+    other = Run("train_retriever.py", RETRIEVER_CONFIG, tmp_path / "other", ["retriever.model=tiny"])
+    return [pre, after, other], log
+
+
+def test_run_all_runs_in_parallel_after_what_each_run_starts_from(tmp_path, monkeypatch):
+    runs, log = _recording_runs(tmp_path, monkeypatch, hold=False)
+    assert run_all(runs, threads=1, jobs=1) == [False, False, False]  # none had finished before
+    assert log == [(event, name) for name in ("pre", "after", "other") for event in ("start", "end")]
+    runs, log = _recording_runs(tmp_path, monkeypatch)
+    run_all(runs, threads=1, jobs=2)
+    order = list(log)
+    assert order.index(("start", "other")) < order.index(("end", "pre"))  # the two overlapped
+    assert order.index(("end", "pre")) < order.index(("start", "after"))  # the dependent run waited
+
+
+def test_run_all_stops_launching_after_a_failure_and_lets_runs_in_flight_finish(tmp_path, monkeypatch):
+    runs, log = _recording_runs(tmp_path, monkeypatch, fail="other")
+    with pytest.raises(subprocess.CalledProcessError):
+        run_all(runs, threads=1, jobs=2)
+    assert ("end", "pre") in log and ("start", "after") not in log

@@ -19,7 +19,11 @@ Sections (--only):
   large_batches
             seed 002 (ContAccum) in its own regime: scripts/compare_batching.py with raw dot products at
             temperature 1 from the LM-pretrained init (the paper's BERT): its Table 1, the K x M sweep of its
-            Figure 3 and the gradient-norm ratio per step of its Figure 5 (<out>/large_batches_raw_lm_*.md).
+            Figure 3 and the gradient-norm ratio per step of its Figure 5 (<out>/large_batches_raw_lm_*.md);
+  dynnibal  seed 001 as its paper runs it, on a described world (6,000 passages, toy_seed 1) from the LM-pretrained
+            init and a GTR-like one (the other described world's LM trained in-batch on its questions): uniform
+            negatives, Dynnibal with the warm start / refresh / full-refresh schedule, Dynnibal "+0" (no re-encoding),
+            SNM at Dynnibal's device memory, exhaustive (rag_train/reproduction/dynnibal.py).
 
 Cost on 2 CPU cores (estimated from single runs, one torch thread per run): table1 + ablation + curves with
 the default 3 seeds about 35 min (a 300-step run is 40-70 s); table3 is dominated by the shared reader warm start
@@ -38,14 +42,17 @@ from __future__ import annotations
 
 import argparse
 import os
+import platform
 import shlex
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import torch
+
 from rag_train.reproduction.plan import FULL, QUICK, SECTIONS, Plan
-from rag_train.reproduction.report import describe_machine, write_report
+from rag_train.reproduction.report import write_report
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -59,9 +66,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads per run (default 1: the tiny models gain little from a second thread, and "
                              "two threads stall badly when another job holds a core)")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="runs of a section at a time (each with --threads threads; a run that starts from another "
+                             "run's output waits for it)")
     parser.add_argument("--quick", action="store_true", help="tiny budgets on a 300-passage world, for testing")
     parser.add_argument("--report-only", action="store_true", help="launch nothing; rewrite the report")
     args = parser.parse_args(argv)
+    if args.jobs < 1:
+        parser.error(f"--jobs {args.jobs}: must be at least 1")
     budget = QUICK if args.quick else FULL
     args.budget = budget
     args.seeds = args.seeds or list(budget.seeds)
@@ -89,16 +101,27 @@ def reproduce(args: argparse.Namespace, argv) -> None:
     started, load_before = time.time(), os.getloadavg()
     plan = Plan(args.runs, args.budget, args.seeds, args.hidden, args.out)
     if not args.report_only:
-        tally = plan.execute(args.only, args.threads)
+        tally = plan.execute(args.only, args.threads, args.jobs)
         niceness = os.nice(0)
         command = " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
         plan.log_invocation({
             "command": (f"nice -n {niceness} " if niceness else "") + f"python scripts/reproduce.py {command}".strip(),
             "date": time.strftime("%Y-%m-%d %H:%M", time.localtime(started)), "sections": tally.seconds,
             "wall_seconds": round(time.time() - started, 1), "launched": tally.launched, "reused": tally.reused,
-            "threads": args.threads,
+            "threads": args.threads, "jobs": args.jobs,
             "load": [round(load_before[0], 1), round(os.getloadavg()[0], 1)]})
     meta = {"machine": describe_machine(), "seeds": args.seeds, "budget": args.budget, "runs": args.runs,
             "invocations": plan.invocations()}
     path = write_report(plan.collect(), meta, args.out)
     print(f"[reproduce] report: {path} ({time.time() - started:.0f} s)", flush=True)
+
+
+def describe_machine() -> str:
+    """CPU model, cores and torch version: steps/s in the report mean little without them."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+        model = next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
+    except (OSError, subprocess.CalledProcessError, StopIteration):
+        model = platform.processor() or "unknown CPU"
+    return f"{model}, {os.cpu_count()} cores, torch {torch.__version__}"
+

@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -15,6 +16,7 @@ from rag_train.strategies import reads
 from rag_train.train.lm_pretrain import LMPretrainConfig, pretrain_toy_lm
 from rag_train.train.schema import RetrieverTrainConfig
 from rag_train.experiments import compare_batching_main, run_once
+from rag_train.reproduction import dynnibal
 from rag_train.reproduction.large_batches import large_batches_outputs
 from rag_train.io import atomic_write_json, read_json, remove_temporaries_of
 
@@ -22,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]  # the repository: its configs/ and s
 RETRIEVER_CONFIG = ROOT / "configs" / "toy" / "retriever.yaml"
 RLM_CONFIG = ROOT / "configs" / "toy" / "rlm.yaml"
 LM_CONFIG = ROOT / "configs" / "toy" / "lm.yaml"
-SECTIONS = ("table1", "table3", "ablation", "curves", "synthetic", "large_batches")
+SECTIONS = ("table1", "table3", "ablation", "curves", "synthetic", "large_batches", "dynnibal")
 INITS = ("random", "lm", "pretrained")
 INIT_LABELS = {"random": "random init (no counterpart in the paper)", "lm": "LM-pretrained init (paper: T5-base)",
                "pretrained": "retrieval-pretrained init (paper: GTR-base)"}
@@ -47,6 +49,12 @@ class Budget:
     # its arguments (N_local, the K and M sweeps) and the overrides of every run
     large_batches: tuple[str, ...]
     large_batches_runs: tuple[str, ...]
+    # seed 001 as it runs (the `dynnibal` section): the described world (passages, toy seed), the other described
+    # world its GTR-like init is trained on, that init's in-batch training, and the overrides of every run
+    dynnibal_world: tuple[int, int]
+    dynnibal_other_world: tuple[int, int]
+    dynnibal_pretrain: tuple[str, ...]
+    dynnibal: tuple[str, ...]
     seeds: tuple[int, ...]
     hidden: tuple[int, ...]  # corrector sizes of the ablation
     toy_passages: Optional[int] = None  # None: the configs' world (3,000 passages in data/toy)
@@ -60,6 +68,11 @@ FULL = Budget(
     synthetic=(),
     large_batches=("--local", "4", "--micro", "4", "1", "2", "8", "--bank", "64", "16", "128"),
     large_batches_runs=("train.steps=600", "train.eval_every=0", "train.log_every=10", "data.max_eval_examples=300"),
+    dynnibal_world=(6000, 1),
+    dynnibal_other_world=(3000, 0),
+    dynnibal_pretrain=("train.steps=1000", "train.batch_size=32", "train.eval_every=0"),
+    dynnibal=("train.steps=1500", "train.eval_every=250", "strategy.warm_start_steps=500",
+              "strategy.full_refresh_step=1000"),
     seeds=(0, 1, 2),
     hidden=(64, 256, 1024),
 )
@@ -73,10 +86,21 @@ QUICK = Budget(
     synthetic=("--quick",),
     large_batches=("--local", "2", "--micro", "2", "--bank", "4"),
     large_batches_runs=("train.steps=6", "train.eval_every=0", "train.log_every=1", "data.max_eval_examples=16"),
+    dynnibal_world=(300, 1),
+    dynnibal_other_world=(300, 0),
+    dynnibal_pretrain=("train.steps=6", "train.eval_every=0"),
+    dynnibal=("train.steps=8", "train.eval_every=4", "strategy.refresh_every=2", "strategy.warm_start_steps=3",
+              "strategy.full_refresh_step=5", "strategy.landmarks=8", "strategy.nystrom_samples=32", "strategy.trees=2",
+              "data.max_eval_examples=16"),
     seeds=(0,),
     hidden=(64, 256),
     toy_passages=300,
 )
+
+
+def build_lm(cfg: LMPretrainConfig) -> None:
+    built = pretrain_toy_lm(cfg)
+    print(f"[reproduce] toy LM {'reused' if built['reused'] else 'trained'}: {built['folder']}", flush=True)
 
 
 # ---- runs --------------------------------------------------------------------------------------------------------
@@ -96,6 +120,33 @@ class Run:
 
     def execute(self, threads: Optional[int] = None) -> dict:
         return run_once(ROOT / "scripts" / self.script, self.config, self.out, self.overrides, threads=threads)
+
+
+def _names(override: str, folder: Path) -> bool:
+    """Whether a `key=value` override points at `folder` or inside it (a pretrained retriever, a shared warm start)."""
+    value = Path(override.split("=", 1)[-1])
+    return value == folder or folder in value.parents
+
+
+def run_all(runs: list[Run], threads: Optional[int], jobs: int = 1) -> list[bool]:
+    """Executes `runs` in order, up to `jobs` at a time; a run whose overrides point into another run's folder starts
+    once that run has finished. Returns, per run, whether it had finished before. After a failure nothing more is
+    launched; the runs in flight finish, then the failure is raised."""
+    before = [run.metrics() is not None for run in runs]
+    waits = {run.out: {other.out for other in runs if other is not run and any(_names(o, other.out)
+                                                                               for o in run.overrides)} for run in runs}
+    pending, finished = list(runs), set()
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        active: dict = {}
+        while pending or active:
+            for run in [run for run in pending if waits[run.out] <= finished][:jobs - len(active)]:
+                pending.remove(run)
+                active[pool.submit(run.execute, threads)] = run
+            completed, _ = wait(active, return_when=FIRST_COMPLETED)
+            for future in completed:
+                future.result()  # a failed run's CalledProcessError, after the runs in flight (the pool's exit)
+                finished.add(active.pop(future).out)
+    return before
 
 
 @dataclass
@@ -128,6 +179,45 @@ class Plan:
     def lm(self) -> LMPretrainConfig:
         """The T5 stand-in: span corruption on this world's own passages, no labels (cached beside the world)."""
         return load_config(LMPretrainConfig, LM_CONFIG, [*self.world, *self.budget.lm])
+
+    def described_world(self, passages_seed: tuple[int, int], name: str) -> list[str]:
+        passages, seed = passages_seed
+        return [f"data.toy_dir={self.runs / 'dynnibal' / name}", f"data.toy_passages={passages}",
+                f"data.toy_seed={seed}", "data.toy_retrieval=described"]
+
+    def dynnibal_lm(self, world: str = "world") -> LMPretrainConfig:
+        """The T5 / RoBERTa stand-in on a described world of the `dynnibal` section (cached beside it)."""
+        size = self.budget.dynnibal_world if world == "world" else self.budget.dynnibal_other_world
+        return load_config(LMPretrainConfig, LM_CONFIG, [*self.described_world(size, world), *self.budget.lm])
+
+    def dynnibal_pretrain(self) -> Run:
+        """The GTR stand-in of the `dynnibal` section: the other described world's LM, trained in-batch on its
+        questions (other people than the compared world's)."""
+        return Run("train_retriever.py", RETRIEVER_CONFIG, self.runs / "dynnibal" / "pretrain",
+                   ["train.tracker=null", *self.described_world(self.budget.dynnibal_other_world, "other-world"),
+                    f"retriever.model={self.dynnibal_lm('other-world').folder()}", "strategy.name=in_batch",
+                    *self.budget.dynnibal_pretrain])
+
+    def dynnibal_config(self):
+        """The scheduled Dynnibal row's strategy section (its sizes set SNM's targets; its warm start the control's
+        refresh interval)."""
+        overrides = ["strategy.name=dynnibal", *self.budget.dynnibal]
+        return load_config(RetrieverTrainConfig, RETRIEVER_CONFIG, overrides).strategy
+
+    def dynnibal_snm_targets(self) -> int:
+        cfg = self.dynnibal_config()
+        return dynnibal.equal_memory_targets(cfg.landmarks, cfg.nystrom_samples)
+
+    def dynnibal_run(self, init: str, row: str, seed: int) -> Run:
+        """One row of the `dynnibal` section (rag_train/reproduction/dynnibal.py) from `init` ("lm", "pretrained")."""
+        _, strategy, extra = dynnibal.ROWS[row]
+        extra = [o.format(warm_start_steps=self.dynnibal_config().warm_start_steps) for o in extra]
+        model = {"lm": self.dynnibal_lm().folder(), "pretrained": self.dynnibal_pretrain().out / "retriever"}[init]
+        budget = [o for o in (*self.budget.dynnibal, f"strategy.snm_targets={self.dynnibal_snm_targets()}")
+                  if reads(strategy, o.split("=", 1)[0])]
+        return Run("train_retriever.py", RETRIEVER_CONFIG, self.runs / "dynnibal" / init / f"{row}-seed{seed}",
+                   ["train.tracker=null", *self.described_world(self.budget.dynnibal_world, "world"),
+                    f"retriever.model={model}", *budget, f"strategy.name={strategy}", f"train.seed={seed}", *extra])
 
     def table1(self, init: str, strategy: str, seed: int, extra: tuple[str, ...] = ()) -> Run:
         model = {"random": [], "lm": [f"retriever.model={self.lm().folder()}"],
@@ -165,12 +255,16 @@ class Plan:
             return ([self.pretrain()] + [self.table1(i, s, seed) for i in INITS for s in CURVES for seed in self.seeds]
                     + [self.table3(TABLE3[0], self.seeds[0])]
                     + [self.table3(s, seed) for seed in self.seeds for s in RLM_CURVES])
+        if name == "dynnibal":
+            return [self.dynnibal_pretrain()] + [self.dynnibal_run(i, r, seed) for i in dynnibal.INITS
+                                                 for r in dynnibal.ROWS for seed in self.seeds]
         if name in ("synthetic", "large_batches"):  # scripts of their own, run by execute
             return []
         raise ValueError(f"unknown section {name!r}; expected one of {SECTIONS}")
 
-    def execute(self, sections: list[str], threads: Optional[int]) -> Tally:
-        """Runs the sections in order, each run once even where sections share it (the curves reuse Table 1 and 3)."""
+    def execute(self, sections: list[str], threads: Optional[int], jobs: int = 1) -> Tally:
+        """Runs the sections in order, each run once even where sections share it (the curves reuse Table 1 and 3),
+        up to `jobs` runs of a section at a time."""
         tally = Tally()
         done: set[Path] = set()
         for section in sections:
@@ -178,18 +272,17 @@ class Plan:
             if section == "synthetic":
                 self.run_synthetic()
             if section in ("table1", "curves", "large_batches"):
-                built = pretrain_toy_lm(self.lm())
-                print(f"[reproduce] toy LM {'reused' if built['reused'] else 'trained'}: {built['folder']}", flush=True)
+                build_lm(self.lm())
+            if section == "dynnibal":
+                build_lm(self.dynnibal_lm("world"))
+                build_lm(self.dynnibal_lm("other-world"))
             if section == "large_batches":
                 compare_batching_main(self.large_batches_args())
-            for run in self.section(section):
-                if run.out in done:
-                    continue
-                done.add(run.out)
-                finished = run.metrics() is not None
-                run.execute(threads)
-                tally.reused += finished
-                tally.launched += not finished
+            runs = [run for run in self.section(section) if run.out not in done]
+            done.update(run.out for run in runs)
+            for finished_before in run_all(runs, threads, jobs):
+                tally.reused += finished_before
+                tally.launched += not finished_before
             tally.seconds[section] = round(time.time() - section_started, 1)
             print(f"[reproduce] {section}: {tally.seconds[section]:.0f} s", flush=True)
         return tally
@@ -230,6 +323,10 @@ class Plan:
             "table3": {s: found([self.table3(s, seed) for seed in self.seeds]) for s in TABLE3},
             "ablation": {h: found([self.ablation(h, seed) for seed in self.seeds]) for h in self.hidden},
             "synthetic": read_json(synthetic) if synthetic.is_file() else None,
+            "dynnibal": {"runs": {i: {r: found([self.dynnibal_run(i, r, seed) for seed in self.seeds])
+                                      for r in dynnibal.ROWS} for i in dynnibal.INITS},
+                         "passages": self.budget.dynnibal_world[0], "snm_targets": self.dynnibal_snm_targets(),
+                         "world": "described, {} passages, toy_seed {}".format(*self.budget.dynnibal_world)},
         }
 
     def invocations(self) -> list[dict]:

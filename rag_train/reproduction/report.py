@@ -4,13 +4,9 @@ so that a rerun rewrites every claim from its own runs."""
 from __future__ import annotations
 
 import os
-import platform
 import statistics
-import subprocess
 from pathlib import Path
 from typing import Optional
-
-import torch
 
 from rag_train.experiments import cell, curve_table, gap_closed, gap_means, mean_std, recall, retrieval_curve
 from rag_train.io import atomic_write_text, remove_temporaries_of
@@ -18,6 +14,7 @@ from rag_train.reproduction.analysis import (percent, rlm_analysis, rlm_curves_a
                                              table1_curves_analysis)
 from rag_train.reproduction.metrics import DATASET_LABELS, DATASETS, em_curve, hotpotqa_gold_recall, mean_em, mean_of
 from rag_train.reproduction.paper import PAPER_TABLE1, PAPER_TABLE2_STEPS_PER_SECOND, PAPER_TABLE3
+from rag_train.reproduction.dynnibal import dynnibal_section
 from rag_train.reproduction.large_batches import large_batches_section
 from rag_train.reproduction.plan import CURVES, INIT_LABELS, INITS, RLM_CURVES, TABLE1, TABLE3
 from rag_train.reproduction.plots import plot_ablation, plot_curves, plot_table1, plot_table3
@@ -295,12 +292,12 @@ def _paragraph(text: str) -> list[str]:
 def invocation_table(invocations: list[dict]) -> list[str]:
     if not invocations:
         return []
-    lines = ["| command | started | wall min | per section, min | runs launched / reused | torch threads per run | "
+    lines = ["| command | started | wall min | per section, min | runs launched / reused | threads per run x runs at once | "
              "load avg before / after |", "|" + "---|" * 7]
     for i in invocations:
         sections = ", ".join(f"{k} {v / 60:.1f}" for k, v in i["sections"].items())
         lines.append(f"| `{i['command']}` | {i['date']} | {i['wall_seconds'] / 60:.1f} | {sections} | "
-                     f"{i['launched']} / {i['reused']} | {i.get('threads', '-')} | {i['load'][0]} / {i['load'][1]} |")
+                     f"{i['launched']} / {i['reused']} | {i.get('threads', '-')} x {i.get('jobs', 1)} | {i['load'][0]} / {i['load'][1]} |")
     notes = [f"- `{i['command']}`: {i['note']}" for i in invocations if i.get("note")]  # added by hand, e.g. recovery
     return lines + [""] + (notes + [""] if notes else [])
 
@@ -435,16 +432,7 @@ def write_report(results: dict, meta: dict, out: Path) -> Path:
     else:
         lines += ["_(not run: `--only synthetic`)_", ""]
     path = out / "reproduction.md"
-    atomic_write_text(path, "\n".join(lines + large_batches_section(out)).rstrip() + "\n")  # StorageError on a full disk
+    lines += large_batches_section(out) + dynnibal_section(results.get("dynnibal"))
+    atomic_write_text(path, "\n".join(lines).rstrip() + "\n")  # StorageError on a full disk
     return path
-
-
-def describe_machine() -> str:
-    """CPU model, cores and torch version: steps/s in the report mean little without them."""
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        model = next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-    except (OSError, subprocess.CalledProcessError, StopIteration):
-        model = platform.processor() or "unknown CPU"
-    return f"{model}, {os.cpu_count()} cores, torch {torch.__version__}"
 

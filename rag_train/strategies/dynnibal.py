@@ -21,6 +21,8 @@ targets are re-encoded with the current encoder (counted in `embedded`), a ridge
 representations to the new vectors is applied to every cached target, and each tree is maintained (Alg. 3: the
 subtrees whose covering or sibling separation fails on the moved points are rebuilt, re-attached in place). At
 step `full_refresh_step` every target is encoded again instead, the Nyström map re-fitted and the forest rebuilt.
+With `refresh_every` 0, no warm start and no full refresh, nothing is ever re-encoded: the trees stay over the stale
+buffer (seed 000's "Dynnibal +0").
 
 Every process holds the same cache and forest and draws from the shared generator, so every process proposes the
 same subset (N processes = 1 process). metrics.json's `strategy_summary` holds the device memory it would need
@@ -49,7 +51,7 @@ from rag_train.strategies.base import (BaseStrategyConfig, Strategy, StrategyCon
 class DynnibalConfig(BaseStrategyConfig):
     """Defaults are the paper's NQ run where it gives a value (docs/dynnibal.md lists them)."""
 
-    refresh_every: int = 500  # w: Nyström re-encoding and tree maintenance every w steps
+    refresh_every: int = 500  # w: Nyström re-encoding and tree maintenance every w steps (0: never, Dynnibal "+0")
     landmarks: int = 128  # d': fixed landmark targets (the low dimension), at most the corpus
     nystrom_samples: int = 8192  # s': targets re-encoded every w steps to fit the regression, at most the corpus
     nystrom_ridge: float = 1.0e-3  # ridge of the regression, relative to the mean eigenvalue of T^T T
@@ -69,10 +71,9 @@ class DynnibalConfig(BaseStrategyConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for key in ("refresh_every", "landmarks", "nystrom_samples", "trees", "tree_children", "tree_leaf",
-                    "max_clusters", "mh_chains"):
+        for key in ("landmarks", "nystrom_samples", "trees", "tree_children", "tree_leaf", "max_clusters", "mh_chains"):
             check_positive("strategy", key, getattr(self, key))
-        for key in ("nystrom_ridge", "mh_steps", "top_clusters", "sampling_temperature", "warm_start_steps",
+        for key in ("refresh_every", "nystrom_ridge", "mh_steps", "top_clusters", "sampling_temperature", "warm_start_steps",
                     "full_refresh_step", "allowed_error"):
             check_positive("strategy", key, getattr(self, key), allow_zero=True)
         if not self.tree_base > 1:
@@ -193,7 +194,7 @@ class Dynnibal(Strategy):
         super().after_step(step)
         if step in (self.cfg.warm_start_steps, self.cfg.full_refresh_step):
             self.encode_all()
-        elif self.low is not None and step % self.cfg.refresh_every == 0:
+        elif self.low is not None and self.cfg.refresh_every and step % self.cfg.refresh_every == 0:
             self.refresh()
 
     def encode_all(self) -> None:
