@@ -99,6 +99,11 @@ def gap_closed(low: float, mid: float, high: float) -> Optional[float]:
     return (mid - low) / (high - low) if high - low > 1e-9 else None
 
 
+def gap_share(closed: Optional[float]) -> str:
+    """A share of a gap as printed in the comparisons' gap lines (`n/a` where there was no gap)."""
+    return "n/a" if closed is None else f"{100 * closed:.0f}%"
+
+
 GAP = ("stale", "corrector", "exhaustive")  # the gap the corrector closes: its low end, the corrector, its high end
 
 
@@ -113,7 +118,6 @@ def gap_report(rows: dict[str, list[dict]], tail: int = 4) -> Optional[str]:
     questions moves by a few points); None unless all three strategies ran."""
     if gap_means(rows) is None:
         return None
-    share = lambda x: "n/a" if x is None else f"{100 * x:.0f}%"  # noqa: E731
     lines = []
     for label, value in (("at the last step", lambda m: recall(m, "1")),
                          (f"over the last {tail} evaluations", lambda m: statistics.mean(
@@ -122,8 +126,8 @@ def gap_report(rows: dict[str, list[dict]], tail: int = 4) -> Optional[str]:
         per_seed = [gap_closed(*map(value, runs)) for runs in zip(*(rows[s] for s in GAP))]
         lines.append(f"R@1 {label}: stale {100 * means['stale']:.1f}, corrector {100 * means['corrector']:.1f}, "
                      f"exhaustive {100 * means['exhaustive']:.1f}; the corrector closes "
-                     f"{share(gap_closed(means['stale'], means['corrector'], means['exhaustive']))} of the gap of the "
-                     f"means (per seed: {', '.join(share(x) for x in per_seed)})")
+                     f"{gap_share(gap_closed(means['stale'], means['corrector'], means['exhaustive']))} of the gap of the "
+                     f"means (per seed: {', '.join(gap_share(x) for x in per_seed)})")
     return "\n".join(lines)
 
 

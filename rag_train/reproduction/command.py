@@ -124,4 +124,3 @@ def describe_machine() -> str:
     except (OSError, subprocess.CalledProcessError, StopIteration):
         model = platform.processor() or "unknown CPU"
     return f"{model}, {os.cpu_count()} cores, torch {torch.__version__}"
-

@@ -15,7 +15,7 @@ from __future__ import annotations
 import statistics
 from typing import Optional
 
-from rag_train.experiments import cell, curve_table, gap_closed, recall, retrieval_curve
+from rag_train.experiments import cell, curve_table, gap_closed, gap_share, recall, retrieval_curve
 
 INITS = {"lm": "LM-pretrained init (paper: RoBERTa-base; seed 000: T5-base)",
          "pretrained": "retrieval-pretrained init (GTR-like: trained in-batch on another described world)"}
@@ -72,14 +72,13 @@ def gap_lines(rows: dict[str, list[dict]], passages: int, snm_targets: int) -> l
     low, high, dyn = _r1(rows.get("uniform", [])), _r1(rows.get("exhaustive", [])), _r1(rows.get("dynnibal", []))
     if low is None or high is None or dyn is None:
         return []
-    share = lambda x: "n/a" if x is None else f"{100 * x:.0f}%"  # noqa: E731
     parts = []
     for row in ("dynnibal", "dynnibal-plus0", "snm"):
         if rows.get(row):
             per_seed = [gap_closed(recall(u), recall(r), recall(e))
                         for u, r, e in zip(rows["uniform"], rows[row], rows["exhaustive"])]
-            parts.append(f"{ROWS[row][0]} {share(gap_closed(low, _r1(rows[row]), high))} (per seed: "
-                         f"{', '.join(share(x) for x in per_seed)})")
+            parts.append(f"{ROWS[row][0]} {gap_share(gap_closed(low, _r1(rows[row]), high))} (per seed: "
+                         f"{', '.join(gap_share(x) for x in per_seed)})")
     lines = [f"R@1 of the means: uniform {100 * low:.1f}, exhaustive {100 * high:.1f} (a gap of "
              f"{100 * (high - low):.1f} points). Share of it closed: " + "; ".join(parts) + "."]
     closed = gap_closed(low, dyn, high)
@@ -89,7 +88,7 @@ def gap_lines(rows: dict[str, list[dict]], passages: int, snm_targets: int) -> l
     verdict = ("undecided (exhaustive is not above uniform: no gap)" if closed is None
                else "reproduced" if closed > 0.5 and above_snm else "not reproduced")
     lines.append(f"Seed 001's claim (Dynnibal closes more than half of the gap at a small memory share and beats SNM "
-                 f"at equal memory): **{verdict}** here: Dynnibal closes {share(closed)} at {memory:.1f}% device "
+                 f"at equal memory): **{verdict}** here: Dynnibal closes {gap_share(closed)} at {memory:.1f}% device "
                  "memory" + ("" if snm is None else f"; R@1 {cell([recall(m) for m in rows['dynnibal']])} against "
                                                      f"SNM's {cell([recall(m) for m in rows['snm']])}") + ".")
     return lines

@@ -3,6 +3,7 @@ runs (a finished run is reused, an interrupted one resumed) and the log of invoc
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import sys
 import time
@@ -198,20 +199,21 @@ class Plan:
                     f"retriever.model={self.dynnibal_lm('other-world').folder()}", "strategy.name=in_batch",
                     *self.budget.dynnibal_pretrain])
 
+    @functools.cached_property
     def dynnibal_config(self):
         """The scheduled Dynnibal row's strategy section (its sizes set SNM's targets; its warm start the control's
-        refresh interval)."""
+        refresh interval), loaded once."""
         overrides = ["strategy.name=dynnibal", *self.budget.dynnibal]
         return load_config(RetrieverTrainConfig, RETRIEVER_CONFIG, overrides).strategy
 
     def dynnibal_snm_targets(self) -> int:
-        cfg = self.dynnibal_config()
+        cfg = self.dynnibal_config
         return dynnibal.equal_memory_targets(cfg.landmarks, cfg.nystrom_samples)
 
     def dynnibal_run(self, init: str, row: str, seed: int) -> Run:
         """One row of the `dynnibal` section (rag_train/reproduction/dynnibal.py) from `init` ("lm", "pretrained")."""
         _, strategy, extra = dynnibal.ROWS[row]
-        extra = [o.format(warm_start_steps=self.dynnibal_config().warm_start_steps) for o in extra]
+        extra = [o.format(warm_start_steps=self.dynnibal_config.warm_start_steps) for o in extra]
         model = {"lm": self.dynnibal_lm().folder(), "pretrained": self.dynnibal_pretrain().out / "retriever"}[init]
         budget = [o for o in (*self.budget.dynnibal, f"strategy.snm_targets={self.dynnibal_snm_targets()}")
                   if reads(strategy, o.split("=", 1)[0])]
