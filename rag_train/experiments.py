@@ -141,11 +141,42 @@ def batching_table(results: dict[str, list[dict]]) -> str:
              "|---|" + "---|" * (len(ks) + 4)]
     for label, runs in results.items():
         recalls = " | ".join(cell([r["recall"][k] for r in runs]) for k in ks)
-        speed = statistics.mean(r["steps_per_second"] for r in runs)
+        probed = any(key.startswith("probe/") for r in runs for key in r.get("by_step", {}))
+        speed = "- (probed)" if probed else f"{statistics.mean(r['steps_per_second'] for r in runs):.2f}"
         memory = max(r["peak_memory_mib"] for r in runs)
         ratio = cell([r.get("grad_ratio_passage_query") for r in runs], scale=1.0, digits=2)
-        lines.append(f"| {label} | {recalls} | {cell([r['mrr@10'] for r in runs])} | {speed:.2f} | {memory:.0f} | "
+        lines.append(f"| {label} | {recalls} | {cell([r['mrr@10'] for r in runs])} | {speed} | {memory:.0f} | "
                      f"{ratio} |")
+    return "\n".join(lines)
+
+
+PROBED_LOSSES = {"banks": "as trained (with the banks)", "no_bank_rows": "without the banked query rows M_q",
+                 "no_banks": "banks hidden (GradAccum's loss)"}
+PROBED_VALUES = {"grad_norm_passage": "‖∇g‖", "grad_norm_query": "‖∇f‖",
+                 "grad_ratio_passage_query": "‖∇g‖/‖∇f‖ (median)",
+                 "dloss_dpassage": "‖∂L/∂V‖", "dloss_dquery": "‖∂L/∂Q‖", "passage_norm": "mean ‖v‖",
+                 "query_norm": "mean ‖q‖", "fresh_minus_banked_score": "fresh − banked score"}
+
+
+def probe_table(results: dict[str, list[dict]], skip: int = 50) -> str:
+    """ContAccum's `batching.probe_gradients` runs of `results` (others are left out): per setup and per loss
+    computed at the run's own weights each step, the mean over the steps after the first `skip` of each value
+    (the median for the ratio; then mean ± sd over seeds): both towers' gradient norms and their ratio (seed
+    002's Figure 5), the loss's gradient with respect to the fresh passage and query vectors, the vectors' norms
+    and the fresh-minus-banked score."""
+    def average(key: str):  # a step whose query gradient nearly vanishes gives a ratio of 1,000: medians
+        return statistics.median if key.startswith("grad_ratio") else statistics.mean
+
+    lines = ["| setup | loss at the step's weights | " + " | ".join(PROBED_VALUES.values()) + " |",
+             "|---|---|" + "---|" * len(PROBED_VALUES)]
+    for label, runs in results.items():
+        for variant, name in PROBED_LOSSES.items():
+            series = [{key: r.get("by_step", {}).get(f"probe/{variant}/{key}") for key in PROBED_VALUES} for r in runs]
+            if not all(s["grad_norm_query"] for s in series):
+                continue
+            cells = [cell([average(key)(s[key][skip:]) if s[key] and len(s[key]) > skip else None
+                           for s in series], scale=1.0, digits=3) for key in PROBED_VALUES]
+            lines.append(f"| {label} | {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -234,6 +265,9 @@ def batching_setups(local: int, micros: list[int], banks: list[int]) -> dict[str
         f"ContAccum {n}x{k}, passage-only bank M={m} (w/o M_q)": cont(k, m, "batching.bank_queries=false"),
         f"ContAccum {n}x{k}, M={m}, banks emptied each step (w/o past encoders)":
             cont(k, m, "batching.bank_past_encoders=false"),
+        # both ablations: a passage-only bank holding only vectors of the step's own weights (no stale columns)
+        f"ContAccum {n}x{k}, passage-only bank M={m}, banks emptied each step (w/o M_q, w/o past encoders)":
+            cont(k, m, "batching.bank_queries=false", "batching.bank_past_encoders=false"),
         f"in-batch {n * k} (a card that fits it)": [f"train.batch_size={n * k}"],
     }
     for m in banks[1:]:
@@ -316,14 +350,25 @@ def compare_batching_main(argv: Optional[list[str]] = None) -> None:
                         help="ContAccum bank sizes M; the first is Table 1's, the others sweep")
     parser.add_argument("--sweep-out", default=None, help="markdown file for the K x M grid (with several K or M)")
     parser.add_argument("--figure", default=None, help="PNG of the gradient-norm ratio per step")
+    parser.add_argument("--probe-out", default=None,
+                        help="markdown file: Table 1's ContAccum runs with and without M_q (and without M_q and past "
+                             "encoders) run with batching.probe_gradients=true (4x their step's work, same training) "
+                             "and their probe table: each tower's gradient with the banks, without M_q's rows and "
+                             "without banks")
     args = parser.parse_args(argv)
     if min(args.micro) < 1 or min(args.bank) < 1 or args.local < 1:
         parser.error("--local, --micro and --bank take positive integers")
 
     setups = batching_setups(args.local, args.micro, args.bank)
+    n, k = args.local, args.micro[0]  # Table 1's K and M
+    m = args.bank[0]  # Table 1's ContAccum and its two passage-only banks (stale, and of the step's own weights)
+    probed = [f"ContAccum {n}x{k}, M={m}", f"ContAccum {n}x{k}, passage-only bank M={m} (w/o M_q)",
+              f"ContAccum {n}x{k}, passage-only bank M={m}, banks emptied each step (w/o M_q, w/o past encoders)"]
     started, results = time.time(), {}
     for label, extra in setups.items():
         slug = "".join(c for c in label.replace(" ", "_") if c.isalnum() or c in "_-")
+        if args.probe_out and label in probed:  # its own folder: a run without the probe is not reused for it
+            extra, slug = [*extra, "batching.probe_gradients=true"], f"{slug}-probed"
         results[label] = [run_once(ROOT / "scripts" / "train_retriever.py", args.config,
                                    Path(args.runs) / f"{slug}-seed{seed}",
                                    [*args.overrides, *extra, f"train.seed={seed}"], threads=1)
@@ -333,9 +378,12 @@ def compare_batching_main(argv: Optional[list[str]] = None) -> None:
         print()
         _publish(batching_sweep_table(results, args.local, args.micro, args.bank), "the K x M grid", started,
                  args.sweep_out)
+    if args.probe_out:
+        print()
+        _publish(probe_table({label: results[label] for label in probed}), "the probe table", started, args.probe_out)
     if args.figure:
         Path(args.figure).parent.mkdir(parents=True, exist_ok=True)
-        n, k = args.local, args.micro[0]  # Table 1's K: every option at N_total, each bank with and without M_q
+        # Table 1's K: every option at N_total, each bank with and without M_q
         plotted = [label for label in setups if f"{n}x{k}" in label and "emptied" not in label]
         grad_ratio_figure(results, plotted, Path(args.figure))
         print(f"figure: {args.figure}", file=sys.stderr)

@@ -2,7 +2,9 @@
 global batch N_total = N_local x K and the same number of steps, ContAccum's ablations (passage-only bank, no past
 encoders) and in-batch at N_total (what a card that fits it would run), over several seeds; recall@k, steps/s, peak
 memory and the towers' gradient-norm ratio in a markdown table. Several --micro / --bank values add seed 002's
-Figure 3 sweep (a K x M grid), --figure its Figure 5 (the ratio per optimizer step).
+Figure 3 sweep (a K x M grid), --figure its Figure 5 (the ratio per optimizer step), --probe-out the check of
+Figure 5's cause (ContAccum's towers' gradients at each step's weights with the banks, without M_q's rows and
+without banks: batching.probe_gradients).
 
     python scripts/compare_batching.py --local 4 --micro 4 --bank 64 --seeds 0 1 2 \
         --out docs/large_batches_table.md [key=value ...]

@@ -334,6 +334,62 @@ def test_tower_grad_norms_is_each_towers_whole_gradient(world):
     assert tower_grad_norms(tiny_model(toy_dir, shared=True)) == {}
 
 
+def test_probe_gradients_measures_both_losses_at_the_steps_weights(world):
+    """ContAccum's `probe_gradients` on a second step (banks filled by the first; dropout on and uniform negatives
+    drawn from the strategy's generator, so both random states must be restored): its `banks` tower norms are the
+    step's own gradient's, its `no_bank_rows` ones a passage-only bank's (same banks), its `no_banks` ones
+    GradAccum's over the same micro-batches at the same weights; its ||dL/dQ|| without banks and its fresh-minus-
+    banked score are hand computations; the step's gradients are bitwise the unprobed option's."""
+    toy_dir, corpus, examples = world
+    first, second = micro_batches(corpus, examples[:4], 2), micro_batches(corpus, examples[4:], 2)
+
+    def two_steps(name: str, uniform: int = 2, dropout: float = 0.1, **keys):
+        model = tiny_model(toy_dir)
+        for module in model.modules():
+            if isinstance(module, nn.Dropout):
+                module.p = dropout
+        torch.manual_seed(0)
+        option = OPTIONS[name](BatchingConfig(name=name, micro_batches=2, **keys), step_parts(model, corpus, uniform))
+        option.step(first)
+        model.zero_grad(set_to_none=True)
+        out = option.step(second)
+        return out.logged, tower_grad_norms(model), gradients(model)
+
+    logged, norms, probed_grads = two_steps("cont_accum", bank_size=4, probe_gradients=True)
+    _, _, plain_grads = two_steps("cont_accum", bank_size=4)
+    _, accum_norms, _ = two_steps("grad_accum")
+    _, passage_only_norms, _ = two_steps("cont_accum", bank_size=4, bank_queries=False)
+    for key in ("grad_norm_query", "grad_norm_passage", "grad_ratio_passage_query"):
+        assert logged[f"probe/banks/{key}"] == pytest.approx(norms[key], rel=1e-12)
+        assert logged[f"probe/no_bank_rows/{key}"] == pytest.approx(passage_only_norms[key], rel=1e-12)
+        assert logged[f"probe/no_banks/{key}"] == pytest.approx(accum_norms[key], rel=1e-12)
+    assert abs(norms["grad_norm_passage"] / accum_norms["grad_norm_passage"] - 1) > 1e-3  # the banks change it
+    for key in probed_grads:
+        assert torch.equal(probed_grads[key], plain_grads[key]), key
+
+    model, hand, margins = tiny_model(toy_dir), [], []
+    positives = torch.cat([batch.positives for batch in first + second])
+    for k, batch in enumerate(second):  # the in-batch subset without uniform negatives: the positives in row order
+        queries = model.encode_queries(batch.questions)
+        queries.retain_grad()
+        order = torch.argsort(batch.positives)
+        passages = model.encode_passages(corpus.passages(batch.positives[order].tolist()))
+        labels = torch.argsort(order)
+        loss = torch.nn.functional.cross_entropy(queries @ passages.T / TEMPERATURE, labels)
+        loss.backward()
+        hand.append(float(queries.grad.norm()))
+        with torch.no_grad():  # the 4 banked positives micro-batch k finds: the 4 enqueued before it
+            banked = model.encode_passages(corpus.passages(positives[2 * k : 2 * k + 4].tolist()))
+            fresh = queries @ passages.T
+            others = fresh.sum() - fresh[torch.arange(len(labels)), labels].sum()
+            margins.append(float(others / (fresh.numel() - len(labels)) - (queries @ banked.T).mean()))
+    logged, _, _ = two_steps("cont_accum", uniform=0, dropout=0.0, bank_size=4, probe_gradients=True)
+    assert logged["probe/no_banks/dloss_dquery"] == pytest.approx(sum(hand) / len(hand), rel=1e-9)
+    for variant in ("banks", "no_bank_rows"):
+        assert logged[f"probe/{variant}/fresh_minus_banked_score"] == pytest.approx(sum(margins) / 2, rel=1e-9)
+    assert "probe/no_banks/fresh_minus_banked_score" not in logged
+
+
 def test_bank_capacity_and_wrap():
     """Hand-checked FIFO: capacity 3, enqueue 2 then 2 then 5 (more than it holds: the newest 3 stay)."""
     banks = Banks(3, 1, torch.device("cpu"), hard_negatives=False)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from rag_train.config import load_config
-from rag_train.experiments import batching_setups, batching_sweep_table
+from rag_train.experiments import PROBED_VALUES, batching_setups, batching_sweep_table, probe_table
 from rag_train.train.schema import RetrieverTrainConfig, RLMConfig
 from rag_train.reproduction.plan import FULL, QUICK, RETRIEVER_CONFIG, TABLE3, Plan, Run, run_all
 from rag_train.reproduction.analysis import ANALYSIS
@@ -215,10 +215,29 @@ def test_batching_sweep_is_seed_002s_grid():
     assert lines[4].startswith(f"| 4 | 16 | {cell('in-batch 16 (a card that fits it)')} | {cell('GradAccum 4x4')} |")
 
 
+def test_probe_table_averages_the_steps_after_the_first_then_the_seeds():
+    """Per setup and probed loss, each value's mean over the steps after `skip`, then mean ± sd over seeds (by
+    hand); a loss a run did not probe (a passage-only bank has no M_q rows to drop) and an unprobed run get no row."""
+    def run(offset: float, variants: tuple[str, ...]) -> dict:
+        steps = {f"probe/{v}/{key}": [100.0, offset + i, offset + 2 * i] for i, v in enumerate(variants, 1)
+                 for key in PROBED_VALUES}
+        return {"by_step": {"grad_norm_query": [1.0, 1.0, 1.0], **steps}}
+
+    both = ("banks", "no_bank_rows", "no_banks")
+    results = {"dual": [run(0.0, both), run(2.0, both)], "passage-only": [run(0.0, ("banks", "no_banks"))] * 2,
+               "plain": [{"by_step": {"grad_norm_query": [1.0]}}] * 2}
+    lines = probe_table(results, skip=1).splitlines()
+    # dual, no_bank_rows (i = 2): steps 2-3 are (2, 4) and (4, 6): means 3 and 5, over seeds 4.000 ± 1.414
+    assert lines[3] == "| dual | without the banked query rows M_q | " + " | ".join(["4.000 ± 1.414"] * 8) + " |"
+    assert lines[5] == "| passage-only | as trained (with the banks) | " + " | ".join(["1.500 ± 0.000"] * 8) + " |"
+    assert len(lines) == 2 + 3 + 2 and not any("plain" in line for line in lines)
+
+
 def test_quick_large_batches_section_runs_seed_002s_table(tmp_path):
     """`reproduce.py --quick --only large_batches` end to end: the runs, the table in reproduction.md and the
     per-step gradient-ratio curve. GradCache N x K computes the full-batch gradient, so its run equals in-batch at
-    N_total (same seed, same batches) to every metric; the tower ratio is logged at every step."""
+    N_total (same seed, same batches) to every metric; the tower ratio is logged at every step, and the probed
+    ContAccum run's probe with the banks is the run's own gradient at every step."""
     runs = tmp_path / "runs"
     subprocess.run([sys.executable, str(ROOT / "scripts" / "reproduce.py"), "--quick", "--only", "large_batches",
                     "--runs", str(runs)], check=True, capture_output=True)
@@ -226,12 +245,17 @@ def test_quick_large_batches_section_runs_seed_002s_table(tmp_path):
     cache, full = (json.loads((folder / f"{name}-seed0" / "metrics.json").read_text())
                    for name in ("GradCache_2x2", "in-batch_4_a_card_that_fits_it"))
     assert cache["recall"] == full["recall"] and cache["mrr@10"] == full["mrr@10"]
-    contaccum = json.loads((folder / "ContAccum_2x2_M4-seed0" / "metrics.json").read_text())
+    contaccum = json.loads((folder / "ContAccum_2x2_M4-probed-seed0" / "metrics.json").read_text())
     assert len(contaccum["grad_ratio_by_step"]) == contaccum["steps"] == 6
     assert statistics.mean(contaccum["grad_ratio_by_step"]) == pytest.approx(contaccum["grad_ratio_passage_query"])
+    by_step = contaccum["by_step"]  # the probe with the banks, in the recipe's loop: each step's own gradient
+    for key in ("grad_norm_query", "grad_norm_passage"):
+        assert by_step[f"probe/banks/{key}"] == by_step[key] and len(by_step[f"probe/no_banks/{key}"]) == 6
     report = (runs / "report" / "reproduction.md").read_text()
     table = (runs / "report" / "large_batches_raw_lm_table.md").read_text().strip()
     assert table in report and "| GradCache 2x2 |" in table
+    probe = (runs / "report" / "large_batches_raw_lm_probe.md").read_text().strip()
+    assert probe in report and "| ContAccum 2x2, M=4 | without the banked query rows M_q |" in probe
     assert (runs / "report" / "figures" / "large_batches" / "grad_ratio_raw_lm.png").stat().st_size > 0
 
 

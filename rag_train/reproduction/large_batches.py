@@ -7,10 +7,10 @@ import os
 from pathlib import Path
 
 
-def large_batches_outputs(out: Path) -> tuple[Path, Path, Path]:
-    """Table 1, the K x M sweep and the gradient-ratio figure under the report folder `out`."""
+def large_batches_outputs(out: Path) -> tuple[Path, Path, Path, Path]:
+    """Table 1, the K x M sweep, the gradient-ratio figure and the probe table under the report folder `out`."""
     return (out / "large_batches_raw_lm_table.md", out / "large_batches_raw_lm_sweep.md",
-            out / "figures" / "large_batches" / "grad_ratio_raw_lm.png")
+            out / "figures" / "large_batches" / "grad_ratio_raw_lm.png", out / "large_batches_raw_lm_probe.md")
 
 
 def large_batches_section(out: Path) -> list[str]:
@@ -18,7 +18,7 @@ def large_batches_section(out: Path) -> list[str]:
     lines = ["## Seed 002 in its own regime: ContAccum, GradCache, GradAccum", "",
              "Raw dot products at temperature 1 and in-batch negatives, from the LM-pretrained init (the paper's "
              "BERT); the discussion and the other regimes: [large_batches.md](large_batches.md).", ""]
-    table, sweep, figure = large_batches_outputs(out)
+    table, sweep, figure, probe = large_batches_outputs(out)
     if not table.is_file():
         return lines + ["_(not run: `--only large_batches`)_", ""]
     lines += [table.read_text().strip(), ""]
@@ -26,4 +26,7 @@ def large_batches_section(out: Path) -> list[str]:
         lines += ["Figure 3's sweep: R@1 mean ± sd (R@20 mean) by K and bank size M:", "", sweep.read_text().strip(), ""]
     if figure.is_file():
         lines += [f"![gradient-norm ratio per step]({os.path.relpath(figure, out)})", ""]
+    if probe.is_file():
+        lines += ["Figure 5's cause: Table 1's ContAccum runs probed at each step's weights (`batching.probe_gradients`), "
+                  "each value the mean over steps 51 onwards, mean ± sd over seeds:", "", probe.read_text().strip(), ""]
     return lines

@@ -290,11 +290,12 @@ class Plan:
         return tally
 
     def large_batches_args(self) -> list[str]:
-        """scripts/compare_batching.py's arguments: seed 002's Table 1, Figure 3 sweep and Figure 5 with its scoring
-        (raw dot products, temperature 1, in-batch negatives only) from the LM-pretrained init (its BERT)."""
-        table, sweep, figure = large_batches_outputs(self.out)
+        """scripts/compare_batching.py's arguments: seed 002's Table 1, Figure 3 sweep and Figure 5 (with the probe
+        of its cause) with its scoring (raw dot products, temperature 1, in-batch negatives only) from the
+        LM-pretrained init (its BERT)."""
+        table, sweep, figure, probe = large_batches_outputs(self.out)
         return [*self.budget.large_batches, "--seeds", *map(str, self.seeds), "--runs", str(self.runs / "large_batches"),
-                "--out", str(table), "--sweep-out", str(sweep), "--figure", str(figure),
+                "--out", str(table), "--sweep-out", str(sweep), "--figure", str(figure), "--probe-out", str(probe),
                 *self.common, f"retriever.model={self.lm().folder()}", "strategy.name=in_batch",
                 "strategy.uniform_negatives=0", "retriever.normalize=false", "train.temperature=1.0",
                 *self.budget.large_batches_runs]

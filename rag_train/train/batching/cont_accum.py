@@ -20,6 +20,7 @@ softmax, so a strategy with a loss of its own (the negative cache's surrogate) i
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +29,7 @@ from rag_train.config import ConfigError, check_positive
 from rag_train.losses import retrieval_scores, truncated_softmax_ce
 from rag_train.strategies.base import Strategy, Subset, gather_queries
 from rag_train.train.batching.base import (BatchingOption, MicroBatch, MicroBatchesConfig, StepParts, StepResult,
-                                           my_passages, propose, synced_on_last)
+                                           my_passages, propose, synced_on_last, tower_grad_norms)
 from rag_train.train.passages import gather_with_grad
 
 
@@ -99,6 +100,18 @@ def hardest_negatives(queries: torch.Tensor, vectors: torch.Tensor, rows: torch.
     return vectors[best] * found.unsqueeze(1).to(vectors.dtype), h_rows
 
 
+def fresh_minus_banked_score(out: dict, banked: torch.Tensor) -> float:
+    """A fresh query's mean score with the micro-batch's fresh passages that are not its positive, minus its mean
+    score with the banked positives M_p, averaged over the fresh queries: above 0 and growing, the loss is being
+    lowered by telling the current encoder's passages from the banked ones rather than by relevance (nan without
+    a fresh negative)."""
+    queries, vectors = out["queries"].to(banked.dtype), out["vectors"].to(banked.dtype)  # the weights' dtype
+    fresh = queries @ vectors.T
+    negative = torch.ones_like(fresh, dtype=torch.bool)
+    negative[torch.arange(len(queries)), out["subset"].positive_index.to(fresh.device)] = False
+    return float(fresh[negative].mean() - (queries @ banked.T).mean())
+
+
 @dataclass
 class ContAccumConfig(MicroBatchesConfig):
     """ContAccum's keys: the banks' capacity and what they hold."""
@@ -117,6 +130,12 @@ class ContAccumConfig(MicroBatchesConfig):
     # false: the banks are emptied at each optimizer step, so micro-batch k sees only this step's micro-batches
     # 0..k-1, encoded by the current weights (seed 002's "w/o Past Enc." ablation, Table 2: -2.3 Top@20)
     bank_past_encoders: bool = True
+    # diagnosis of seed 002's Figure 5 (issue 28): before each step, at the step's weights, each tower's gradient
+    # norm and each loss's gradient with respect to the fresh query and passage vectors, with the banks as the step
+    # finds them, without the banked query rows, and with the banks hidden (GradAccum's loss), logged as
+    # `probe/<banks|no_bank_rows|no_banks>/*` per step; quadruples the step's work and leaves the run's
+    # gradients, banks and random state as they are without it
+    probe_gradients: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -148,6 +167,12 @@ class ContAccum(BatchingOption):
         count = len(micro_batches)
         if not self.cfg.bank_past_encoders:
             self.banks.empty()
+        probed = {}
+        if self.cfg.probe_gradients:
+            variants = ("banks", "no_bank_rows", "no_banks") if self.cfg.bank_queries else ("banks", "no_banks")
+            for variant in variants:  # (a passage-only bank has no banked query rows to drop)
+                probed.update({f"probe/{variant}/{key}": value
+                               for key, value in self.probe(micro_batches, variant).items()})
         losses, auxes, columns = [], [], 0
         for k, batch in enumerate(micro_batches):
             with synced_on_last(self.parts, k, count):
@@ -158,12 +183,60 @@ class ContAccum(BatchingOption):
                 auxes.append(out["aux"].detach())
             columns += out["columns"]
         return StepResult(sum(losses) / count, sum(auxes) / count if auxes else None, backward_done=True,
-                          columns=columns / count, logged={"bank": float(self.banks.size)})
+                          columns=columns / count, logged={"bank": float(self.banks.size), **probed})
 
-    def micro_step(self, batch: MicroBatch, weight: float) -> dict:
-        """Steps 1-3 for one micro-batch against the banks as they are: forward and backward (loss x weight)."""
+    def probe(self, micro_batches: list[MicroBatch], variant: str) -> dict[str, float]:
+        """`probe_gradients`: this step's micro-batches run at the current weights as `step` runs them (`banks`:
+        each micro-batch against the banks, enqueued after its logits), without the banked query rows (M_p and
+        M_h columns only: `no_bank_rows`) or with the banks hidden (`no_banks`): each tower's gradient norm
+        (`tower_grad_norms`), the mean over micro-batches of ||dL/dQ|| and ||dL/dV|| (the loss's gradient with
+        respect to the fresh query vectors and the subset's passage vectors, before the towers' Jacobians) and the
+        fresh vectors' mean norms; with banks, `fresh_minus_banked_score` over the micro-batches that found M_p
+        occupied. Gradients, banks, the strategy's state (its generator draws the uniform
+        negatives) and the global random state are restored afterwards."""
+        params, strategy = list(self.parts.model.parameters()), self.parts.strategy
+        grads = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        state = {name: tensor.clone() for name, tensor in self.banks.state_tensors().items()}
+        strategy_state = {name: tensor.clone() for name, tensor in strategy.state_tensors().items()}
+        cfg = self.cfg
+        if variant == "no_bank_rows":
+            self.cfg = dataclasses.replace(cfg, bank_queries=False)
+        elif variant == "no_banks":
+            self.banks.empty()
+        device = self.parts.accelerator.device
+        sums, margins = dict.fromkeys(("dloss_dquery", "dloss_dpassage", "query_norm", "passage_norm"), 0.0), []
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            for k, batch in enumerate(micro_batches):
+                with synced_on_last(self.parts, k, len(micro_batches)):
+                    out = self.micro_step(batch, 1.0 / len(micro_batches), vector_grads=True)
+                if variant != "no_banks":
+                    if self.banks.size:
+                        margins.append(fresh_minus_banked_score(out, self.banks.p[: self.banks.size]))
+                    self.enqueue(out)
+                sums["dloss_dquery"] += float(out["query_grad"].norm())
+                sums["dloss_dpassage"] += float(out["vector_grad"].norm())
+                sums["query_norm"] += float(out["queries"].norm(dim=1).mean())
+                sums["passage_norm"] += float(out["vectors"].norm(dim=1).mean())
+        values = {**tower_grad_norms(self.parts.model), **{k: v / len(micro_batches) for k, v in sums.items()}}
+        if margins:
+            values["fresh_minus_banked_score"] = sum(margins) / len(margins)
+        for p, grad in zip(params, grads):
+            p.grad = grad
+        self.cfg = cfg
+        self.banks.load_state_tensors(state)
+        strategy.load_state_tensors(strategy_state)
+        return values
+
+    def micro_step(self, batch: MicroBatch, weight: float, vector_grads: bool = False) -> dict:
+        """Steps 1-3 for one micro-batch against the banks as they are: forward and backward (loss x weight).
+        `vector_grads`: also the task loss's gradient with respect to the fresh query and passage vectors."""
         subset = propose(self.parts, batch)
         out = self.parts.trainable(self.losses, batch, my_passages(self.parts, subset), subset)
+        if vector_grads:
+            out["query_grad"], out["vector_grad"] = torch.autograd.grad(
+                out["loss"], [out.pop("query_graph"), out.pop("vector_graph")], retain_graph=True)
         total = out["loss"] if out["aux"] is None else out["loss"] + out["aux"]
         self.parts.accelerator.backward(total * weight)
         return out
@@ -203,7 +276,8 @@ class ContAccum(BatchingOption):
         fresh_scores = scores[: len(queries), :fresh].detach()
         aux = self.parts.strategy.auxiliary_loss(queries.detach(), subset.rows, vectors.detach(), fresh_scores)
         return {"loss": loss, "aux": aux, "queries": queries.detach(), "vectors": vectors.detach(), "subset": subset,
-                "positives": batch.positives, "columns": scores.shape[1]}
+                "positives": batch.positives, "columns": scores.shape[1], "query_graph": queries,
+                "vector_graph": vectors}
 
     def enqueue(self, out: dict) -> None:
         """The global micro-batch's (query, positive, hard negative) triples, in process order."""
