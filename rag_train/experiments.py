@@ -246,10 +246,11 @@ def compare_strategies_main(argv: Optional[list[str]] = None) -> None:
     _publish(table, f"{len(args.strategies)} strategies x {len(args.seeds)} seeds", started, args.out)
 
 
-def batching_setups(local: int, micros: list[int], banks: list[int]) -> dict[str, list[str]]:
-    """label -> overrides, in seed 002's Table 1 order at (micros[0], banks[0]), then its Figure 3 sweep: ContAccum
-    with and without M_q at the other bank sizes, and GradAccum, ContAccum (every bank size) and in-batch at N_total
-    for the other K (K = 1: the dual bank alone, no accumulation)."""
+def batching_setups(local: int, micros: list[int], banks: list[int], uniform: int = 0) -> dict[str, list[str]]:
+    """label -> overrides, in seed 002's Table 1 order at (micros[0], banks[0]) (`uniform` > 0 adds ContAccum with
+    that many uniform negatives per question, so that its hard-negative bank M_h fills, with and without M_h), then
+    its Figure 3 sweep: ContAccum with and without M_q at the other bank sizes, and GradAccum, ContAccum (every bank
+    size) and in-batch at N_total for the other K (K = 1: the dual bank alone, no accumulation)."""
     def accum(name: str, k: int, *extra: str) -> list[str]:
         return [f"train.batch_size={local * k}", f"batching.name={name}", f"batching.micro_batches={k}", *extra]
 
@@ -270,6 +271,11 @@ def batching_setups(local: int, micros: list[int], banks: list[int]) -> dict[str
             cont(k, m, "batching.bank_queries=false", "batching.bank_past_encoders=false"),
         f"in-batch {n * k} (a card that fits it)": [f"train.batch_size={n * k}"],
     }
+    if uniform:  # M_h is the official code's, not the paper's text; with in-batch negatives alone it stays empty
+        negatives = f"strategy.uniform_negatives={uniform}"
+        setups[f"ContAccum {n}x{k}, M={m}, +{uniform} uniform negatives per question"] = cont(k, m, negatives)
+        setups[f"ContAccum {n}x{k}, M={m}, +{uniform} uniform negatives per question, w/o M_h"] = cont(
+            k, m, negatives, "batching.bank_hard_negatives=false")
     for m in banks[1:]:
         setups[f"ContAccum {n}x{k}, M={m}"] = cont(k, m)
         setups[f"ContAccum {n}x{k}, passage-only bank M={m} (w/o M_q)"] = cont(k, m, "batching.bank_queries=false")
@@ -349,6 +355,9 @@ def compare_batching_main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--bank", type=int, nargs="+", default=[64],
                         help="ContAccum bank sizes M; the first is Table 1's, the others sweep")
     parser.add_argument("--sweep-out", default=None, help="markdown file for the K x M grid (with several K or M)")
+    parser.add_argument("--hard-negatives", type=int, default=0,
+                        help="N > 0: Table 1 adds ContAccum with N uniform negatives per question (its hard-negative "
+                             "bank M_h then fills), with and without M_h")
     parser.add_argument("--figure", default=None, help="PNG of the gradient-norm ratio per step")
     parser.add_argument("--probe-out", default=None,
                         help="markdown file: Table 1's ContAccum runs with and without M_q (and without M_q and past "
@@ -356,10 +365,10 @@ def compare_batching_main(argv: Optional[list[str]] = None) -> None:
                              "and their probe table: each tower's gradient with the banks, without M_q's rows and "
                              "without banks")
     args = parser.parse_args(argv)
-    if min(args.micro) < 1 or min(args.bank) < 1 or args.local < 1:
-        parser.error("--local, --micro and --bank take positive integers")
+    if min(args.micro) < 1 or min(args.bank) < 1 or args.local < 1 or args.hard_negatives < 0:
+        parser.error("--local, --micro and --bank take positive integers, --hard-negatives a count")
 
-    setups = batching_setups(args.local, args.micro, args.bank)
+    setups = batching_setups(args.local, args.micro, args.bank, args.hard_negatives)
     n, k = args.local, args.micro[0]  # Table 1's K and M
     m = args.bank[0]  # Table 1's ContAccum and its two passage-only banks (stale, and of the step's own weights)
     probed = [f"ContAccum {n}x{k}, M={m}", f"ContAccum {n}x{k}, passage-only bank M={m} (w/o M_q)",
@@ -383,7 +392,8 @@ def compare_batching_main(argv: Optional[list[str]] = None) -> None:
         _publish(probe_table({label: results[label] for label in probed}), "the probe table", started, args.probe_out)
     if args.figure:
         Path(args.figure).parent.mkdir(parents=True, exist_ok=True)
-        # Table 1's K: every option at N_total, each bank with and without M_q
-        plotted = [label for label in setups if f"{n}x{k}" in label and "emptied" not in label]
+        # Table 1's K: every option at N_total, each bank with and without M_q (in-batch negatives only)
+        plotted = [label for label in setups
+                   if f"{n}x{k}" in label and "emptied" not in label and "uniform" not in label]
         grad_ratio_figure(results, plotted, Path(args.figure))
         print(f"figure: {args.figure}", file=sys.stderr)

@@ -254,6 +254,7 @@ def test_quick_large_batches_section_runs_seed_002s_table(tmp_path):
     report = (runs / "report" / "reproduction.md").read_text()
     table = (runs / "report" / "large_batches_raw_lm_table.md").read_text().strip()
     assert table in report and "| GradCache 2x2 |" in table
+    assert "| ContAccum 2x2, M=4, +1 uniform negatives per question, w/o M_h |" in table  # --hard-negatives 1
     probe = (runs / "report" / "large_batches_raw_lm_probe.md").read_text().strip()
     assert probe in report and "| ContAccum 2x2, M=4 | without the banked query rows M_q |" in probe
     assert (runs / "report" / "figures" / "large_batches" / "grad_ratio_raw_lm.png").stat().st_size > 0

@@ -27,6 +27,7 @@ def large_batches_section(out: Path) -> list[str]:
     if figure.is_file():
         lines += [f"![gradient-norm ratio per step]({os.path.relpath(figure, out)})", ""]
     if probe.is_file():
-        lines += ["Figure 5's cause: Table 1's ContAccum runs probed at each step's weights (`batching.probe_gradients`), "
-                  "each value the mean over steps 51 onwards, mean ± sd over seeds:", "", probe.read_text().strip(), ""]
+        lines += ["Figure 5's cause: Table 1's ContAccum runs probed at each step's weights "
+                  "(`batching.probe_gradients`), each value the mean over steps 51 onwards (the ratio: the median), "
+                  "mean ± sd over seeds:", "", probe.read_text().strip(), ""]
     return lines
