@@ -14,7 +14,7 @@ from typing import Optional
 
 from rag_train.config import ConfigError
 from rag_train.io import read_json
-from rag_train.launch import launch_command
+from rag_train.launch import launch_command, run_script
 from rag_train.strategies import reads
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,22 +24,26 @@ def run_once(script: str | Path, config: Optional[str | Path], out: str | Path, 
              processes: int = 1, threads: Optional[int] = None) -> dict:
     """Metrics of the run in `out`: launched (and resumed from its last checkpoint if it was interrupted)
     unless `out/metrics.json` shows it finished already. One process runs as `python SCRIPT` with accelerate's CPU
-    settings in its environment (as `accelerate launch --cpu` would set them), so that a failed run's own exit
-    status reaches the caller (`subprocess.CalledProcessError`); several go through `accelerate launch`."""
+    settings in its environment (as `accelerate launch --cpu` would set them), forked from a fork server that
+    imported torch and the recipes once (`launch.run_script`), so that a failed run's own exit status reaches the
+    caller (`subprocess.CalledProcessError`); several go through `accelerate launch`."""
     out = Path(out)
     metrics = out / "metrics.json"
     if not metrics.is_file():
         config_args = [] if config is None else ["--config", config]
         args = [*config_args, *overrides, f"train.output_dir={out}", "train.resume=true"]
-        env = None
         if processes == 1:  # the script itself, with what `accelerate launch --cpu` sets: its own exit status (2-5)
             cmd = [sys.executable, str(script), *map(str, args)]  # reaches the caller, not the launcher's 1
             env = {**os.environ, "ACCELERATE_USE_CPU": "true", "ACCELERATE_MIXED_PRECISION": "no",
                    "ACCELERATE_DYNAMO_BACKEND": "no", **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
+            print("+", " ".join(map(str, cmd)), flush=True)
+            status = run_script(script, [str(a) for a in args], env)
+            if status:
+                raise subprocess.CalledProcessError(status, cmd)
         else:
             cmd = launch_command(script, *args, processes=processes, threads=threads)
-        print("+", " ".join(map(str, cmd)), flush=True)
-        subprocess.run(cmd, check=True, env=env)
+            print("+", " ".join(map(str, cmd)), flush=True)
+            subprocess.run(cmd, check=True)
     return read_json(metrics)
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from rag_train.config import ConfigError, load_config
-from rag_train.launch import launch_command
+from rag_train.launch import launch_command, run_script
 from rag_train.train.schema import RLMConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,3 +55,34 @@ def test_cpu_threads_is_auto_or_a_positive_count():
     for bad in ("0", "-1", "two"):
         with pytest.raises(ConfigError, match="train.cpu_threads"):
             load_config(RLMConfig, None, [f"train.cpu_threads={bad}"])
+
+
+SCRIPT_AS_RUN = """import json, os, sys
+import torch
+from pathlib import Path
+Path("seen.json").write_text(json.dumps({"argv": sys.argv, "x": os.environ.get("X"), "path0": sys.path[0],
+                                         "name": __name__, "threads": torch.get_num_threads()}))
+if sys.argv[1] == "raise":
+    raise RuntimeError("boom")
+sys.exit(int(sys.argv[1]))
+"""
+
+
+@pytest.mark.parametrize("omp", [None, "1"])
+@pytest.mark.parametrize("how", ["3", "0", "raise"])
+def test_a_forked_run_is_the_script_as_a_fresh_interpreter_runs_it(tmp_path, monkeypatch, omp, how):
+    """`run_script` (the fork server behind the comparison drivers' single-process runs) against `python SCRIPT`:
+    the same exit status (sys.exit(n); an uncaught exception 1), argv, environment, sys.path[0], __name__ and torch
+    threads, with and without OMP_NUM_THREADS."""
+    script = tmp_path / "bin" / "run.py"
+    script.parent.mkdir()
+    script.write_text(SCRIPT_AS_RUN)
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    env.update({"X": "y", "PYTHONPATH": str(ROOT), **({"OMP_NUM_THREADS": omp} if omp else {})})
+    fresh = subprocess.run([sys.executable, str(script), how, "a b"], cwd=tmp_path, env=env, capture_output=True)
+    expected = json.loads((tmp_path / "seen.json").read_text())
+    (tmp_path / "seen.json").unlink()
+    monkeypatch.chdir(tmp_path)
+    assert run_script(script, [how, "a b"], env) == fresh.returncode == (1 if how == "raise" else int(how))
+    assert json.loads((tmp_path / "seen.json").read_text()) == expected
+    assert expected["x"] == "y" and expected["threads"] == (int(omp) if omp else CORES)
