@@ -373,7 +373,7 @@ def compare_batching_main(argv: Optional[list[str]] = None) -> None:
         parser.error("--local, --micro and --bank take positive integers, --hard-negatives a count")
 
     setups = batching_setups(args.local, args.micro, args.bank, args.hard_negatives)
-    n, k = args.local, args.micro[0]  # Table 1's K and M
+    n, k = args.local, args.micro[0]  # Table 1's N_local and K
     m = args.bank[0]  # Table 1's ContAccum and its two passage-only banks (stale, and of the step's own weights)
     probed = [f"ContAccum {n}x{k}, M={m}", f"ContAccum {n}x{k}, passage-only bank M={m} (w/o M_q)",
               f"ContAccum {n}x{k}, passage-only bank M={m}, banks emptied each step (w/o M_q, w/o past encoders)"]
