@@ -25,6 +25,7 @@ import multiprocessing
 import os
 import runpy
 import socket
+import subprocess
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -142,7 +143,10 @@ def run_script(script: str | Path, args: list[str], env: dict[str, str]) -> int:
     """`python SCRIPT ARGS...` with environment `env` and this process's working directory, run as a process forked
     from a fork server (multiprocessing's forkserver) that imported RUN_PRELOAD once and computed nothing (forking
     after torch has computed can hang); returns its exit status (a script's `sys.exit(n)` gives n, an uncaught
-    exception 1 with its traceback on stderr). Output goes where this process's was when the server started."""
+    exception 1 with its traceback on stderr). Output goes where this process's was when the server started.
+    Where there is no fork server (Windows), a fresh interpreter."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return subprocess.run([sys.executable, str(script), *map(str, args)], env=env).returncode
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(RUN_PRELOAD)
     process = context.Process(target=_run_as_main, name=Path(script).name,

@@ -68,12 +68,17 @@ sys.exit(int(sys.argv[1]))
 """
 
 
+@pytest.mark.parametrize("server", [True, False])
 @pytest.mark.parametrize("omp", [None, "1"])
 @pytest.mark.parametrize("how", ["3", "0", "raise"])
-def test_a_forked_run_is_the_script_as_a_fresh_interpreter_runs_it(tmp_path, monkeypatch, omp, how):
-    """`run_script` (the fork server behind the comparison drivers' single-process runs) against `python SCRIPT`:
-    the same exit status (sys.exit(n); an uncaught exception 1), argv, environment, sys.path[0], __name__ and torch
-    threads, with and without OMP_NUM_THREADS."""
+def test_a_forked_run_is_the_script_as_a_fresh_interpreter_runs_it(tmp_path, monkeypatch, omp, how, server):
+    """`run_script` (the fork server behind the comparison drivers' single-process runs; without one, as on
+    Windows, a fresh interpreter) against `python SCRIPT`: the same exit status (sys.exit(n); an uncaught exception
+    1), argv, environment, sys.path[0], __name__ and torch threads, with and without OMP_NUM_THREADS."""
+    if not server:
+        import multiprocessing
+
+        monkeypatch.setattr(multiprocessing, "get_all_start_methods", lambda: ["spawn"])
     script = tmp_path / "bin" / "run.py"
     script.parent.mkdir()
     script.write_text(SCRIPT_AS_RUN)
