@@ -449,11 +449,15 @@ def test_cont_accum_resume_reaches_the_uninterrupted_run(recipe_toy_dir, tmp_pat
 def test_two_processes_match_one_for_every_option(recipe_toy_dir, tmp_path):
     """One `accelerate launch` of 2 processes runs the three options in turn (tests/dist/batching_options.py);
     each against the same config on one process. GradCache and ContAccum gather the global batch's passages
-    and bank the global micro-batches, so the runs agree to float tolerance."""
+    and bank the global micro-batches, so the runs agree to float tolerance. ContAccum also runs once more on two
+    processes with `probe_gradients`: bitwise the weights of the unprobed two-process run, and its probe with the
+    banks is each step's own (reduced) gradient."""
     keys = {**RECIPE, "train.steps": 3}
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     runs = {name: overrides(recipe_toy_dir, tmp_path / f"two-{name}", "in_batch", **keys, **extra)
             for name, extra in OPTION_KEYS.items()}
+    runs["probed"] = overrides(recipe_toy_dir, tmp_path / "two-probed", "in_batch", **keys,
+                               **OPTION_KEYS["cont_accum"], **{"batching.probe_gradients": "true"})
     cmd = launch_command(ROOT / "tests" / "dist" / "batching_options.py", str(CONFIG), json.dumps(runs), processes=2)
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     errors = [line for line in (proc.stdout + proc.stderr).splitlines() if "Error" in line]
@@ -465,6 +469,12 @@ def test_two_processes_match_one_for_every_option(recipe_toy_dir, tmp_path):
         a, b = weights(tmp_path / f"one-{name}"), weights(tmp_path / f"two-{name}")
         for key in a:
             torch.testing.assert_close(b[key], a[key], rtol=1e-4, atol=1e-5, msg=f"{name}: {key}")
+    a, probed = weights(tmp_path / "two-cont_accum"), weights(tmp_path / "two-probed")
+    for key in a:
+        assert torch.equal(probed[key], a[key]), key
+    by_step = json.loads((tmp_path / "two-probed" / "metrics.json").read_text())["by_step"]
+    for tower in ("query", "passage"):
+        assert by_step[f"probe/banks/grad_norm_{tower}"] == pytest.approx(by_step[f"grad_norm_{tower}"], rel=1e-6)
 
 
 # -- a new option is one file -----------------------------------------------------------------------------------
