@@ -142,8 +142,8 @@ def train_retriever(cfg: RetrieverTrainConfig, final_eval: bool = True) -> dict:
         step_peak = memory.peak_mib()
         if "grad_ratio_passage_query" in grad_norms:
             grad_ratios.append(grad_norms["grad_ratio_passage_query"])
-        for key, value in {**grad_norms, **out.logged}.items():  # checkpointed per step, like grad_ratios
-            if key.startswith(("grad_norm_", "probe/")):
+        for key, value in out.logged.items():  # ContAccum's probe: checkpointed per step, like grad_ratios
+            if key.startswith("probe/"):
                 run.totals.setdefault(f"by_step/{key}", []).append(value)
         peak_memory = max(peak_memory, step_peak)
 
@@ -186,7 +186,7 @@ def train_retriever(cfg: RetrieverTrainConfig, final_eval: bool = True) -> dict:
         # mean over this run's steps of ||grad passage tower|| / ||grad query tower|| (None: shared towers)
         "grad_ratio_passage_query": sum(grad_ratios) / len(grad_ratios) if grad_ratios else None,
         "grad_ratio_by_step": list(grad_ratios),  # seed 002's Figure 5: one value per optimizer step, from step 1
-        # each tower's gradient norm and ContAccum's `probe_gradients` values, one per optimizer step from step 1
+        # ContAccum's `batching.probe_gradients` values, one per optimizer step from step 1 (empty without it)
         "by_step": {k.removeprefix("by_step/"): v for k, v in run.totals.items() if k.startswith("by_step/")},
         "history": history,
         # per logged step (train.log_every): the strategy's own values, e.g. the corrector's tracking on its subset
