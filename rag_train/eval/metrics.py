@@ -11,7 +11,7 @@
 from __future__ import annotations
 
 import unicodedata
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence, TypeVar
 
 import ir_measures
 import regex
@@ -19,6 +19,8 @@ from ir_measures import AP, R, RR, nDCG
 
 from rag_train.data.answers import normalize_answer  # noqa: F401  (SQuAD's, used by the loaders too)
 from rag_train.eval.trec import Qrels, Run
+
+T = TypeVar("T")
 
 # DPR SimpleTokenizer: runs of letters / numbers / marks, or any other single non-space character.
 _DPR_TOKEN = regex.compile(r"([\p{L}\p{N}\p{M}]+)|([^\p{Z}\p{C}])", flags=regex.IGNORECASE | regex.UNICODE | regex.MULTILINE)
@@ -38,13 +40,13 @@ def dpr_tokens(text: str) -> list[str]:
 def has_answer(text: str, answers: Iterable[str]) -> bool:
     """True when some answer's DPR token sequence occurs contiguously in the text's (an answer with no
     tokens matches nothing, where DPR's loop would match it everywhere)."""
-    tokens = dpr_tokens(text)
-    for answer in answers:
-        needle = dpr_tokens(answer)
-        if not needle:
-            continue
+    return _contains(dpr_tokens(text), [dpr_tokens(answer) for answer in answers])
+
+
+def _contains(tokens: list[str], needles: list[list[str]]) -> bool:
+    for needle in needles:
         width = len(needle)
-        if any(tokens[i : i + width] == needle for i in range(len(tokens) - width + 1)):
+        if width and any(tokens[i : i + width] == needle for i in range(len(tokens) - width + 1)):
             return True
     return False
 
@@ -82,15 +84,20 @@ def ranking_metrics(run: Run, qrels: Qrels, ks: Sequence[int]) -> dict:
 
 
 def answer_recall_at_k(
-    ranked_texts: Sequence[Sequence[str]], answers: Sequence[Iterable[str]], ks: Sequence[int]
+    ranked: Sequence[Sequence[T]], answers: Sequence[Iterable[str]], ks: Sequence[int],
+    tokens: Callable[[T], list[str]] = dpr_tokens,
 ) -> dict[int, float]:
-    """Fraction of questions with a passage containing an answer (`has_answer`) in the top k (DPR)."""
+    """Fraction of questions with a passage containing an answer (`has_answer`) in the top k (DPR). `ranked`:
+    per question its passages' texts, or any keys of them that `tokens` turns into DPR tokens (e.g. corpus rows,
+    with a cache: a passage is read and tokenized only when the scan reaches it, and once per evaluation). The
+    scan of a question stops at its first answer-bearing passage, and at the largest k."""
     _check_ks(ks)
-    _check_lengths(ranked_texts, answers)
+    _check_lengths(ranked, answers)
+    depth = max(ks)
     totals = {k: 0 for k in ks}
-    for texts, golds in zip(ranked_texts, answers):
-        golds = list(golds)
-        first = next((rank for rank, text in enumerate(texts, start=1) if has_answer(text, golds)), None)
+    for keys, golds in zip(ranked, answers):
+        needles = [dpr_tokens(answer) for answer in golds]
+        first = next((rank for rank, key in enumerate(keys[:depth], start=1) if _contains(tokens(key), needles)), None)
         for k in ks:
             totals[k] += first is not None and first <= k
-    return {k: total / len(ranked_texts) for k, total in totals.items()}
+    return {k: total / len(ranked) for k, total in totals.items()}

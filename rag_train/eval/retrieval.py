@@ -7,6 +7,7 @@ numbers can be checked, and extended, with ir_measures / pytrec_eval / trec_eval
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +23,7 @@ from rag_train.data.corpus import Corpus
 from rag_train.data.errors import DataError
 from rag_train.data.qa import load_qa, read_jsonl
 from rag_train.data.supervised import load_retrieval
-from rag_train.eval.metrics import answer_recall_at_k, ranking_metrics
+from rag_train.eval.metrics import answer_recall_at_k, dpr_tokens, ranking_metrics
 from rag_train.eval.trec import Run, make_run, write_qrels, write_run
 
 logger = logging.getLogger(__name__)
@@ -104,9 +105,11 @@ def retrieval_metrics(corpus: Corpus, ranked: SearchResult, data: EvalSet, ks: l
         out.update(ranking_metrics(run, qrels, ks))
     answered = [i for i, answers in enumerate(data.answers) if answers]
     if answered:
-        texts = [[corpus.text(int(r)) for r in ranked.rows[i].tolist()] for i in answered]
-        out["answer_recall"] = {str(k): v for k, v in
-                                answer_recall_at_k(texts, [data.answers[i] for i in answered], ks).items()}
+        rows = ranked.rows.tolist()
+        # passages ranked high for many questions are read and tokenized once (bounded: ~100 MB of tokens)
+        tokens = functools.lru_cache(maxsize=2**14)(lambda row: dpr_tokens(corpus.text(row)))
+        out["answer_recall"] = {str(k): v for k, v in answer_recall_at_k(
+            [rows[i] for i in answered], [data.answers[i] for i in answered], ks, tokens).items()}
     if out_dir is not None:
         try:
             write_run(Path(out_dir) / f"{name}.trec", run)

@@ -220,8 +220,8 @@ class DualEncoder(nn.Module):
         with atomic_directory(directory, "saving the retriever to", needed=needed) as tmp:
             towers = {"shared": self.query_encoder} if self.shared_towers else {
                 "query": self.query_encoder, "passage": self.passage_encoder}
-            for name, tower in towers.items():
-                tower.save(str(tmp / name))
+            for name, tower in towers.items():  # no generic model card: `export` writes the retriever's own
+                tower.save(str(tmp / name), create_model_card=False)
             atomic_write_json(tmp / META_FILE, {
                 "format_version": SAVE_FORMAT_VERSION,
                 "shared_towers": self.shared_towers,

@@ -50,7 +50,8 @@ class TrainingRun:
         if cfg.train.batch_size % world:
             raise ConfigError(f"train.batch_size={cfg.train.batch_size} must be divisible by the {world} processes")
         check_deepspeed_config(self.accelerator)
-        self.agree(config=hashlib.sha256(to_yaml(cfg).encode()).hexdigest())
+        resolved = to_yaml(cfg)
+        self.agree(config=hashlib.sha256(resolved.encode()).hexdigest())
         set_seed(cfg.train.seed, device_specific=False)
         self.guard = NonFiniteGuard(cfg.train.max_bad_steps)  # the recipe sets aux_max_loss from its strategy
         self.history: list[dict] = []  # evaluations during training; checkpointed, so resuming keeps it
@@ -71,7 +72,7 @@ class TrainingRun:
             self._tidy_checkpoints()
             with write_step("creating the run directory", self.dir):
                 self.dir.mkdir(parents=True, exist_ok=True)
-            save_config(cfg, self.dir / CONFIG_FILE)
+            save_config(cfg, self.dir / CONFIG_FILE, resolved)
         self.accelerator.wait_for_everyone()
         if cfg.train.tracker:
             self.accelerator.init_trackers(project, config=_flat_config(cfg))
