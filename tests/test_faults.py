@@ -362,6 +362,25 @@ def test_config_faults_are_named(override, message):
         load_config(RetrieverTrainConfig, CONFIG, [override])
 
 
+def test_overrides_apply_in_order_as_one_merge_each_would():
+    """load_config merges all overrides in one OmegaConf.merge: the config one merge per override gives (later
+    overrides win, a mapping merges into its section), and a fault among good overrides is named by itself."""
+    from omegaconf import OmegaConf
+
+    items = ["train.steps=3", "train.lr=0.5", "train.steps=5", "strategy.corrector.weight=3.0",
+             "strategy.corrector={hidden: 8, loss: mse}",
+             "strategy.corrector.hidden=12", "data.dev=[a.jsonl, b.jsonl]", "train.seed=7"]
+    one_by_one = OmegaConf.merge(OmegaConf.structured(RetrieverTrainConfig), OmegaConf.load(CONFIG))
+    for item in items:
+        one_by_one = OmegaConf.merge(one_by_one, OmegaConf.from_dotlist([item]))
+    got = load_config(RetrieverTrainConfig, CONFIG, items)
+    assert got == OmegaConf.to_object(one_by_one)
+    corrector = got.strategy.corrector
+    assert (got.train.steps, corrector.hidden, corrector.loss, corrector.weight) == (5, 12, "mse", 3.0)
+    with pytest.raises(ConfigError, match="override 'train.stepz=4': unknown config key 'train.stepz'"):
+        load_config(RetrieverTrainConfig, CONFIG, items + ["train.stepz=4", "train.seed=1"])
+
+
 def test_a_config_file_that_is_a_list_is_named(tmp_path):
     path = tmp_path / "config.yaml"
     path.write_text("- train\n- data\n")

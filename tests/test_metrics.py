@@ -93,3 +93,31 @@ def test_answer_recall_is_dpr_top_k_accuracy():
     texts = [["nothing here", "Paris is big", "paris again"], ["no", "none", "nope"]]
     answers = [["Paris"], ["yes"]]
     assert answer_recall_at_k(texts, answers, [1, 2, 5]) == {1: 0.0, 2: 0.5, 5: 0.5}
+
+
+def test_answer_recall_reads_a_passage_only_when_its_scan_reaches_it():
+    """Ranked keys (corpus rows) with a tokens function: the same figures as has_answer over every text, while a
+    question's scan stops at its first answer-bearing passage and at the largest k."""
+    import random
+
+    rng = random.Random(0)
+    words = ["Paris", "Rome", "Oslo", "big", "city", "of", "the"]
+    texts = [" ".join(rng.choice(words) for _ in range(6)) for _ in range(40)]
+    ranked = [rng.sample(range(40), 10) for _ in range(30)]
+    answers = [[rng.choice(words[:3])] for _ in range(30)]
+    ks = [1, 3, 5]
+    read = []
+
+    def tokens(row):
+        read.append(row)
+        return dpr_tokens(texts[row])
+
+    expected = {}
+    for k in ks:  # brute force: every text of the top k through has_answer
+        expected[k] = sum(any(has_answer(texts[r], golds) for r in rows[:k])
+                          for rows, golds in zip(ranked, answers)) / len(ranked)
+    assert answer_recall_at_k(ranked, answers, ks, tokens) == expected
+    assert answer_recall_at_k([[texts[r] for r in rows] for rows in ranked], answers, ks) == expected
+    stops = [next((i + 1 for i, r in enumerate(rows[:5]) if has_answer(texts[r], golds)), 5)
+             for rows, golds in zip(ranked, answers)]
+    assert len(read) == sum(stops) < 30 * 10
