@@ -447,7 +447,7 @@ def test_cont_accum_resume_reaches_the_uninterrupted_run(recipe_toy_dir, tmp_pat
 
 @pytest.mark.slow
 def test_two_processes_match_one_for_every_option(recipe_toy_dir, tmp_path):
-    """One `accelerate launch` of 2 processes runs the three options in turn (tests/dist/batching_options.py);
+    """One `accelerate launch` of 2 processes runs the three options in turn (tests/dist/retriever_runs.py);
     each against the same config on one process. GradCache and ContAccum gather the global batch's passages
     and bank the global micro-batches, so the runs agree to float tolerance. ContAccum also runs once more on two
     processes with `probe_gradients`: bitwise the weights of the unprobed two-process run, and its probe with the
@@ -458,7 +458,7 @@ def test_two_processes_match_one_for_every_option(recipe_toy_dir, tmp_path):
             for name, extra in OPTION_KEYS.items()}
     runs["probed"] = overrides(recipe_toy_dir, tmp_path / "two-probed", "in_batch", **keys,
                                **OPTION_KEYS["cont_accum"], **{"batching.probe_gradients": "true"})
-    cmd = launch_command(ROOT / "tests" / "dist" / "batching_options.py", str(CONFIG), json.dumps(runs), processes=2)
+    cmd = launch_command(ROOT / "tests" / "dist" / "retriever_runs.py", str(CONFIG), json.dumps(runs), processes=2)
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     errors = [line for line in (proc.stdout + proc.stderr).splitlines() if "Error" in line]
     assert proc.returncode == 0, "\n".join(errors[:10]) + proc.stderr[-2000:]

@@ -123,26 +123,29 @@ def test_resume_reaches_the_uninterrupted_run(recipe_toy_dir, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["corrector", "dynnibal", "trainable_cache"])  # dynnibal: the same MH samples on
-# every process; trainable_cache: each process updates its shard of the cache by the gradient reduced over processes
-def test_two_processes_match_one(recipe_toy_dir, tmp_path, name):
-    args = overrides(recipe_toy_dir, tmp_path / "two", name)
+def test_two_processes_match_one(recipe_toy_dir, tmp_path):
+    """Each strategy trained by two gloo processes (one `accelerate launch` runs the three in turn:
+    tests/dist/retriever_runs.py) against the same config on one process. dynnibal: the same MH samples on every
+    process; trainable_cache: each process updates its shard of the cache by the gradient reduced over processes."""
+    names = ["corrector", "dynnibal", "trainable_cache"]
+    runs = {name: overrides(recipe_toy_dir, tmp_path / f"two-{name}", name) for name in names}
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     # `--cpu --num_processes 2` starts one process in accelerate 1.x; the multi-process launcher on a machine
     # without GPUs gives two gloo processes (TrainingRun passes cpu=True there).
-    cmd = launch_command(str(ROOT / "scripts" / "train_retriever.py"), "--config", str(CONFIG), *args, processes=2)
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    cmd = launch_command(ROOT / "tests" / "dist" / "retriever_runs.py", str(CONFIG), json.dumps(runs), processes=2)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     errors = [line for line in (proc.stdout + proc.stderr).splitlines() if "Error" in line]  # the root cause
     assert proc.returncode == 0, "\n".join(errors[:10]) + proc.stderr[-2000:]
-    two = json.loads((tmp_path / "two" / "metrics.json").read_text())
-    one = train_retriever(config(recipe_toy_dir, tmp_path / "one", name))
-    assert two["steps"] == one["steps"] == STEPS
-    for k, value in one["recall"].items():
-        assert two["recall"][k] == pytest.approx(value, abs=1e-9)
-    assert two["mrr@10"] == pytest.approx(one["mrr@10"], abs=1e-6)
-    a, b = weights(tmp_path / "one"), weights(tmp_path / "two")
-    for key in a:
-        torch.testing.assert_close(b[key], a[key], rtol=1e-4, atol=1e-5, msg=key)
+    for name in names:
+        two = json.loads((tmp_path / f"two-{name}" / "metrics.json").read_text())
+        one = train_retriever(config(recipe_toy_dir, tmp_path / f"one-{name}", name))
+        assert two["steps"] == one["steps"] == STEPS and two["strategy"] == name
+        for k, value in one["recall"].items():
+            assert two["recall"][k] == pytest.approx(value, abs=1e-9), (name, k)
+        assert two["mrr@10"] == pytest.approx(one["mrr@10"], abs=1e-6), name
+        a, b = weights(tmp_path / f"one-{name}"), weights(tmp_path / f"two-{name}")
+        for key in a:
+            torch.testing.assert_close(b[key], a[key], rtol=1e-4, atol=1e-5, msg=f"{name}: {key}")
 
 
 def test_evaluation_results_become_tracker_scalars():
