@@ -134,8 +134,10 @@ def launch_command(script: str | Path, *args: object, processes: int = 1, thread
 
 
 # modules a run imports: loaded once by the fork server, so that a forked run starts in a fraction of a second
-# instead of spending ~5 s of CPU importing torch and transformers
-RUN_PRELOAD = ["torch", "accelerate", "transformers.models.t5.modeling_t5", "rag_train.cli",
+# instead of spending ~5 s of CPU importing torch and transformers (and 1.5 s more on sentence-transformers, which
+# the recipes import when they build a retriever). Not DeepSpeed (which accelerate imports when it unwraps a model,
+# 0.5 s): its import asks torch.cuda, and on a GPU machine that must not happen before a fork
+RUN_PRELOAD = ["torch", "accelerate", "transformers.models.t5.modeling_t5", "sentence_transformers", "rag_train.cli",
                "rag_train.train.retriever", "rag_train.train.rlm", "rag_train.train.generative"]
 
 

@@ -68,9 +68,10 @@ sys.exit(int(sys.argv[1]))
 """
 
 
-@pytest.mark.parametrize("server", [True, False])
-@pytest.mark.parametrize("omp", [None, "1"])
-@pytest.mark.parametrize("how", ["3", "0", "raise"])
+# every exit x OMP_NUM_THREADS with the fork server; its fallback (a plain subprocess) with an exit status and an
+# exception, with and without the variable
+@pytest.mark.parametrize("how, omp, server", [(how, omp, True) for how in ("3", "0", "raise") for omp in (None, "1")]
+                         + [("3", None, False), ("raise", "1", False)])
 def test_a_forked_run_is_the_script_as_a_fresh_interpreter_runs_it(tmp_path, monkeypatch, omp, how, server):
     """`run_script` (the fork server behind the comparison drivers' single-process runs; without one, as on
     Windows, a fresh interpreter) against `python SCRIPT`: the same exit status (sys.exit(n); an uncaught exception
