@@ -23,6 +23,7 @@ runs (`QUICK`), which tests/test_fault_matrix.py also runs and compares with the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -74,6 +75,14 @@ def zygote() -> None:
     import rag_train.serving.embed_corpus  # noqa: F401
     import rag_train.reproduction.report  # noqa: F401
     import matplotlib.pyplot  # noqa: F401
+    import importlib.util
+
+    # accelerate imports DeepSpeed (when installed) in every run, 0.5 s a cell; its import asks torch.cuda, which
+    # on a GPU machine must not happen before a fork: preloaded only where the NVML check (fork-safe) sees no GPU
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    if importlib.util.find_spec("deepspeed") is not None and not torch.cuda.is_available():
+        with contextlib.redirect_stdout(sys.stderr):  # its logger's notice; stdout carries the zygote's answers
+            import deepspeed  # noqa: F401
 
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
