@@ -159,6 +159,12 @@ def mean_logged(entries: list[dict[str, float]]) -> dict[str, float]:
     return {key: sum(e[key] for e in entries) / len(entries) for key in keys}
 
 
+def rng_devices(device: torch.device) -> list[torch.device]:
+    """The devices whose generators `torch.random.fork_rng` must save besides the CPU's: the current CUDA device
+    (none on CPU; fork_rng's default would touch every visible GPU)."""
+    return [device] if device.type == "cuda" else []
+
+
 def tower_grad_norms(model: torch.nn.Module) -> dict[str, float]:
     """||grad|| of the query and passage towers and their ratio passage / query: seed 002's diagnosis of
     passage-only banks (the passage tower's gradient dwarfs the query tower's). Empty for shared towers."""

@@ -29,7 +29,8 @@ from rag_train.config import ConfigError, check_positive
 from rag_train.losses import retrieval_scores, truncated_softmax_ce
 from rag_train.strategies.base import Strategy, Subset, gather_queries
 from rag_train.train.batching.base import (BatchingOption, MicroBatch, MicroBatchesConfig, StepParts, StepResult,
-                                           my_passages, propose, synced_on_last, tower_grad_norms)
+                                           my_passages, propose, rng_devices, synced_on_last,
+                                           tower_grad_norms)
 from rag_train.train.passages import gather_with_grad
 
 
@@ -205,9 +206,8 @@ class ContAccum(BatchingOption):
             self.cfg = dataclasses.replace(cfg, bank_queries=False)
         elif variant == "no_banks":
             self.banks.empty()
-        device = self.parts.accelerator.device
         sums, margins = dict.fromkeys(("dloss_dquery", "dloss_dpassage", "query_norm", "passage_norm"), 0.0), []
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        with torch.random.fork_rng(devices=rng_devices(self.parts.accelerator.device)):
             for k, batch in enumerate(micro_batches):
                 with synced_on_last(self.parts, k, len(micro_batches)):
                     out = self.micro_step(batch, 1.0 / len(micro_batches), vector_grads=True)

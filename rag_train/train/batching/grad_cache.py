@@ -20,7 +20,7 @@ import torch
 
 from rag_train.losses import retrieval_scores
 from rag_train.train.batching.base import (BatchingOption, MicroBatch, MicroBatchesConfig, StepResult, propose,
-                                           synced_on_last)
+                                           rng_devices, synced_on_last)
 from rag_train.train.passages import gather_with_grad, my_share
 
 
@@ -29,7 +29,7 @@ class RandContext:
     the global generators continue afterwards as if the block had not run."""
 
     def __init__(self, device: torch.device):
-        self.devices = [device] if device.type == "cuda" else []
+        self.devices = rng_devices(device)
         self.cpu = torch.get_rng_state()
         self.cuda = [torch.cuda.get_rng_state(d) for d in self.devices]
         self._fork = None
