@@ -101,10 +101,10 @@ def test_answer_recall_reads_a_passage_only_when_its_scan_reaches_it():
     import random
 
     rng = random.Random(0)
-    words = ["Paris", "Rome", "Oslo", "big", "city", "of", "the"]
+    words = ["Paris", "Rome", "Oslo", "Lima"] + [f"w{i}" for i in range(16)]  # an answer in about 1 text of 4
     texts = [" ".join(rng.choice(words) for _ in range(6)) for _ in range(40)]
     ranked = [rng.sample(range(40), 10) for _ in range(30)]
-    answers = [[rng.choice(words[:3])] for _ in range(30)]
+    answers = [rng.sample(words[:4], rng.choice([1, 2])) for _ in range(30)]  # one or two answer strings
     ks = [1, 3, 5]
     read = []
 
@@ -121,3 +121,4 @@ def test_answer_recall_reads_a_passage_only_when_its_scan_reaches_it():
     stops = [next((i + 1 for i, r in enumerate(rows[:5]) if has_answer(texts[r], golds)), 5)
              for rows, golds in zip(ranked, answers)]
     assert len(read) == sum(stops) < 30 * 10
+    assert 0 < expected[5] < 1 and any(len(golds) == 2 for golds in answers)  # scans that hit the cap, two answers
