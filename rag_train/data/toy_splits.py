@@ -1,0 +1,145 @@
+"""Question splits of a described toy world for generative retrieval, where a target title cannot be copied.
+
+A generative retriever writes its target's title. In the named families every question contains that title (the
+person's name), so a model that learns to copy solves them (docs/generative_retrieval.md). A described question names
+its person by first name and another fact (rag_train/data/toy_described.py): the title is never in it. The splits,
+all of the described family, written as DPR JSONL (question, answers, positive_ctxs) into their own folder:
+
+  train-100 / train-30 / train-10  nested prefixes of the world's `described-train` questions (its seeded order):
+                                   100%, 30% and 10% of them (seed 003's data-efficiency claim)
+  seen-dev                         new (person, asked fact) pairs of people asked in train-10, hence in every fraction
+                                   (the question differs from every training one; the person does not)
+  unseen-dev                       the world's dev people, whose questions never appear in training (zero-shot)
+
+`python scripts/make_toy_splits.py --world DIR --out DIR` writes them; runs name them with `data.train=` and
+`data.dev=[...]` (the world stays the toy world: its passages, tokenizer and LM inits). The folder's manifest records
+the world's fingerprint; an existing folder of other splits is not replaced without --overwrite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from rag_train.data import toy_described
+from rag_train.data.sources import world_fingerprint
+from rag_train.data.toy import SECTIONS, ToyWorld
+from rag_train.io import atomic_open, atomic_write_json, read_json
+
+FRACTIONS = (100, 30, 10)  # percent of the world's described-train questions
+SPLITS_VERSION = 1
+CHUNK = 16384
+
+
+def fraction_count(total: int, percent: int) -> int:
+    """Questions in a `percent` prefix of `total` (at least one)."""
+    return max(1, total * percent // 100)
+
+
+def _person(question: dict) -> int:
+    return question["_row"] // SECTIONS
+
+
+def seen_questions(world: ToyWorld, start: int, seen: set[int], count: int) -> list[dict]:
+    """The first `count` described-train questions from `start` on whose person is in `seen`. Questions past the
+    training ones are new (person, asked fact) pairs: the family's order never repeats a pair."""
+    out, capacity = [], toy_described.capacity(world, "train")
+    for begin in range(start, capacity, CHUNK):
+        out += [q for q in toy_described.questions(world, "train", begin, min(begin + CHUNK, capacity))
+                if _person(q) in seen]
+        if len(out) >= count:
+            return out[:count]
+    raise ValueError(f"only {len(out)} unasked (person, fact) pairs of the {len(seen)} people of the smallest "
+                     f"training fraction; ask for fewer dev questions than {count}")
+
+
+def _check_no_title(name: str, questions: list[dict], titles: list[str]) -> None:
+    for question, title in zip(questions, titles):
+        if title.lower() in question["question"].lower():
+            raise AssertionError(f"{name}: question {question['id']} contains its target title {title!r}")
+
+
+def _write(path: Path, world: ToyWorld, questions: list[dict]) -> list[str]:
+    """DPR JSONL of the questions (their gold passage as the one positive); returns the gold titles."""
+    gold = world.passage_dicts(np.array([q["_row"] for q in questions], dtype=np.int64))
+    with atomic_open(path, "w") as handle:
+        for q, passage in zip(questions, gold):
+            handle.write(json.dumps({"id": q["id"], "question": q["question"], "answers": q["answers"],
+                                     "positive_ctxs": [passage]}) + "\n")
+    return [passage["title"] for passage in gold]
+
+
+def split_paths(out_dir: str | Path) -> dict[str, Path]:
+    out_dir = Path(out_dir)
+    names = [f"train-{p}" for p in FRACTIONS] + ["seen-dev", "unseen-dev"]
+    return {**{name: out_dir / f"{name}.jsonl" for name in names}, "manifest": out_dir / "manifest.json"}
+
+
+def make_splits(world_dir: str | Path, out_dir: str | Path, dev_questions: int = 300,
+                overwrite: bool = False) -> dict[str, Path]:
+    """Write the splits of the described world in `world_dir` to `out_dir` (see the module doc). The same world
+    and settings give the same bytes; a finished folder of the same ones is reused."""
+    world_dir, paths = Path(world_dir), split_paths(out_dir)
+    world_manifest = world_dir / "manifest.json"
+    if not world_manifest.is_file() or not (world_dir / "passages.jsonl").is_file():
+        raise FileNotFoundError(f"{world_dir}: not a toy world (no manifest.json and passages.jsonl; make one: python scripts/make_toy_data.py "
+                                "--retrieval described ...)")
+    info = read_json(world_manifest)
+    if info.get("retrieval") != "described":
+        raise ValueError(f"{world_manifest}: field 'retrieval' is {info.get('retrieval')!r}; the splits need a "
+                         "described world (make_toy_data.py --retrieval described)")
+    if dev_questions < 1:
+        raise ValueError(f"dev_questions={dev_questions}: must be >= 1")
+    world = ToyWorld(info["passages"], info["seed"])
+    train_count = info["counts"]["described-train"]
+    expected = {"version": SPLITS_VERSION, "world": world_fingerprint(world_manifest), "world_dir": str(world_dir.resolve()),
+                "dev_questions": dev_questions, "fractions": list(FRACTIONS)}
+    if paths["manifest"].is_file():
+        found = read_json(paths["manifest"])
+        if {key: found.get(key) for key in expected} == expected and all(p.is_file() for p in paths.values()):
+            return paths
+        if not overwrite:
+            raise FileExistsError(f"{paths['manifest']}: splits of other settings or another world are there "
+                                  f"(field 'world' {str(found.get('world'))[:12]}...); pass --overwrite to replace them")
+    elif Path(out_dir).is_dir() and any(Path(out_dir).iterdir()) and not overwrite:
+        raise FileExistsError(f"{out_dir}: not empty and not a splits folder; pass --overwrite or pick another --out")
+    if overwrite and Path(out_dir).is_dir():
+        shutil.rmtree(out_dir)
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+
+    train = toy_described.questions(world, "train", 0, train_count)
+    smallest = train[: fraction_count(train_count, min(FRACTIONS))]
+    sets = {f"train-{p}": train[: fraction_count(train_count, p)] for p in FRACTIONS}
+    sets["seen-dev"] = seen_questions(world, train_count, {_person(q) for q in smallest}, dev_questions)
+    sets["unseen-dev"] = toy_described.questions(
+        world, "dev", 0, min(dev_questions, toy_described.capacity(world, "dev")))
+    counts = {}
+    for name, questions in sets.items():
+        _check_no_title(name, questions, _write(paths[name], world, questions))
+        counts[name] = len(questions)
+    atomic_write_json(paths["manifest"], {**expected, "counts": counts,
+                                          "people": {name: len({_person(q) for q in qs}) for name, qs in sets.items()}})
+    return paths
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    """`scripts/make_toy_splits.py`: write the generative-retrieval splits of a described world and print them."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--world", required=True, help="a described toy world (make_toy_data.py --retrieval described)")
+    parser.add_argument("--out", required=True, help="folder for the split files")
+    parser.add_argument("--dev-questions", type=int, default=300, help="questions in seen-dev and unseen-dev")
+    parser.add_argument("--overwrite", action="store_true", help="replace a splits folder of other settings")
+    args = parser.parse_args(argv)
+    try:
+        paths = make_splits(args.world, args.out, args.dev_questions, args.overwrite)
+    except (ValueError, FileNotFoundError, FileExistsError) as exc:
+        parser.error(str(exc))
+    manifest = read_json(paths["manifest"])
+    for name, path in paths.items():
+        extra = f"  ({manifest['counts'][name]} questions, {manifest['people'][name]} people)" if name in manifest["counts"] else ""
+        print(f"{name}: {path}{extra}")

@@ -1,0 +1,95 @@
+"""Generative-retrieval splits of a described world (rag_train/data/toy_splits.py): no question contains its target
+title, over every split and against the passages file; the fractions are nested prefixes of the world's own
+described-train file; seen-dev asks only people of the smallest fraction about facts never asked in training;
+unseen-dev asks only people never asked in training; a folder of other splits is refused."""
+
+import json
+
+import pytest
+
+from rag_train.data.supervised import load_retrieval
+from rag_train.data.corpus import Corpus
+from rag_train.data.toy_files import generate_toy_world
+from rag_train.data.toy_splits import FRACTIONS, main, make_splits
+
+PASSAGES, SEED, DEV = 1200, 3, 40
+
+
+def read_jsonl(path):
+    with open(path, encoding="utf-8") as handle:
+        return [json.loads(line) for line in handle]
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    return generate_toy_world(tmp_path_factory.mktemp("described"), PASSAGES, SEED, progress=False,
+                              tokenizer_vocab=None, retrieval="described")
+
+
+@pytest.fixture(scope="module")
+def splits(world, tmp_path_factory):
+    return make_splits(world["manifest"].parent, tmp_path_factory.mktemp("splits") / "s", dev_questions=DEV)
+
+
+def person(passage_id):
+    return int(passage_id[1:]) // 2  # two passages per person: rows 2e and 2e + 1
+
+
+def pairs(rows):
+    """(person, asked fact) of each question, the fact read as its answer (every fact draws from its own pool)."""
+    return [(person(r["positive_ctxs"][0]["passage_id"]), r["answers"][0]) for r in rows]
+
+
+def test_no_question_contains_its_target_title_in_any_split(world, splits):
+    titles = {p["id"]: p["title"] for p in read_jsonl(world["passages"])}
+    checked = 0
+    for name, path in splits.items():
+        if name == "manifest":
+            continue
+        for row in read_jsonl(path):
+            gold = row["positive_ctxs"][0]
+            assert gold["title"] == titles[gold["passage_id"]]
+            assert titles[gold["passage_id"]].lower() not in row["question"].lower(), (name, row)
+            checked += 1
+    manifest = json.loads(splits["manifest"].read_text())
+    assert checked == sum(manifest["counts"].values()) and manifest["counts"]["seen-dev"] == DEV
+
+
+def test_fractions_are_nested_prefixes_of_the_worlds_training_questions(world, splits):
+    world_train = read_jsonl(world["described-train"])
+    full = read_jsonl(splits["train-100"])
+    assert [(r["id"], r["question"], r["answers"], [r["positive_ctxs"][0]["passage_id"]]) for r in full] == \
+        [(r["id"], r["question"], r["answers"], r["gold_ids"]) for r in world_train]
+    for percent in FRACTIONS:
+        part = read_jsonl(splits[f"train-{percent}"])
+        assert part == full[: len(world_train) * percent // 100]
+
+
+def test_seen_dev_asks_new_facts_of_people_in_every_fraction_and_unseen_dev_people_never_asked(world, splits):
+    seen, unseen = pairs(read_jsonl(splits["seen-dev"])), pairs(read_jsonl(splits["unseen-dev"]))
+    every_train_pair = set(pairs(read_jsonl(splits["train-100"])))
+    smallest = {p for p, _ in pairs(read_jsonl(splits[f"train-{min(FRACTIONS)}"]))}
+    assert len(set(seen)) == len(seen) == DEV
+    assert not set(seen) & every_train_pair
+    assert {p for p, _ in seen} <= smallest
+    assert len(unseen) == DEV and not {p for p, _ in unseen} & {p for p, _ in every_train_pair}
+    assert [r["question"] for r in read_jsonl(splits["unseen-dev"])] == \
+        [r["question"] for r in read_jsonl(world["described-dev"])][:DEV]
+
+
+def test_split_files_load_as_retrieval_sets_against_the_worlds_corpus(world, splits):
+    corpus = Corpus.open(world["passages"])
+    examples = load_retrieval(splits["seen-dev"], corpus=corpus)
+    assert [ex.question for ex in examples] == [r["question"] for r in read_jsonl(splits["seen-dev"])]
+
+
+def test_same_settings_reuse_the_folder_and_other_ones_are_refused(world, splits, capsys):
+    before = {name: path.read_bytes() for name, path in splits.items()}
+    assert make_splits(world["manifest"].parent, splits["manifest"].parent, dev_questions=DEV) == splits
+    assert {name: path.read_bytes() for name, path in splits.items()} == before
+    with pytest.raises(SystemExit):
+        main(["--world", str(world["manifest"].parent), "--out", str(splits["manifest"].parent), "--dev-questions", "7"])
+    assert "--overwrite" in capsys.readouterr().err
+    assert {name: path.read_bytes() for name, path in splits.items()} == before
+    with pytest.raises(FileNotFoundError, match="not a toy world"):
+        make_splits(splits["manifest"].parent, splits["manifest"].parent / "x")
