@@ -311,6 +311,77 @@ def test_two_processes_rebuild_the_same_ce_and_rank_every_question(recipe_toy_di
     assert len({b["directory"] for b in metrics["ce_builds"]}) == 3
 
 
+def test_contra_positives_are_the_rows_of_the_targets_own_tokens(world):
+    """CONTRA's positives for a target (seed 003: the CE embeddings of the target's own tokens) are, for every target,
+    the rows its identifier tokens land in when its context is encoded alone and each occurrence is given the nearest
+    row of its own token (brute force over the reduced table): never its end row, never another token's rows."""
+    corpus, tokenizer, targets = world
+    model = _model(tokenizer, dtype=torch.float32).eval()
+    table = build_ce_table(model.encoder, targets, corpus, tokenizer, 24, 3, 10, 0, 32)
+    ids = list(range(len(targets)))
+    mask = OutputSpace.np_decoding(table, tokenizer.eos_token_id).positives(ids, len(table.vectors))
+    with torch.no_grad():
+        for t in ids:
+            tokens = targets.tokens[t]
+            inputs = torch.tensor(context_inputs(targets, corpus, tokenizer, [t], 24))
+            states = model.encoder(input_ids=inputs).last_hidden_state[0, : len(tokens)]
+            expected = set()
+            for token, state in zip(tokens, states):
+                own = torch.nonzero(table.row_token == token).flatten()
+                expected.add(int(own[torch.cdist(state[None], table.vectors[own]).argmin()]))
+            assert set(torch.nonzero(mask[t]).flatten().tolist()) == expected, t
+            assert not mask[t, table.end_rows(tokenizer.eos_token_id)].any()
+
+
+@pytest.mark.slow
+def test_contra_moves_the_ce_rows_and_base_keeps_its_table(recipe_toy_dir, tmp_path):
+    """End to end: CONTRA's table after its contrastive steps is the CE of the encoder those steps trained (rebuilt
+    here from that step's checkpoint) and its rows moved from the initial table; BASE trains its encoder but keeps
+    the initial table to the end (one build; the final encoder's CE would differ)."""
+    from safetensors.torch import load_file
+
+    from rag_train.config import load_config
+    from rag_train.data.tokenizer import load_tokenizer
+    from rag_train.generative.config import GenerativeConfig
+    from rag_train.train.generative import train_generative
+
+    def run(name, *extra):
+        return train_generative(load_config(GenerativeConfig, None, [
+            f"data.toy_dir={recipe_toy_dir}", "data.toy_passages=300", "data.max_train_examples=64",
+            "data.max_eval_examples=4", "generator.tiny.d_model=32", "generator.tiny.d_ff=64",
+            "generator.tiny.num_heads=4", "generator.tiny.num_layers=1", "generator.tiny.num_decoder_layers=1",
+            "targets.context_length=24", "np.clusters_per_token=2", "train.batch_size=8", "train.lr=1e-2",
+            "train.warmup_steps=0", "train.tracker=null", f"train.output_dir={tmp_path / name}",
+            "eval.num_beams=2", "eval.recall_at=[1]", *extra]))
+
+    def ce_of(generator):
+        return build_ce_table(generator.encoder, targets, corpus, tokenizer, 24, 2, 20, 0, 64)
+
+    corpus = Corpus.open(recipe_toy_dir / "passages.jsonl")
+    tokenizer = load_tokenizer(recipe_toy_dir / "tokenizer")
+    targets = build_targets(corpus, tokenizer, "title")
+    contra = run("contra", "np.variant=contra", "np.contrastive_steps=4", "train.steps=2", "train.save_every=4")
+    assert [b["step"] for b in contra["ce_builds"]] == [0, 4]
+    initial, rebuilt = (load_ce_table(Path(b["directory"])) for b in contra["ce_builds"])
+    generator = GenerativeT5.from_pretrained(tmp_path / "contra" / "generator").eval()  # the run's shape
+    weights = load_file(str(tmp_path / "contra" / "checkpoints" / "step-00000004" / "model.safetensors"))
+    loaded = generator.load_state_dict({k.removeprefix("generator."): v for k, v in weights.items()}, strict=False)
+    assert not loaded.unexpected_keys  # and only the tied copies of `shared` are absent from the checkpoint:
+    assert set(loaded.missing_keys) == {"encoder.embed_tokens.weight", "decoder.embed_tokens.weight", "lm_head.weight"}
+    expected = ce_of(generator)
+    assert rebuilt.paths == expected.paths
+    torch.testing.assert_close(rebuilt.vectors, expected.vectors, rtol=1e-5, atol=1e-5)
+    assert (rebuilt.vectors - initial.vectors).abs().mean() > 0.1 * initial.vectors.abs().mean()
+
+    base = run("base", "train.steps=6")
+    assert [b["step"] for b in base["ce_builds"]] == [0]
+    final = GenerativeT5.from_pretrained(tmp_path / "base" / "generator").eval()
+    pointer = json.loads((tmp_path / "base" / "generator" / "ce.json").read_text())
+    assert Path(pointer["directory"]).resolve() == Path(base["ce_builds"][0]["directory"]).resolve()
+    kept, now = load_ce_table(Path(pointer["directory"])), ce_of(final)
+    assert (now.vectors - kept.vectors).abs().mean() > 0.1 * kept.vectors.abs().mean()
+
+
 def test_ranking_metrics_by_hand():
     """R-precision with R = |gold| and recall@k, an empty ranking counted as a miss (computed by hand)."""
     from rag_train.generative.search import ranking_metrics
