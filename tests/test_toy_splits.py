@@ -3,6 +3,7 @@ title, over every split and against the passages file; the fractions are nested 
 described-train file; seen-dev asks only people of the smallest fraction about facts never asked in training;
 unseen-dev asks only people never asked in training; a folder of other splits is refused."""
 
+import collections
 import json
 
 import pytest
@@ -53,6 +54,17 @@ def test_no_question_contains_its_target_title_in_any_split(world, splits):
             checked += 1
     manifest = json.loads(splits["manifest"].read_text())
     assert checked == sum(manifest["counts"].values()) and manifest["counts"]["seen-dev"] == DEV
+
+
+def test_chance_is_a_uniform_guess_among_the_people_sharing_the_first_name(world, splits):
+    """The manifest's chance recall, against a count of first names over the passages file's distinct titles."""
+    people = collections.Counter(title.split()[0] for title in {p["title"] for p in read_jsonl(world["passages"])})
+    chance = json.loads(splits["manifest"].read_text())["chance"]
+    for name in ("seen-dev", "unseen-dev"):
+        firsts = [row["positive_ctxs"][0]["title"].split()[0] for row in read_jsonl(splits[name])]
+        for k in (1, 5, 10):
+            assert chance[name][str(k)] == pytest.approx(100 * sum(min(1, k / people[f]) for f in firsts) / len(firsts),
+                                                          abs=0.006)
 
 
 def test_fractions_are_nested_prefixes_of_the_worlds_training_questions(world, splits):

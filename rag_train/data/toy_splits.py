@@ -58,6 +58,21 @@ def seen_questions(world: ToyWorld, start: int, seen: set[int], count: int) -> l
                      f"training fraction; ask for fewer dev questions than {count}")
 
 
+def first_name_chance(world: ToyWorld, questions: list[dict], ks: tuple[int, ...] = (1, 5, 10)) -> dict[str, float]:
+    """Recall@k (%) of a uniform guess among the world's people who share the question's first name (which the
+    question states): the mean over questions of min(1, k / that count)."""
+    counts = np.bincount(world.name_parts(np.arange(world.persons))[0], minlength=world.n_first)
+    firsts = world.name_parts(np.array([_person(q) for q in questions], dtype=np.int64))[0]
+    return {str(k): round(100.0 * float(np.mean(np.minimum(1.0, k / counts[firsts]))), 2) for k in ks}
+
+
+def description_ceiling(world: ToyWorld, split: str, questions: list[dict]) -> float:
+    """The best R@1 (%) of any retriever: a question fits 1 / (the people its description fits) of its answers."""
+    index = [int(q["id"].rsplit("-", 1)[1]) for q in questions]
+    fits = np.concatenate([toy_described.fitting(world, split, k, k + 1) for k in index])
+    return round(float(100.0 * np.mean(1.0 / fits)), 2)
+
+
 def _check_no_title(name: str, questions: list[dict], titles: list[str]) -> None:
     for question, title in zip(questions, titles):
         if title.lower() in question["question"].lower():
@@ -122,8 +137,11 @@ def make_splits(world_dir: str | Path, out_dir: str | Path, dev_questions: int =
     for name, questions in sets.items():
         _check_no_title(name, questions, _write(paths[name], world, questions))
         counts[name] = len(questions)
-    atomic_write_json(paths["manifest"], {**expected, "counts": counts,
-                                          "people": {name: len({_person(q) for q in qs}) for name, qs in sets.items()}})
+    dev = {"seen-dev": "train", "unseen-dev": "dev"}  # the family split each dev file's questions come from
+    atomic_write_json(paths["manifest"], {
+        **expected, "counts": counts, "people": {name: len({_person(q) for q in qs}) for name, qs in sets.items()},
+        "chance": {name: first_name_chance(world, sets[name]) for name in dev},
+        "ceiling": {name: description_ceiling(world, split, sets[name]) for name, split in dev.items()}})
     return paths
 
 

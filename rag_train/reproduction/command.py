@@ -23,7 +23,13 @@ Sections (--only):
   dynnibal  seed 001 as its paper runs it, on a described world (6,000 passages, toy_seed 1) from the LM-pretrained
             init and a GTR-like one (the other described world's LM trained in-batch on its questions): uniform
             negatives, Dynnibal with the warm start / refresh / full-refresh schedule, Dynnibal "+0" (no re-encoding),
-            SNM at Dynnibal's device memory, exhaustive (rag_train/reproduction/dynnibal.py).
+            SNM at Dynnibal's device memory, exhaustive (rag_train/reproduction/dynnibal.py);
+  generative
+            seed 003 (Np Decoding) where titles cannot be copied, on a described world (6,000 passages, toy_seed 1)
+            and its splits (scripts/make_toy_splits.py): vanilla decoding, BASE, ASYNC, CONTRA and the dual encoder;
+            vanilla and BASE on 30% / 10% of the training questions and with a d 64 generator; seen and unseen
+            (zero-shot) people; generator and CE encoder the world's span-corruption toy T5
+            (rag_train/reproduction/generative.py). About 6-12 min per run on one core, 33 runs with 3 seeds.
 
 Cost on 2 CPU cores (estimated from single runs, one torch thread per run): table1 + ablation + curves with
 the default 3 seeds about 35 min (a 300-step run is 40-70 s); table3 is dominated by the shared reader warm start

@@ -12,20 +12,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from rag_train.analysis.generative_compare import dense_title_metrics
 from rag_train.config import load_config
+from rag_train.data.toy_splits import make_splits
 from rag_train.strategies import reads
 from rag_train.train.lm_pretrain import LMPretrainConfig, pretrain_toy_lm
 from rag_train.train.schema import RetrieverTrainConfig
 from rag_train.experiments import compare_batching_main, run_once
-from rag_train.reproduction import dynnibal
+from rag_train.reproduction import dynnibal, generative
 from rag_train.reproduction.large_batches import large_batches_outputs
 from rag_train.io import atomic_write_json, read_json, remove_temporaries_of
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository: its configs/ and scripts/
 RETRIEVER_CONFIG = ROOT / "configs" / "toy" / "retriever.yaml"
 RLM_CONFIG = ROOT / "configs" / "toy" / "rlm.yaml"
+GENERATIVE_CONFIG = ROOT / "configs" / "toy" / "generative.yaml"
 LM_CONFIG = ROOT / "configs" / "toy" / "lm.yaml"
-SECTIONS = ("table1", "table3", "ablation", "curves", "synthetic", "large_batches", "dynnibal")
+SECTIONS = ("table1", "table3", "ablation", "curves", "synthetic", "large_batches", "dynnibal", "generative")
 INITS = ("random", "lm", "pretrained")
 INIT_LABELS = {"random": "random init (no counterpart in the paper)", "lm": "LM-pretrained init (paper: T5-base)",
                "pretrained": "retrieval-pretrained init (paper: GTR-base)"}
@@ -33,6 +36,7 @@ TABLE1 = ("in_batch", "stale", "corrector", "exhaustive", "snm", "negative_cache
 TABLE3 = ("closed_book", "frozen", "corrector", "exhaustive")
 CURVES = ("stale", "corrector", "exhaustive")
 RLM_CURVES = ("frozen", "corrector", "exhaustive")
+DENSE_TITLES = "title_metrics.json"  # a generative-section dual encoder's metrics at the title level
 INVOCATIONS = "invocations.json"  # under --runs: every invocation that ran sections, with its wall time
 
 
@@ -56,6 +60,14 @@ class Budget:
     dynnibal_other_world: tuple[int, int]
     dynnibal_pretrain: tuple[str, ...]
     dynnibal: tuple[str, ...]
+    # seed 003 where titles cannot be copied (the `generative` section): the described world, its splits' dev
+    # questions, every generative run's overrides, ASYNC's and CONTRA's schedule keys, the dual encoder's
+    generative_world: tuple[int, int]
+    generative_dev_questions: int
+    generative: tuple[str, ...]
+    generative_async: tuple[str, ...]
+    generative_contra: tuple[str, ...]
+    generative_dense: tuple[str, ...]
     seeds: tuple[int, ...]
     hidden: tuple[int, ...]  # corrector sizes of the ablation
     toy_passages: Optional[int] = None  # None: the configs' world (3,000 passages in data/toy)
@@ -75,6 +87,12 @@ FULL = Budget(
     dynnibal_pretrain=("train.steps=1000", "train.batch_size=32", "train.eval_every=0"),
     dynnibal=("train.steps=1500", "train.eval_every=250", "strategy.warm_start_steps=500",
               "strategy.full_refresh_step=1000"),
+    generative_world=(6000, 1),
+    generative_dev_questions=300,
+    generative=("train.steps=6000", "train.eval_every=2000"),
+    generative_async=("np.rebuild_every_epochs=8",),  # 32 epochs in 6,000 steps: rebuilds at epochs 8, 16, 24
+    generative_contra=("np.contrastive_steps=1000",),
+    generative_dense=("train.steps=2000", "train.eval_every=500"),
     seeds=(0, 1, 2),
     hidden=(64, 256, 1024),
 )
@@ -94,6 +112,12 @@ QUICK = Budget(
     dynnibal=("train.steps=8", "train.eval_every=4", "strategy.refresh_every=2", "strategy.warm_start_steps=3",
               "strategy.full_refresh_step=5", "strategy.landmarks=8", "strategy.nystrom_samples=32", "strategy.trees=2",
               "data.max_eval_examples=16"),
+    generative_world=(300, 1),
+    generative_dev_questions=12,
+    generative=("train.steps=4", "train.eval_every=0", "train.batch_size=8"),
+    generative_async=("np.rebuild_every_epochs=0.05",),  # every 2 of the 37 steps an epoch takes
+    generative_contra=("np.contrastive_steps=2",),
+    generative_dense=("train.steps=6", "train.eval_every=0"),
     seeds=(0,),
     hidden=(64, 256),
     toy_passages=300,
@@ -222,6 +246,59 @@ class Plan:
                    ["train.tracker=null", *self.described_world(self.budget.dynnibal_world, "world"),
                     f"retriever.model={model}", *budget, f"strategy.name={strategy}", f"train.seed={seed}", *extra])
 
+    def generative_world(self) -> list[str]:
+        passages, seed = self.budget.generative_world
+        return [f"data.toy_dir={self.runs / 'generative' / 'world'}", f"data.toy_passages={passages}",
+                f"data.toy_seed={seed}", "data.toy_retrieval=described"]
+
+    def generative_lm(self, size: str) -> LMPretrainConfig:
+        """The T5 stand-in of the `generative` section at a generator size (cached beside its world)."""
+        return load_config(LMPretrainConfig, LM_CONFIG,
+                           [*self.generative_world(), *self.budget.lm, *generative.SIZES[size][1]])
+
+    def generative_splits(self) -> Path:
+        return self.runs / "generative" / "splits"
+
+    def generative_data(self, fraction: int = 100) -> list[str]:
+        splits = self.generative_splits()
+        return ["train.tracker=null", *self.generative_world(), f"data.train={splits / f'train-{fraction}.jsonl'}",
+                f"data.dev=[{splits / 'seen-dev.jsonl'},{splits / 'unseen-dev.jsonl'}]"]
+
+    def generative_run(self, variant: str, seed: int, fraction: int = 100, size: str = "large") -> Run:
+        schedule = {"async": self.budget.generative_async, "contra": self.budget.generative_contra}.get(variant, ())
+        return Run("train_generative.py", GENERATIVE_CONFIG,
+                   self.runs / "generative" / generative.run_name(variant, seed, fraction, size),
+                   [*self.generative_data(fraction), f"generator.model={self.generative_lm(size).folder()}",
+                    *self.budget.generative, *generative.VARIANTS[variant][1], *schedule, f"train.seed={seed}"])
+
+    def generative_dense(self, seed: int) -> Run:
+        """The dual encoder on the same questions, from the world's d 64 LM (read as titles: `dense_titles`)."""
+        return Run("train_retriever.py", RETRIEVER_CONFIG, self.runs / "generative" / f"dense-seed{seed}",
+                   [*self.generative_data(), f"retriever.model={self.generative_lm('small').folder()}",
+                    *self.budget.generative_dense, f"train.seed={seed}"])
+
+    def generative_runs(self) -> list[Run]:
+        seeds = self.seeds
+        return ([self.generative_run(v, seed) for v in generative.VARIANTS for seed in seeds]
+                + [self.generative_run(v, seed, fraction=f) for v in generative.COMPARED
+                   for f in generative.DATA_FRACTIONS[1:] for seed in seeds]
+                + [self.generative_run(v, seed, size="small") for v in generative.COMPARED for seed in seeds]
+                + [self.generative_dense(seed) for seed in seeds])
+
+    def prepare_generative(self) -> None:
+        """The world and its two LMs (cached beside it), then its splits (reused when made with these settings)."""
+        for size in generative.SIZES:
+            build_lm(self.generative_lm(size))
+        make_splits(Path(self.generative_world()[0].split("=", 1)[1]), self.generative_splits(),
+                    self.budget.generative_dev_questions)
+
+    def dense_titles(self, run: Run) -> Optional[dict]:
+        """The finished dual-encoder run's title-level metrics, computed once into its folder."""
+        path = run.out / DENSE_TITLES
+        if not path.is_file() and run.metrics() is not None:
+            atomic_write_json(path, {"datasets": dense_title_metrics(run.out, [int(k) for k in generative.KS])})
+        return read_json(path) if path.is_file() else None
+
     def table1(self, init: str, strategy: str, seed: int, extra: tuple[str, ...] = ()) -> Run:
         model = {"random": [], "lm": [f"retriever.model={self.lm().folder()}"],
                  "pretrained": [f"retriever.model={self.pretrain().out / 'retriever'}"]}[init]
@@ -261,6 +338,8 @@ class Plan:
         if name == "dynnibal":
             return [self.dynnibal_pretrain()] + [self.dynnibal_run(i, r, seed) for i in dynnibal.INITS
                                                  for r in dynnibal.ROWS for seed in self.seeds]
+        if name == "generative":
+            return self.generative_runs()
         if name in ("synthetic", "large_batches"):  # scripts of their own, run by execute
             return []
         raise ValueError(f"unknown section {name!r}; expected one of {SECTIONS}")
@@ -281,11 +360,16 @@ class Plan:
                 build_lm(self.dynnibal_lm("other-world"))
             if section == "large_batches":
                 compare_batching_main(self.large_batches_args())
+            if section == "generative":
+                self.prepare_generative()
             runs = [run for run in self.section(section) if run.out not in done]
             done.update(run.out for run in runs)
             for finished_before in run_all(runs, threads, jobs):
                 tally.reused += finished_before
                 tally.launched += not finished_before
+            if section == "generative":
+                for seed in self.seeds:
+                    self.dense_titles(self.generative_dense(seed))
             tally.seconds[section] = round(time.time() - section_started, 1)
             print(f"[reproduce] {section}: {tally.seconds[section]:.0f} s", flush=True)
         return tally
@@ -331,6 +415,23 @@ class Plan:
                                       for r in dynnibal.ROWS} for i in dynnibal.INITS},
                          "passages": self.budget.dynnibal_world[0], "snm_targets": self.dynnibal_snm_targets(),
                          "world": "described, {} passages, toy_seed {}".format(*self.budget.dynnibal_world)},
+            "generative": self.collect_generative(),
+        }
+
+    def collect_generative(self) -> dict:
+        def found(runs: list[Run]) -> list[dict]:
+            return [m for m in (r.metrics() for r in runs) if m is not None]
+
+        manifest = self.generative_splits() / "manifest.json"
+        return {
+            "world": "{} passages, toy_seed {}".format(*self.budget.generative_world),
+            "splits": read_json(manifest) if manifest.is_file() else None,
+            "main": {v: found([self.generative_run(v, s) for s in self.seeds]) for v in generative.VARIANTS},
+            "fractions": {f: {v: found([self.generative_run(v, s, fraction=f) for s in self.seeds])
+                              for v in generative.COMPARED} for f in generative.DATA_FRACTIONS},
+            "sizes": {size: {v: found([self.generative_run(v, s, size=size) for s in self.seeds])
+                             for v in generative.COMPARED} for size in generative.SIZES},
+            "dense": [m for m in (self.dense_titles(self.generative_dense(s)) for s in self.seeds) if m is not None],
         }
 
     def invocations(self) -> list[dict]:

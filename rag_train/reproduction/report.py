@@ -15,6 +15,7 @@ from rag_train.reproduction.analysis import (percent, rlm_analysis, rlm_curves_a
 from rag_train.reproduction.metrics import DATASET_LABELS, DATASETS, em_curve, hotpotqa_gold_recall, mean_em, mean_of
 from rag_train.reproduction.paper import PAPER_TABLE1, PAPER_TABLE2_STEPS_PER_SECOND, PAPER_TABLE3
 from rag_train.reproduction.dynnibal import dynnibal_section
+from rag_train.reproduction.generative import generative_section
 from rag_train.reproduction.large_batches import large_batches_section
 from rag_train.reproduction.plan import CURVES, INIT_LABELS, INITS, RLM_CURVES, TABLE1, TABLE3
 from rag_train.reproduction.plots import plot_ablation, plot_curves, plot_table1, plot_table3
@@ -432,7 +433,8 @@ def write_report(results: dict, meta: dict, out: Path) -> Path:
     else:
         lines += ["_(not run: `--only synthetic`)_", ""]
     path = out / "reproduction.md"
-    lines += large_batches_section(out) + dynnibal_section(results.get("dynnibal"))
+    lines += (large_batches_section(out) + dynnibal_section(results.get("dynnibal"))
+              + generative_section(results.get("generative")))
     atomic_write_text(path, "\n".join(lines).rstrip() + "\n")  # StorageError on a full disk
     return path
 
