@@ -5,6 +5,7 @@ unseen-dev asks only people never asked in training; a folder of other splits is
 
 import collections
 import json
+import shutil
 
 import pytest
 
@@ -95,7 +96,7 @@ def test_split_files_load_as_retrieval_sets_against_the_worlds_corpus(world, spl
     assert [ex.question for ex in examples] == [r["question"] for r in read_jsonl(splits["seen-dev"])]
 
 
-def test_same_settings_reuse_the_folder_and_other_ones_are_refused(world, splits, capsys):
+def test_same_settings_reuse_the_folder_and_other_ones_are_refused(world, splits, capsys, tmp_path):
     before = {name: path.read_bytes() for name, path in splits.items()}
     assert make_splits(world["manifest"].parent, splits["manifest"].parent, dev_questions=DEV) == splits
     assert {name: path.read_bytes() for name, path in splits.items()} == before
@@ -105,3 +106,10 @@ def test_same_settings_reuse_the_folder_and_other_ones_are_refused(world, splits
     assert {name: path.read_bytes() for name, path in splits.items()} == before
     with pytest.raises(FileNotFoundError, match="not a toy world"):
         make_splits(splits["manifest"].parent, splits["manifest"].parent / "x")
+    copy = tmp_path / "copy"
+    shutil.copytree(splits["manifest"].parent, copy)
+    (copy / "notes.txt").write_text("mine")
+    replaced = make_splits(world["manifest"].parent, copy, dev_questions=7, overwrite=True)
+    assert len(read_jsonl(replaced["seen-dev"])) == 7 and json.loads(replaced["manifest"].read_text())["dev_questions"] == 7
+    assert read_jsonl(replaced["seen-dev"]) == read_jsonl(splits["seen-dev"])[:7]  # the same order, cut shorter
+    assert (copy / "notes.txt").read_text() == "mine"  # only the splits' own files are replaced

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 from pathlib import Path
 from typing import Optional
 
@@ -123,9 +122,8 @@ def make_splits(world_dir: str | Path, out_dir: str | Path, dev_questions: int =
                                   f"(field 'world' {str(found.get('world'))[:12]}...); pass --overwrite to replace them")
     elif Path(out_dir).is_dir() and any(Path(out_dir).iterdir()) and not overwrite:
         raise FileExistsError(f"{out_dir}: not empty and not a splits folder; pass --overwrite or pick another --out")
-    if overwrite and Path(out_dir).is_dir():
-        shutil.rmtree(out_dir)
     Path(out_dir).mkdir(parents=True, exist_ok=True)
+    paths["manifest"].unlink(missing_ok=True)  # written last: a folder without it is never taken as finished
 
     train = toy_described.questions(world, "train", 0, train_count)
     smallest = train[: fraction_count(train_count, min(FRACTIONS))]
