@@ -10,9 +10,12 @@ Tables, each mean ± sd over seeds: (a) vanilla decoding, Np Decoding BASE / ASY
 from __future__ import annotations
 
 import statistics
+from pathlib import Path
 from typing import Optional
 
+from rag_train.analysis.generative_compare import dense_title_metrics
 from rag_train.experiments import cell
+from rag_train.io import atomic_write_json, read_json
 
 # folder name: (label, overrides); ASYNC and CONTRA add the budget's schedule keys (plan.py)
 VARIANTS = {"vanilla": ("vanilla decoding", ("np.enabled=false",)),
@@ -27,6 +30,15 @@ SIZES = {"large": ("d 128, 8 heads (the toy generator's shape)", ("model.d_model
          "small": ("d 64, 4 heads", ())}
 DEV = ("seen", "unseen")
 KS = ("1", "5", "10")
+DENSE_TITLES = "title_metrics.json"  # a dual-encoder run's metrics at the title level, beside its metrics.json
+
+
+def dense_titles(run_dir: Path) -> Optional[dict]:
+    """A finished dual-encoder run's title-level metrics (computed once into its folder); None if it has not finished."""
+    path = run_dir / DENSE_TITLES
+    if not path.is_file() and (run_dir / "metrics.json").is_file():
+        atomic_write_json(path, {"datasets": dense_title_metrics(run_dir, [int(k) for k in KS])})
+    return read_json(path) if path.is_file() else None
 
 
 def run_name(variant: str, seed: int, fraction: int = 100, size: str = "large") -> str:

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from rag_train.analysis.generative_compare import dense_title_metrics
+import torch
+
 from rag_train.config import load_config
 from rag_train.data.toy_splits import make_splits
 from rag_train.strategies import reads
@@ -36,7 +37,6 @@ TABLE1 = ("in_batch", "stale", "corrector", "exhaustive", "snm", "negative_cache
 TABLE3 = ("closed_book", "frozen", "corrector", "exhaustive")
 CURVES = ("stale", "corrector", "exhaustive")
 RLM_CURVES = ("frozen", "corrector", "exhaustive")
-DENSE_TITLES = "title_metrics.json"  # a generative-section dual encoder's metrics at the title level
 INVOCATIONS = "invocations.json"  # under --runs: every invocation that ran sections, with its wall time
 
 
@@ -124,8 +124,14 @@ QUICK = Budget(
 )
 
 
-def build_lm(cfg: LMPretrainConfig) -> None:
-    built = pretrain_toy_lm(cfg)
+def build_lm(cfg: LMPretrainConfig, threads: Optional[int] = None) -> None:
+    """Pretrains in this process with the runs' torch threads (two threads beside busy cores stall: 10x slower)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads or previous)
+    try:
+        built = pretrain_toy_lm(cfg)
+    finally:
+        torch.set_num_threads(previous)
     print(f"[reproduce] toy LM {'reused' if built['reused'] else 'trained'}: {built['folder']}", flush=True)
 
 
@@ -258,7 +264,6 @@ class Plan:
 
     def generative_splits(self) -> Path:
         return self.runs / "generative" / "splits"
-
     def generative_data(self, fraction: int = 100) -> list[str]:
         splits = self.generative_splits()
         return ["train.tracker=null", *self.generative_world(), f"data.train={splits / f'train-{fraction}.jsonl'}",
@@ -278,26 +283,18 @@ class Plan:
                     *self.budget.generative_dense, f"train.seed={seed}"])
 
     def generative_runs(self) -> list[Run]:
-        seeds = self.seeds
-        return ([self.generative_run(v, seed) for v in generative.VARIANTS for seed in seeds]
+        return ([self.generative_run(v, seed) for v in generative.VARIANTS for seed in self.seeds]
                 + [self.generative_run(v, seed, fraction=f) for v in generative.COMPARED
-                   for f in generative.DATA_FRACTIONS[1:] for seed in seeds]
-                + [self.generative_run(v, seed, size="small") for v in generative.COMPARED for seed in seeds]
-                + [self.generative_dense(seed) for seed in seeds])
+                   for f in generative.DATA_FRACTIONS[1:] for seed in self.seeds]
+                + [self.generative_run(v, seed, size="small") for v in generative.COMPARED for seed in self.seeds]
+                + [self.generative_dense(seed) for seed in self.seeds])
 
-    def prepare_generative(self) -> None:
+    def prepare_generative(self, threads: Optional[int]) -> None:
         """The world and its two LMs (cached beside it), then its splits (reused when made with these settings)."""
         for size in generative.SIZES:
-            build_lm(self.generative_lm(size))
+            build_lm(self.generative_lm(size), threads)
         make_splits(Path(self.generative_world()[0].split("=", 1)[1]), self.generative_splits(),
                     self.budget.generative_dev_questions)
-
-    def dense_titles(self, run: Run) -> Optional[dict]:
-        """The finished dual-encoder run's title-level metrics, computed once into its folder."""
-        path = run.out / DENSE_TITLES
-        if not path.is_file() and run.metrics() is not None:
-            atomic_write_json(path, {"datasets": dense_title_metrics(run.out, [int(k) for k in generative.KS])})
-        return read_json(path) if path.is_file() else None
 
     def table1(self, init: str, strategy: str, seed: int, extra: tuple[str, ...] = ()) -> Run:
         model = {"random": [], "lm": [f"retriever.model={self.lm().folder()}"],
@@ -354,14 +351,14 @@ class Plan:
             if section == "synthetic":
                 self.run_synthetic()
             if section in ("table1", "curves", "large_batches"):
-                build_lm(self.lm())
+                build_lm(self.lm(), threads)
             if section == "dynnibal":
-                build_lm(self.dynnibal_lm("world"))
-                build_lm(self.dynnibal_lm("other-world"))
+                build_lm(self.dynnibal_lm("world"), threads)
+                build_lm(self.dynnibal_lm("other-world"), threads)
             if section == "large_batches":
                 compare_batching_main(self.large_batches_args())
             if section == "generative":
-                self.prepare_generative()
+                self.prepare_generative(threads)
             runs = [run for run in self.section(section) if run.out not in done]
             done.update(run.out for run in runs)
             for finished_before in run_all(runs, threads, jobs):
@@ -369,7 +366,7 @@ class Plan:
                 tally.launched += not finished_before
             if section == "generative":
                 for seed in self.seeds:
-                    self.dense_titles(self.generative_dense(seed))
+                    generative.dense_titles(self.generative_dense(seed).out)
             tally.seconds[section] = round(time.time() - section_started, 1)
             print(f"[reproduce] {section}: {tally.seconds[section]:.0f} s", flush=True)
         return tally
@@ -421,7 +418,6 @@ class Plan:
     def collect_generative(self) -> dict:
         def found(runs: list[Run]) -> list[dict]:
             return [m for m in (r.metrics() for r in runs) if m is not None]
-
         manifest = self.generative_splits() / "manifest.json"
         return {
             "world": "{} passages, toy_seed {}".format(*self.budget.generative_world),
@@ -431,7 +427,7 @@ class Plan:
                               for v in generative.COMPARED} for f in generative.DATA_FRACTIONS},
             "sizes": {size: {v: found([self.generative_run(v, s, size=size) for s in self.seeds])
                              for v in generative.COMPARED} for size in generative.SIZES},
-            "dense": [m for m in (self.dense_titles(self.generative_dense(s)) for s in self.seeds) if m is not None],
+            "dense": [m for m in (generative.dense_titles(self.generative_dense(s).out) for s in self.seeds) if m],
         }
 
     def invocations(self) -> list[dict]:
