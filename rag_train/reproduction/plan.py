@@ -254,7 +254,7 @@ class Plan:
 
     def generative_world(self) -> list[str]:
         passages, seed = self.budget.generative_world
-        return [f"data.toy_dir={self.runs / 'generative' / 'world'}", f"data.toy_passages={passages}",
+        return [f"data.toy_dir={self.generative_splits().parent / 'world'}", f"data.toy_passages={passages}",
                 f"data.toy_seed={seed}", "data.toy_retrieval=described"]
 
     def generative_lm(self, size: str) -> LMPretrainConfig:
@@ -264,6 +264,7 @@ class Plan:
 
     def generative_splits(self) -> Path:
         return self.runs / "generative" / "splits"
+
     def generative_data(self, fraction: int = 100) -> list[str]:
         splits = self.generative_splits()
         return ["train.tracker=null", *self.generative_world(), f"data.train={splits / f'train-{fraction}.jsonl'}",
@@ -293,7 +294,7 @@ class Plan:
         """The world and its two LMs (cached beside it), then its splits (reused when made with these settings)."""
         for size in generative.SIZES:
             build_lm(self.generative_lm(size), threads)
-        make_splits(Path(self.generative_world()[0].split("=", 1)[1]), self.generative_splits(),
+        make_splits(self.generative_splits().parent / "world", self.generative_splits(),
                     self.budget.generative_dev_questions)
 
     def table1(self, init: str, strategy: str, seed: int, extra: tuple[str, ...] = ()) -> Run:
