@@ -345,7 +345,8 @@ def test_quick_generative_section_runs_seed_003s_four_tables(tmp_path):
     """`reproduce.py --quick --only generative --jobs 2` end to end: every run reads its split (the fraction's training
     file, seen and unseen dev) and its size's LM (d 128 or d 64, both pretrained on the section's described world),
     ASYNC rebuilds on its schedule and CONTRA after its contrastive steps, the dual encoder's title-level figures are
-    those of `dense_title_metrics`, and the report's rows and computed Np gain are the runs' metrics, by hand."""
+    those of `dense_title_metrics`, the multi-hop runs read the bridge files and report Recall@2, and the report's rows
+    and computed Np gain are the runs' metrics, by hand."""
     from rag_train.analysis.generative_compare import dense_title_metrics
 
     runs = tmp_path / "runs"
@@ -355,12 +356,14 @@ def test_quick_generative_section_runs_seed_003s_four_tables(tmp_path):
     metrics = {p.parent.name: json.loads(p.read_text()) for p in folder.glob("*-seed0/metrics.json")}
     assert sorted(metrics) == sorted(["vanilla-seed0", "base-seed0", "async-seed0", "contra-seed0", "dense-seed0",
                                       "vanilla-f30-seed0", "base-f30-seed0", "vanilla-f10-seed0", "base-f10-seed0",
-                                      "vanilla-small-seed0", "base-small-seed0"])
+                                      "vanilla-small-seed0", "base-small-seed0", "vanilla-bridge-seed0",
+                                      "base-bridge-seed0"])
     for name in metrics:
         cfg = (folder / name / "config.yaml").read_text()
         fraction = name.split("-f")[1].split("-")[0] if "-f" in name else "100"
-        assert f"train: {folder / 'splits' / f'train-{fraction}.jsonl'}\n" in cfg
-        assert f"- {folder / 'splits' / 'unseen-dev.jsonl'}\n" in cfg
+        train, prefix = ("bridge-train", "bridge-") if "bridge" in name else (f"train-{fraction}", "")
+        assert f"train: {folder / 'splits' / f'{train}.jsonl'}\n" in cfg
+        assert f"- {folder / 'splits' / f'{prefix}unseen-dev.jsonl'}\n" in cfg
         if name != "dense-seed0":
             lm = Path(cfg.split("generator:\n  model: ")[1].split("\n")[0])
             assert lm.parent == folder / "world"
@@ -385,6 +388,11 @@ def test_quick_generative_section_runs_seed_003s_four_tables(tmp_path):
     assert row("Np Decoding BASE, 10%", metrics["base-f10-seed0"]) in section
     assert row("vanilla decoding, d 64, 4 heads", metrics["vanilla-small-seed0"]) in section
     assert row("Np Decoding ASYNC", metrics["async-seed0"], ("unseen",)) in section
+    bridge = metrics["base-bridge-seed0"]["datasets"]
+    assert bridge["bridge-seen"]["questions"] == bridge["bridge-unseen"]["questions"] == 12
+    assert ("| Np Decoding BASE | 1 | " + " | ".join(
+        f"{100 * (bridge[d]['r_precision'] if k == 'rp' else bridge[d]['recall'][k]):.1f}"
+        for d in ("bridge-seen", "bridge-unseen") for k in ("rp", "2", "10")) + " |") in section
     seen = {v: metrics[f"{v}-seed0"]["datasets"]["seen"]["r_precision"] for v in ("vanilla", "base", "async", "contra")}
     best = max(("base", "async", "contra"), key=lambda v: seen[v])  # the first of equals, as max() picks
     assert f"against vanilla {100 * seen['vanilla']:.1f}: **{100 * (seen[best] - seen['vanilla']):+.1f} points**" \

@@ -10,6 +10,12 @@ all of the described family, written as DPR JSONL (question, answers, positive_c
   seen-dev                         new (person, asked fact) pairs of people asked in train-10, hence in every fraction
                                    (the question differs from every training one; the person does not)
   unseen-dev                       the world's dev people, whose questions never appear in training (zero-shot)
+  bridge-train / bridge-seen-dev / bridge-unseen-dev
+                                   multi-hop, the `mentor_bridge` family ("where was the mentor of Gorar Figinis
+                                   born?"): two gold passages, the named person's (its title is in the question, as
+                                   HotpotQA names its first entity) and the mentor's, which states the answer and whose
+                                   title is never in the question; seen-dev asks new facts of the mentors of people
+                                   asked in bridge-train, unseen-dev asks about the world's dev people
 
 `python scripts/make_toy_splits.py --world DIR --out DIR` writes them; runs name them with `data.train=` and
 `data.dev=[...]` (the world stays the toy world: its passages, tokenizer and LM inits). The folder's manifest records
@@ -31,7 +37,8 @@ from rag_train.data.toy import SECTIONS, ToyWorld
 from rag_train.io import atomic_open, atomic_write_json, read_json
 
 FRACTIONS = (100, 30, 10)  # percent of the world's described-train questions
-SPLITS_VERSION = 1
+BRIDGE_FILES = ("train", "seen-dev", "unseen-dev")  # the multi-hop splits of the mentor_bridge family
+SPLITS_VERSION = 2  # 2: the bridge files
 CHUNK = 16384
 
 
@@ -41,15 +48,16 @@ def fraction_count(total: int, percent: int) -> int:
 
 
 def _person(question: dict) -> int:
-    return question["_row"] // SECTIONS
+    """The person a question asks about: its first gold passage's (described: its only one; bridge: the one named)."""
+    return int(question["gold_ids"][0][1:]) // SECTIONS
 
 
-def seen_questions(world: ToyWorld, start: int, seen: set[int], count: int) -> list[dict]:
-    """The first `count` described-train questions from `start` on whose person is in `seen`. Questions past the
-    training ones are new (person, asked fact) pairs: the family's order never repeats a pair."""
-    out, capacity = [], toy_described.capacity(world, "train")
+def seen_questions(world: ToyWorld, family: str, start: int, seen: set[int], count: int) -> list[dict]:
+    """The first `count` train questions of `family` from `start` on whose person is in `seen`. Questions past the
+    training ones are new (person, asked fact) pairs: a family's order never repeats a pair."""
+    out, capacity = [], world.capacity(family, "train")
     for begin in range(start, capacity, CHUNK):
-        out += [q for q in toy_described.questions(world, "train", begin, min(begin + CHUNK, capacity))
+        out += [q for q in world.questions(family, "train", begin, min(begin + CHUNK, capacity))
                 if _person(q) in seen]
         if len(out) >= count:
             return out[:count]
@@ -79,18 +87,20 @@ def _check_no_title(name: str, questions: list[dict], titles: list[str]) -> None
 
 
 def _write(path: Path, world: ToyWorld, questions: list[dict]) -> list[str]:
-    """DPR JSONL of the questions (their gold passage as the one positive); returns the gold titles."""
-    gold = world.passage_dicts(np.array([q["_row"] for q in questions], dtype=np.int64))
+    """DPR JSONL of the questions (their gold passages as positives, in order); returns the answer passages'
+    titles (the passage stating the answer: a bridge question's second gold)."""
+    rows = [int(g[1:]) for q in questions for g in q["gold_ids"]]
+    gold = dict(zip(rows, world.passage_dicts(np.array(rows, dtype=np.int64))))
     with atomic_open(path, "w") as handle:
-        for q, passage in zip(questions, gold):
+        for q in questions:
             handle.write(json.dumps({"id": q["id"], "question": q["question"], "answers": q["answers"],
-                                     "positive_ctxs": [passage]}) + "\n")
-    return [passage["title"] for passage in gold]
+                                     "positive_ctxs": [gold[int(g[1:])] for g in q["gold_ids"]]}) + "\n")
+    return [gold[q["_row"]]["title"] for q in questions]
 
 
 def split_paths(out_dir: str | Path) -> dict[str, Path]:
     out_dir = Path(out_dir)
-    names = [f"train-{p}" for p in FRACTIONS] + ["seen-dev", "unseen-dev"]
+    names = [f"train-{p}" for p in FRACTIONS] + ["seen-dev", "unseen-dev"] + [f"bridge-{n}" for n in BRIDGE_FILES]
     return {**{name: out_dir / f"{name}.jsonl" for name in names}, "manifest": out_dir / "manifest.json"}
 
 
@@ -128,9 +138,16 @@ def make_splits(world_dir: str | Path, out_dir: str | Path, dev_questions: int =
     train = toy_described.questions(world, "train", 0, train_count)
     smallest = train[: fraction_count(train_count, min(FRACTIONS))]
     sets = {f"train-{p}": train[: fraction_count(train_count, p)] for p in FRACTIONS}
-    sets["seen-dev"] = seen_questions(world, train_count, {_person(q) for q in smallest}, dev_questions)
+    sets["seen-dev"] = seen_questions(world, "described", train_count, {_person(q) for q in smallest}, dev_questions)
     sets["unseen-dev"] = toy_described.questions(
         world, "dev", 0, min(dev_questions, toy_described.capacity(world, "dev")))
+    bridge_count = info["counts"]["mentor_bridge-train"]
+    bridge = world.questions("mentor_bridge", "train", 0, bridge_count)
+    sets["bridge-train"] = bridge
+    sets["bridge-seen-dev"] = seen_questions(world, "mentor_bridge", bridge_count, {_person(q) for q in bridge},
+                                             dev_questions)
+    sets["bridge-unseen-dev"] = world.questions(
+        "mentor_bridge", "dev", 0, min(dev_questions, world.capacity("mentor_bridge", "dev")))
     counts = {}
     for name, questions in sets.items():
         _check_no_title(name, questions, _write(paths[name], world, questions))
@@ -148,7 +165,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world", required=True, help="a described toy world (make_toy_data.py --retrieval described)")
     parser.add_argument("--out", required=True, help="folder for the split files")
-    parser.add_argument("--dev-questions", type=int, default=300, help="questions in seen-dev and unseen-dev")
+    parser.add_argument("--dev-questions", type=int, default=300, help="questions in each dev file")
     parser.add_argument("--overwrite", action="store_true", help="replace a splits folder of other settings")
     args = parser.parse_args(argv)
     try:

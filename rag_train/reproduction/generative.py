@@ -5,7 +5,7 @@ rag_train/data/toy_splits.py ask new facts of people seen in training (`seen`) a
 zero-shot). The generator and the CE encoder are a span-corruption toy T5 of the world (seed 003's pretrained T5).
 Tables, each mean ± sd over seeds: (a) vanilla decoding, Np Decoding BASE / ASYNC / CONTRA and the dual encoder;
 (b) vanilla and BASE on 100% / 30% / 10% of the training questions; (c) vanilla and BASE at two generator sizes;
-(d) zero-shot, the unseen people. Computed: Np (best variant) minus vanilla R-precision on the seen people."""
+(d) zero-shot, the unseen people; (e) multi-hop (mentor_bridge, Recall@2), vanilla and BASE. Computed: Np (best variant) minus vanilla R-precision on the seen people."""
 
 from __future__ import annotations
 
@@ -41,8 +41,12 @@ def dense_titles(run_dir: Path) -> Optional[dict]:
     return read_json(path) if path.is_file() else None
 
 
-def run_name(variant: str, seed: int, fraction: int = 100, size: str = "large") -> str:
-    return f"{variant}{'' if fraction == 100 else f'-f{fraction}'}{'' if size == 'large' else f'-{size}'}-seed{seed}"
+BRIDGE_RECALL = "eval.recall_at=[1,2,10]"  # multi-hop: seed 003 reports Recall@2 (two gold titles)
+
+
+def run_name(variant: str, seed: int, fraction: int = 100, size: str = "large", bridge: bool = False) -> str:
+    return (f"{variant}{'' if fraction == 100 else f'-f{fraction}'}{'' if size == 'large' else f'-{size}'}"
+            f"{'-bridge' if bridge else ''}-seed{seed}")
 
 
 def _value(m: dict, dev: str, key: str) -> Optional[float]:
@@ -52,14 +56,14 @@ def _value(m: dict, dev: str, key: str) -> Optional[float]:
     return values["r_precision"] if key == "rp" else values["recall"].get(key)
 
 
-def _row(label: str, runs: list[dict], devs=DEV) -> str:
-    cells = [cell([_value(m, dev, key) for m in runs]) for dev in devs for key in ("rp", "5", "10")]
+def _row(label: str, runs: list[dict], devs=DEV, keys=("rp", "5", "10")) -> str:
+    cells = [cell([_value(m, dev, key) for m in runs]) for dev in devs for key in keys]
     return f"| {label} | {len(runs)} | " + " | ".join(cells) + " |"
 
 
-def _header(first: str, devs=DEV) -> list[str]:
-    return [f"| {first} | runs | " + " | ".join(f"{dev} {col}" for dev in devs for col in ("R-prec", "R@5", "R@10"))
-            + " |", "|---|---|" + "---|" * (3 * len(devs))]
+def _header(first: str, devs=DEV, keys=("rp", "5", "10")) -> list[str]:
+    names = [f"{dev} {'R-prec' if key == 'rp' else f'R@{key}'}" for dev in devs for key in keys]
+    return [f"| {first} | runs | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
 
 
 def _chance_row(splits: dict, devs=DEV) -> str:
@@ -121,4 +125,10 @@ def generative_section(results: Optional[dict]) -> list[str]:
     if results["dense"]:
         lines.append(_row("dual encoder (title level)", results["dense"], ("unseen",)))
     lines += [_chance_row(splits, ("unseen",)), ""]
+    bridge, devs, keys = results.get("bridge", {}), ("bridge-seen", "bridge-unseen"), ("rp", "2", "10")
+    if any(bridge.values()):
+        lines += ["### (e) Multi-hop: the mentor_bridge family (two gold titles, the mentor's never in the question)",
+                  "", "Trained on `bridge-train` (one pair per gold title); seen: new facts of the mentors of people "
+                  "asked in training; unseen: people never asked.", "", *_header("method", devs, keys),
+                  *[_row(VARIANTS[v][0], runs, devs, keys) for v, runs in bridge.items() if runs], ""]
     return lines

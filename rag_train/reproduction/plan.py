@@ -265,17 +265,20 @@ class Plan:
     def generative_splits(self) -> Path:
         return self.runs / "generative" / "splits"
 
-    def generative_data(self, fraction: int = 100) -> list[str]:
-        splits = self.generative_splits()
-        return ["train.tracker=null", *self.generative_world(), f"data.train={splits / f'train-{fraction}.jsonl'}",
-                f"data.dev=[{splits / 'seen-dev.jsonl'},{splits / 'unseen-dev.jsonl'}]"]
+    def generative_data(self, fraction: int = 100, bridge: bool = False) -> list[str]:
+        splits, prefix = self.generative_splits(), "bridge-" if bridge else ""
+        train = splits / ("bridge-train.jsonl" if bridge else f"train-{fraction}.jsonl")
+        return ["train.tracker=null", *self.generative_world(), f"data.train={train}",
+                f"data.dev=[{splits / f'{prefix}seen-dev.jsonl'},{splits / f'{prefix}unseen-dev.jsonl'}]"]
 
-    def generative_run(self, variant: str, seed: int, fraction: int = 100, size: str = "large") -> Run:
+    def generative_run(self, variant: str, seed: int, fraction: int = 100, size: str = "large",
+                       bridge: bool = False) -> Run:
         schedule = {"async": self.budget.generative_async, "contra": self.budget.generative_contra}.get(variant, ())
         return Run("train_generative.py", GENERATIVE_CONFIG,
-                   self.runs / "generative" / generative.run_name(variant, seed, fraction, size),
-                   [*self.generative_data(fraction), f"generator.model={self.generative_lm(size).folder()}",
-                    *self.budget.generative, *generative.VARIANTS[variant][1], *schedule, f"train.seed={seed}"])
+                   self.runs / "generative" / generative.run_name(variant, seed, fraction, size, bridge),
+                   [*self.generative_data(fraction, bridge), f"generator.model={self.generative_lm(size).folder()}",
+                    *self.budget.generative, *generative.VARIANTS[variant][1], *schedule, f"train.seed={seed}",
+                    *((generative.BRIDGE_RECALL,) if bridge else ())])
 
     def generative_dense(self, seed: int) -> Run:
         """The dual encoder on the same questions, from the world's d 64 LM (read as titles: `dense_titles`)."""
@@ -288,6 +291,7 @@ class Plan:
                 + [self.generative_run(v, seed, fraction=f) for v in generative.COMPARED
                    for f in generative.DATA_FRACTIONS[1:] for seed in self.seeds]
                 + [self.generative_run(v, seed, size="small") for v in generative.COMPARED for seed in self.seeds]
+                + [self.generative_run(v, seed, bridge=True) for v in generative.COMPARED for seed in self.seeds]
                 + [self.generative_dense(seed) for seed in self.seeds])
 
     def prepare_generative(self, threads: Optional[int]) -> None:
@@ -428,6 +432,7 @@ class Plan:
                               for v in generative.COMPARED} for f in generative.DATA_FRACTIONS},
             "sizes": {size: {v: found([self.generative_run(v, s, size=size) for s in self.seeds])
                              for v in generative.COMPARED} for size in generative.SIZES},
+            "bridge": {v: found([self.generative_run(v, s, bridge=True) for s in self.seeds]) for v in generative.COMPARED},
             "dense": [m for m in (generative.dense_titles(self.generative_dense(s).out) for s in self.seeds) if m],
         }
 

@@ -126,8 +126,9 @@ def train_generative(cfg: GenerativeConfig) -> dict:
         questions, gold = _examples(path, corpus, targets, None)
         train_questions += questions
         train_gold += gold
-    train_questions = train_questions[: cfg.data.max_train_examples]
-    train_targets = [gold[0] for gold in train_gold[: len(train_questions)]]
+    # one (question, target) pair per gold target: a multi-hop question trains on each of its titles (GENRE / KILT)
+    pairs = [(q, t) for q, gold in zip(train_questions[: cfg.data.max_train_examples], train_gold) for t in gold]
+    train_questions, train_targets = [q for q, _ in pairs], [t for _, t in pairs]
     dev_sets = {dataset_name(p): _examples(p, corpus, targets, cfg.data.max_eval_examples) for p in files.dev}
 
     optimizer = (Adafactor(generator.parameters(), lr=cfg.train.lr, scale_parameter=False, relative_step=False,
