@@ -414,6 +414,16 @@ def test_contra_moves_the_ce_rows_and_base_keeps_its_table(recipe_toy_dir, tmp_p
     assert (now.vectors - kept.vectors).abs().mean() > 0.1 * kept.vectors.abs().mean()
 
 
+def test_async_rebuilds_every_n_epochs_counted_in_examples():
+    """By hand: 8 epochs of 6,000 pairs at batch 32 = 48,000 / 32 = 1,500 steps (not 8 x 187 = 1,496, an epoch
+    rounded down first, whose 4th rebuild fell 16 steps before a 6,000-step run's end); at least one step."""
+    from rag_train.train.generative import rebuild_interval
+
+    assert rebuild_interval(8, 6000, 32) == 1500
+    assert rebuild_interval(2, 60, 8) == 15 and rebuild_interval(0.25, 64, 8) == 2
+    assert rebuild_interval(0.01, 10, 32) == 1
+
+
 def test_ranking_metrics_by_hand():
     """R-precision with R = |gold| and recall@k, an empty ranking counted as a miss (computed by hand)."""
     from rag_train.generative.search import ranking_metrics

@@ -142,8 +142,8 @@ def train_generative(cfg: GenerativeConfig) -> dict:
     step = run.resume()
     contrastive = cfg.np.contrastive_steps if cfg.np.enabled else 0
     total = contrastive + cfg.train.steps
-    epoch_steps = max(1, len(train_questions) // cfg.train.batch_size)
-    rebuild_every = max(1, round(cfg.np.rebuild_every_epochs * epoch_steps)) if cfg.np.variant == "async" else 0
+    rebuild_every = (rebuild_interval(cfg.np.rebuild_every_epochs, len(train_questions), cfg.train.batch_size)
+                     if cfg.np.variant == "async" else 0)
     ce_builds = run.totals.setdefault("ce_builds", [])  # checkpointed with the run: a resumed run keeps the earlier ones
 
     def use_table(table: CETable, record: bool = True) -> OutputSpace:
@@ -231,6 +231,13 @@ def train_generative(cfg: GenerativeConfig) -> dict:
     run.write_metrics(metrics)
     run.end()
     return metrics
+
+
+def rebuild_interval(epochs: float, examples: int, batch_size: int) -> int:
+    """ASYNC's steps between CE rebuilds: `epochs` passes over `examples` in steps of `batch_size`, counted in
+    examples (8 epochs of 6,000 pairs at batch 32 are 1,500 steps; rounding an epoch down to 187 steps first would put
+    a 4th rebuild at step 5,984, 16 steps before a 6,000-step run ends)."""
+    return max(1, round(epochs * examples / batch_size))
 
 
 def local_slice_range(n: int, rank: int, world: int) -> range:
