@@ -1,6 +1,7 @@
 """Shared fixtures: one small toy world (with its trained tokenizer) per test session; under pytest-xdist, the
 machine's cores shared out between the workers."""
 
+import json
 import os
 import shutil
 import sys
@@ -91,3 +92,16 @@ def read_by(name: str, values: dict) -> dict:
     """`values` ({"strategy.key": v, ...} overrides) without the strategy keys that strategy `name` does not read:
     a test passes only what its strategy reads (load_config refuses a command-line key the strategy does not read)."""
     return {key: value for key, value in values.items() if reads(name, key)}
+
+
+def read_jsonl(path):
+    with open(path, encoding="utf-8") as handle:
+        return [json.loads(line) for line in handle]
+
+
+@pytest.fixture(scope="session")
+def described_world(tmp_path_factory):
+    """A 1,200-passage described toy world (seed 5, no tokenizer): its paths (`toy_paths`)."""
+    return generate_toy_world(tmp_path_factory.mktemp("described"), 1200, 5, progress=False, tokenizer_vocab=None,
+                              retrieval="described")
+

@@ -19,12 +19,9 @@ from rag_train.data.toy_files import ensure_toy_world, generate_toy_world, toy_p
 from rag_train.models.tiny import tiny_t5_config
 from rag_train.data.tokenizer import load_tokenizer, train_tokenizer
 
+from conftest import read_jsonl
+
 NAME = re.compile(r"[A-Z][a-z]+ [A-Z][a-z]+")
-
-
-def read_jsonl(path):
-    with open(path, encoding="utf-8") as handle:
-        return [json.loads(line) for line in handle]
 
 
 @pytest.fixture(scope="module")

@@ -12,24 +12,20 @@ import pytest
 from rag_train.config import ConfigError, DataConfig
 from rag_train.data import toy_described
 from rag_train.data.toy import FACTS, ToyWorld
-from rag_train.data.toy_files import ensure_toy_world, generate_toy_world
+from rag_train.data.toy_files import ensure_toy_world
 
-PASSAGES, SEED = 1200, 5
+from conftest import read_jsonl
+
+PASSAGES, SEED = 1200, 5  # the `described_world` fixture's (conftest.py)
 MENTOR_SENTENCE = re.compile(r"(?:was trained by|learned everything from) ([A-Z][a-z]+ [A-Z][a-z]+)\.|"
                              r"The mentor of [A-Z][a-z]+(?: [A-Z][a-z]+)? is ([A-Z][a-z]+ [A-Z][a-z]+)\.")
 PHRASES = {value.split(" {v}")[0]: clue for clue, values in toy_described.PHRASES.items() for value in values}
 DESCRIBED = re.compile(r"the ([A-Z][a-z]+) who (" + "|".join(map(re.escape, PHRASES)) + r") (.+?)(?: born| play)?\?$")
 
 
-def read_jsonl(path):
-    with open(path, encoding="utf-8") as handle:
-        return [json.loads(line) for line in handle]
-
-
 @pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    return generate_toy_world(tmp_path_factory.mktemp("described"), PASSAGES, SEED, progress=False,
-                              tokenizer_vocab=None, retrieval="described")
+def world(described_world):
+    return described_world
 
 
 def states(passage, clue, value):

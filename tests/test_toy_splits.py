@@ -11,21 +11,16 @@ import pytest
 
 from rag_train.data.supervised import load_retrieval
 from rag_train.data.corpus import Corpus
-from rag_train.data.toy_files import generate_toy_world
 from rag_train.data.toy_splits import FRACTIONS, main, make_splits
 
-PASSAGES, SEED, DEV = 1200, 3, 40
+from conftest import read_jsonl
 
-
-def read_jsonl(path):
-    with open(path, encoding="utf-8") as handle:
-        return [json.loads(line) for line in handle]
+DEV = 40
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    return generate_toy_world(tmp_path_factory.mktemp("described"), PASSAGES, SEED, progress=False,
-                              tokenizer_vocab=None, retrieval="described")
+def world(described_world):
+    return described_world
 
 
 @pytest.fixture(scope="module")
