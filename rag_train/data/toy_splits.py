@@ -61,8 +61,8 @@ def seen_questions(world: ToyWorld, family: str, start: int, seen: set[int], cou
                 if _person(q) in seen]
         if len(out) >= count:
             return out[:count]
-    raise ValueError(f"only {len(out)} unasked (person, fact) pairs of the {len(seen)} people of the smallest "
-                     f"training fraction; ask for fewer dev questions than {count}")
+    raise ValueError(f"{family}: only {len(out)} unasked (person, fact) pairs of the {len(seen)} people asked in "
+                     f"training; ask for fewer dev questions than {count}")
 
 
 def first_name_chance(world: ToyWorld, questions: list[dict], ks: tuple[int, ...] = (1, 5, 10)) -> dict[str, float]:
@@ -75,8 +75,9 @@ def first_name_chance(world: ToyWorld, questions: list[dict], ks: tuple[int, ...
 
 def description_ceiling(world: ToyWorld, split: str, questions: list[dict]) -> float:
     """The best R@1 (%) of any retriever: a question fits 1 / (the people its description fits) of its answers."""
-    index = [int(q["id"].rsplit("-", 1)[1]) for q in questions]
-    fits = np.concatenate([toy_described.fitting(world, split, k, k + 1) for k in index])
+    index = np.array([int(q["id"].rsplit("-", 1)[1]) for q in questions], dtype=np.int64)
+    # one pass over the world's people for the whole span (a call per question would pass over them per question)
+    fits = toy_described.fitting(world, split, int(index.min()), int(index.max()) + 1)[index - index.min()]
     return round(float(100.0 * np.mean(1.0 / fits)), 2)
 
 
