@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Optional
 
 from rag_train.analysis.generative_compare import dense_title_metrics
+from rag_train.data.toy_splits import FRACTIONS
 from rag_train.experiments import cell
 from rag_train.io import atomic_write_json, read_json
 
@@ -23,7 +24,7 @@ VARIANTS = {"vanilla": ("vanilla decoding", ("np.enabled=false",)),
             "async": ("Np Decoding ASYNC", ("np.variant=async",)),
             "contra": ("Np Decoding CONTRA", ("np.variant=contra",))}
 COMPARED = ("vanilla", "base")  # the data- and parameter-efficiency tables
-DATA_FRACTIONS = (100, 30, 10)  # rag_train/data/toy_splits.FRACTIONS
+DATA_FRACTIONS = FRACTIONS  # the splits' training shares, percent
 # generator sizes: the LM's overrides of configs/toy/lm.yaml (d 64, the retriever's tower) for the large one
 SIZES = {"large": ("d 128, 8 heads (the toy generator's shape)", ("model.d_model=128", "model.d_ff=256",
                                                                     "model.num_heads=8")),
