@@ -1,5 +1,5 @@
 """Every GPU figure from one command, in stages that fit a short lease on a bare GPU machine (logic:
-rag_train/bench/gpu_report.py; commands and figures: docs/gpu_report.md).
+rag_train/bench/gpu_report/; commands and figures: docs/gpu_report.md).
 
     python scripts/gpu_report.py --stage list
     python scripts/gpu_report.py --wheels .whl                          # where the package index is reachable

@@ -1,4 +1,4 @@
-"""scripts/gpu_report.py (rag_train/bench/gpu_report.py): `--device cpu --quick --stage all` runs every stage at toy
+"""scripts/gpu_report.py (rag_train/bench/gpu_report/): `--device cpu --quick --stage all` runs every stage at toy
 size in a fresh process, and each fragment's numbers are checked against an independent computation (token counts
 from the toy tokenizer, encoder FLOPs by hand, a float64 brute-force top-k, the reader's parameters from plain
 transformers, the toy world's own files); the process imports nothing the GPU image lacks beyond the carried wheels;
@@ -20,6 +20,8 @@ import pytest
 import torch
 
 from rag_train.bench import gpu_report
+from rag_train.bench.gpu_report import (common, document, embed_stage, forward_stage, scale_stage, search_stage, stages,
+                                        step_stage, wheels)
 
 # one xdist worker runs the whole file: its stages run once, in the module fixture
 pytestmark = pytest.mark.xdist_group("test_gpu_report")
@@ -33,9 +35,9 @@ def lacking_on_gpu_image() -> set[str]:
 
     from packaging.requirements import Requirement
 
-    declared = {gpu_report.normalise(Requirement(x).name) for x in importlib.metadata.requires("rag-train")}
-    carried = {gpu_report.normalise(spec.split("==")[0]) for spec in gpu_report.wheel_requirements()}
-    return declared - gpu_report.GPU_IMAGE - carried
+    declared = {wheels.normalise(Requirement(x).name) for x in importlib.metadata.requires("rag-train")}
+    carried = {wheels.normalise(spec.split("==")[0]) for spec in wheels.wheel_requirements()}
+    return declared - wheels.GPU_IMAGE - carried
 
 
 def site_view_without(names: set[str], view: Path) -> dict[str, str]:
@@ -85,7 +87,7 @@ def quick_run(tmp_path_factory):
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     modules = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("MODULES "))[8:])
-    records = {name: json.loads((out / f"{name}.json").read_text()) for name in gpu_report.STAGES}
+    records = {name: json.loads((out / f"{name}.json").read_text()) for name in stages.STAGES}
     return {"out": out, "work": work, "modules": modules, "records": records, "hidden": hidden, "views": views}
 
 
@@ -132,7 +134,7 @@ def test_forward_rates_follow_the_hand_counted_flops_and_the_tokeniser_truncates
         assert r["autocast_fraction_of_peak"] == pytest.approx(flops / r["autocast_seconds"] / peak)
         assert r["bf16_fraction_of_peak"] == pytest.approx(flops / r["bf16_seconds"] / peak)
         shares = r["device_time_shares"]
-        assert sum(shares.values()) == pytest.approx(1.0) and set(shares) == set(gpu_report.KERNEL_CLASSES)
+        assert sum(shares.values()) == pytest.approx(1.0) and set(shares) == set(forward_stage.KERNEL_CLASSES)
         assert shares["GEMM, fp32"] > 0 and shares["GEMM, 16-bit"] == 0  # CPU: no autocast, every GEMM in fp32
         assert r["min_cosine_bf16_vs_autocast"] > 0.99
     assert [t["length"] for t in record["tokenise"]] == [16, 32]
@@ -150,7 +152,7 @@ def test_forward_rates_follow_the_hand_counted_flops_and_the_tokeniser_truncates
     ("aten::addmm", "GEMM, fp32"), ("aten::bmm", "GEMM, fp32"), ("aten::mul", "the rest (elementwise, norms, copies)"),
 ])
 def test_kernel_classes(name, kind):
-    assert gpu_report.kernel_class(name) == kind
+    assert forward_stage.kernel_class(name) == kind
 
 
 def test_search_top_k_equals_a_float64_brute_force(quick_run):
@@ -201,7 +203,7 @@ def test_scale_runs_the_main_job_over_the_whole_generated_world(quick_run):
     assert [(p["reason"], p["rows"]) for p in run["corpus_passes"]] == [("stale buffer build", rows),
                                                                        ("final evaluation", rows)]
     assert run["steps"] == record["settings"]["steps"] == run["loop_calls"]["buffer search"]
-    factor = gpu_report.TARGET_ROWS / rows
+    factor = scale_stage.TARGET_ROWS / rows
     assert r["projection"]["generate"] == pytest.approx(r["generate_seconds"] * factor)
     assert r["projection"]["buffer build"] == pytest.approx(run["corpus_passes"][0]["seconds"] * factor)
 
@@ -214,7 +216,7 @@ def test_stages_ran_without_what_the_gpu_image_lacks(quick_run):
     assert {"datasets", "fastapi", "uvicorn"} <= quick_run["hidden"]
     assert "omegaconf" not in quick_run["hidden"] and "omegaconf" in quick_run["modules"]
     owners = importlib.metadata.packages_distributions()
-    imported = {gpu_report.normalise(d) for m in quick_run["modules"] for d in owners.get(m, [])}
+    imported = {wheels.normalise(d) for m in quick_run["modules"] for d in owners.get(m, [])}
     assert not imported & quick_run["hidden"]
     assert quick_run["views"]  # something was hidden: datasets is installed where the tests run
 
@@ -223,9 +225,9 @@ def test_assemble_lists_exactly_the_stages_present(quick_run, tmp_path):
     doc = tmp_path / "all.md"
     gpu_report.main(["--assemble", "--out", str(quick_run["out"]), "--doc", str(doc)])
     text = doc.read_text()
-    for name in gpu_report.STAGES:
+    for name in stages.STAGES:
         assert f"\n## {name}:" in text
-    assert text.count("device: cpu (quick)") == len(gpu_report.STAGES)
+    assert text.count("device: cpu (quick)") == len(stages.STAGES)
     assert "Missing stages: none." in text and "GPU figures pending a GPU session" in text
 
     partial = tmp_path / "partial"
@@ -240,7 +242,7 @@ def test_assemble_lists_exactly_the_stages_present(quick_run, tmp_path):
     assert "Missing stages: forward, step, scale." in text
     assert "| step | **missing** |" in text and "| scale | **missing** |" in text
     assert "## Findings" not in text
-    (partial / gpu_report.NOTES).write_text("## Findings\n\nwhy the figures are what they are\n")
+    (partial / document.NOTES).write_text("## Findings\n\nwhy the figures are what they are\n")
     gpu_report.main(["--assemble", "--out", str(partial), "--doc", str(doc)])
     text = doc.read_text()  # the hand-written findings right after the summary table, before the first stage
     assert text.index("Missing stages:") < text.index("## Findings\n\nwhy the figures") < text.index("\n## embed:")
@@ -249,25 +251,25 @@ def test_assemble_lists_exactly_the_stages_present(quick_run, tmp_path):
 def test_list_and_bad_input(capsys, tmp_path, monkeypatch):
     gpu_report.main(["--stage", "list"])
     listed = capsys.readouterr().out.splitlines()
-    assert [line.split()[0] for line in listed] == [*gpu_report.STAGES, "all"]
-    assert listed[-1].split()[1] == f"~{sum(s.minutes for s in gpu_report.STAGES.values()):g}"
+    assert [line.split()[0] for line in listed] == [*stages.STAGES, "all"]
+    assert listed[-1].split()[1] == f"~{sum(s.minutes for s in stages.STAGES.values()):g}"
 
     with pytest.raises(SystemExit) as exit_info:
         gpu_report.main(["--assemble", "--out", str(tmp_path)])
-    assert exit_info.value.code == gpu_report.INPUT_FAULT_EXIT
+    assert exit_info.value.code == common.INPUT_FAULT_EXIT
     assert capsys.readouterr().err.strip() == f"error: {tmp_path}: no stage fragments (<stage>.json) to assemble"
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit) as exit_info:
         gpu_report.main(["--stage", "search", "--device", "cuda", "--out", str(tmp_path),
                          "--wheels-dir", str(tmp_path / "none")])
-    assert exit_info.value.code == gpu_report.INPUT_FAULT_EXIT
+    assert exit_info.value.code == common.INPUT_FAULT_EXIT
     assert capsys.readouterr().err.strip().startswith("error: --device cuda, but torch sees no CUDA device")
 
     with pytest.raises(SystemExit) as exit_info:  # GPU sizes on a CPU: refused before any work
         gpu_report.main(["--stage", "search", "--device", "cpu", "--out", str(tmp_path),
                          "--wheels-dir", str(tmp_path / "none")])
-    assert exit_info.value.code == gpu_report.INPUT_FAULT_EXIT
+    assert exit_info.value.code == common.INPUT_FAULT_EXIT
     assert capsys.readouterr().err.strip().startswith("error: --device cpu runs only with --quick")
     assert not list(tmp_path.iterdir())  # no fragment written
 
@@ -280,7 +282,7 @@ def test_wheel_requirements_follow_requirements_beyond_the_image():
              "pytrec-eval-terrier": ["numpy", "scipy"], "antlr4-python3-runtime": None}
     versions = {"faiss-cpu": "1.8", "omegaconf": "2.3.0", "ir-measures": "0.4.3", "pytrec-eval-terrier": "0.5.11",
                 "antlr4-python3-runtime": "4.9.3"}
-    assert gpu_report.wheel_requirements(needs.get, versions.__getitem__) == [
+    assert wheels.wheel_requirements(needs.get, versions.__getitem__) == [
         "antlr4-python3-runtime==4.9.3", "faiss-cpu==1.8", "ir-measures==0.4.3", "omegaconf==2.3.0",
         "pytrec-eval-terrier==0.5.11"]
 
@@ -288,24 +290,24 @@ def test_wheel_requirements_follow_requirements_beyond_the_image():
 def test_install_wheels_installs_only_what_is_missing(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "path", list(sys.path))
     monkeypatch.setenv("PYTHONPATH", "")
-    wheels = tmp_path / "wheels"
-    wheels.mkdir()
+    folder = tmp_path / "wheels"
+    folder.mkdir()
     name = "rag_train_probe_pkg"
-    with zipfile.ZipFile(wheels / f"{name}-0.1-py3-none-any.whl", "w") as whl:
+    with zipfile.ZipFile(folder / f"{name}-0.1-py3-none-any.whl", "w") as whl:
         whl.writestr(f"{name}/__init__.py", "VALUE = 42\n")
         whl.writestr(f"{name}-0.1.dist-info/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1\n")
         whl.writestr(f"{name}-0.1.dist-info/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
                                                     "Tag: py3-none-any\n")
         whl.writestr(f"{name}-0.1.dist-info/RECORD", "")
-    (wheels / "numpy-0.0-py3-none-any.whl").write_bytes(b"not a wheel: numpy is installed, so never opened")
+    (folder / "numpy-0.0-py3-none-any.whl").write_bytes(b"not a wheel: numpy is installed, so never opened")
     target = tmp_path / "site"
-    assert gpu_report.install_wheels(wheels, target) == [gpu_report.normalise(name)]
+    assert wheels.install_wheels(folder, target) == [wheels.normalise(name)]
     assert sys.path[0] == str(target)
     import importlib
 
     assert importlib.import_module(name).VALUE == 42
     sys.modules.pop(name)
-    assert gpu_report.install_wheels(tmp_path / "absent", target) == []
+    assert wheels.install_wheels(tmp_path / "absent", target) == []
 
 
 def test_the_gpu_sizes_are_accepted_by_the_code_they_configure():
@@ -316,13 +318,13 @@ def test_the_gpu_sizes_are_accepted_by_the_code_they_configure():
     from rag_train.config import load_config
     from rag_train.train.schema import RLMConfig
 
-    args = search.parse_args(gpu_report.SEARCH_GPU + ["--device", "cuda"])
+    args = search.parse_args(search_stage.SEARCH_GPU + ["--device", "cuda"])
     assert (args.rows, args.dim, args.hidden, args.batch, args.dtype) == (28_000_000, 768, 8192, 64, "bf16")
-    for batch in gpu_report.STEP_BATCHES:
-        args = rlm_step.parse_args(gpu_report.STEP_GPU + ["--batch", str(batch), "--device", "cpu"])
+    for batch in step_stage.STEP_BATCHES:
+        args = rlm_step.parse_args(step_stage.STEP_GPU + ["--batch", str(batch), "--device", "cpu"])
         assert (args.size, args.passages, args.passage_length, args.dtype, args.checkpointing, args.batch) == (
             "base", 32, 256, "bf16", True, batch)
-    assert set(gpu_report.EMBED_GPU["shapes"]) | set(gpu_report.FORWARD_GPU["shapes"]) <= set(SHAPES) == {
+    assert set(embed_stage.EMBED_GPU["shapes"]) | set(forward_stage.FORWARD_GPU["shapes"]) <= set(SHAPES) == {
         "tiny", "small", "base"}
-    cfg = load_config(RLMConfig, ROOT / "configs" / "toy" / "rlm.yaml", gpu_report.SCALE_GPU["overrides"])
+    cfg = load_config(RLMConfig, ROOT / "configs" / "toy" / "rlm.yaml", scale_stage.SCALE_GPU["overrides"])
     assert (cfg.buffer.embed_workers, cfg.warm_start.reader_steps, cfg.pdist_gate) == (8, 200, 0.0)

@@ -61,7 +61,7 @@ LAYERS = [
     Layer("8 command line", ("rag_train.cli", "rag_train.bench"),
           "`cli.py`: `parse_cli`, `exit_on_fault`, `run_recipe` and the exit statuses (2 bad input, 3 numerical "
           "stop, 4 dead or hung peer, 5 a write failed: no space left or read-only), the `rag-train` console script; "
-          "`bench/` (benchmarks that time the code users run, and `bench/gpu_report.py`: every GPU figure from one "
+          "`bench/` (benchmarks that time the code users run, and `bench/gpu_report/`: every GPU figure from one "
           "command, in stages, `docs/gpu_report.md`)", "everything"),
 ]
 
