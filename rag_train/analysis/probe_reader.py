@@ -42,6 +42,9 @@ def main(argv=None) -> None:
     parser.add_argument("--d-kv", type=int, default=None, help="per-head width (default d_model / heads)")
     parser.add_argument("--encoder-layers", type=int, default=2)
     parser.add_argument("--decoder-layers", type=int, default=2)
+    parser.add_argument("--init", default=None,
+                        help="a T5 folder to start from (e.g. a toy LM of scripts/pretrain_toy_lm.py) instead of "
+                             "a random init of the --d-model ... shape")
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--optimizer", choices=("adamw", "adafactor"), default="adamw",
                         help="adafactor: T5's own optimizer, steps scaled by each parameter's RMS")
@@ -73,7 +76,7 @@ def main(argv=None) -> None:
     tiny = TinyModelConfig(d_model=args.d_model, d_ff=2 * args.d_model, d_kv=args.d_kv or args.d_model // args.heads,
                            num_heads=args.heads, num_layers=args.encoder_layers,
                            num_decoder_layers=args.decoder_layers)
-    reader = FiDReader.from_config(ReaderConfig(tiny=tiny), tokenizer)
+    reader = FiDReader.from_config(ReaderConfig(model=args.init or "tiny", tiny=tiny), tokenizer)
     if args.optimizer == "adafactor":
         from transformers.optimization import Adafactor
 
