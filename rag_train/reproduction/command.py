@@ -29,7 +29,8 @@ Sections (--only):
             and its splits (scripts/make_toy_splits.py): vanilla decoding, BASE, ASYNC, CONTRA and the dual encoder;
             vanilla and BASE on 30% / 10% of the training questions and with a d 64 generator; seen and unseen
             (zero-shot) people; generator and CE encoder the world's span-corruption toy T5
-            (rag_train/reproduction/generative.py). About 6-12 min per run on one core, 33 runs with 3 seeds.
+            (rag_train/reproduction/generative.py). About 5-10 min per run on one core, 39 runs with 3 seeds
+            (26 of them took 2 h with --jobs 2).
 
 Cost on 2 CPU cores (estimated from single runs, one torch thread per run): table1 + ablation + curves with
 the default 3 seeds about 35 min (a 300-step run is 40-70 s); table3 is dominated by the shared reader warm start
