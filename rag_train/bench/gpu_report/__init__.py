@@ -5,6 +5,8 @@ fragments exist into docs/gpu_report.md. A stage times the code users run, throu
 
   embed   `buffer/embed.py::embed_rows` vs `SentenceTransformer.encode` (rag_train/bench/embed.py), tiny / small /
           base-shaped towers at 64 / 128 / 256 tokens, plus a host-side profile of `embed_rows`;
+  forward the passage tower's forward alone (fraction of peak, bf16 weights, device time by kernel class) and the
+          host's tokenisation rate;
   search  exact and corrector-full search of a 28M x 768 bf16 buffer held on the device (rag_train/bench/search.py);
   step    `RLMRecipe.train_step` at base size, 1 and 4 questions (rag_train/bench/rlm_step.py);
   scale   the main job (`train_rlm`) end to end on a >= 5M-passage toy world (rag_train/bench/scale.py).
