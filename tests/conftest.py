@@ -104,4 +104,3 @@ def described_world(tmp_path_factory):
     """A 1,200-passage described toy world (seed 5, no tokenizer): its paths (`toy_paths`)."""
     return generate_toy_world(tmp_path_factory.mktemp("described"), 1200, 5, progress=False, tokenizer_vocab=None,
                               retrieval="described")
-

@@ -24,7 +24,6 @@ VARIANTS = {"vanilla": ("vanilla decoding", ("np.enabled=false",)),
             "async": ("Np Decoding ASYNC", ("np.variant=async",)),
             "contra": ("Np Decoding CONTRA", ("np.variant=contra",))}
 COMPARED = ("vanilla", "base")  # the data- and parameter-efficiency tables
-DATA_FRACTIONS = FRACTIONS  # the splits' training shares, percent
 # generator sizes: the LM's overrides of configs/toy/lm.yaml (d 64, the retriever's tower) for the large one
 SIZES = {"large": ("d 128, 8 heads (the toy generator's shape)", ("model.d_model=128", "model.d_ff=256",
                                                                     "model.num_heads=8")),
@@ -111,7 +110,7 @@ def generative_section(results: Optional[dict]) -> list[str]:
     lines += [_chance_row(splits), "", *np_gain(results["main"]), "",
               "### (b) Data efficiency: share of the training questions", "", *_header("method, training questions")]
     for variant in COMPARED:
-        for fraction in DATA_FRACTIONS:
+        for fraction in FRACTIONS:
             runs = results["fractions"].get(fraction, {}).get(variant, [])
             if runs:
                 lines.append(_row(f"{VARIANTS[variant][0]}, {fraction}%", runs))

@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from rag_train.config import load_config
-from rag_train.data.toy_splits import make_splits
+from rag_train.data.toy_splits import FRACTIONS, make_splits
 from rag_train.strategies import reads
 from rag_train.train.lm_pretrain import LMPretrainConfig, pretrain_toy_lm
 from rag_train.train.schema import RetrieverTrainConfig
@@ -289,7 +289,7 @@ class Plan:
     def generative_runs(self) -> list[Run]:
         return ([self.generative_run(v, seed) for v in generative.VARIANTS for seed in self.seeds]
                 + [self.generative_run(v, seed, fraction=f) for v in generative.COMPARED
-                   for f in generative.DATA_FRACTIONS[1:] for seed in self.seeds]
+                   for f in FRACTIONS[1:] for seed in self.seeds]
                 + [self.generative_run(v, seed, size="small") for v in generative.COMPARED for seed in self.seeds]
                 + [self.generative_run(v, seed, bridge=True) for v in generative.COMPARED for seed in self.seeds]
                 + [self.generative_dense(seed) for seed in self.seeds])
@@ -429,7 +429,7 @@ class Plan:
             "splits": read_json(manifest) if manifest.is_file() else None,
             "main": {v: found([self.generative_run(v, s) for s in self.seeds]) for v in generative.VARIANTS},
             "fractions": {f: {v: found([self.generative_run(v, s, fraction=f) for s in self.seeds])
-                              for v in generative.COMPARED} for f in generative.DATA_FRACTIONS},
+                              for v in generative.COMPARED} for f in FRACTIONS},
             "sizes": {size: {v: found([self.generative_run(v, s, size=size) for s in self.seeds])
                              for v in generative.COMPARED} for size in generative.SIZES},
             "bridge": {v: found([self.generative_run(v, s, bridge=True) for s in self.seeds]) for v in generative.COMPARED},
