@@ -315,3 +315,30 @@ def test_a_t5_v1_1_checkpoint_keeps_its_own_output_layer_and_unscaled_logits(tmp
         out = reader(input_ids=ids, labels=labels, output_hidden_states=True)
         unscaled = out.decoder_hidden_states[-1] @ weights["lm_head.weight"].T
     torch.testing.assert_close(out.logits, unscaled)
+
+
+def attention_kernels(model) -> set:
+    return {module.config._attn_implementation for module in model.modules() if hasattr(module, "config")}
+
+
+def test_a_cpu_reader_runs_eager_attention_and_computes_what_sdpa_computes(reader, tmp_path):
+    """On CPU every reader, built or loaded, runs T5's eager attention (faster there, models/attention.py); its loss,
+    logits and gradients on padded FiD inputs are those of the same weights under transformers' SDPA."""
+    assert attention_kernels(reader) == {"eager"}
+    reader.save_pretrained(tmp_path / "r")
+    assert attention_kernels(FiDReader.from_pretrained(tmp_path / "r")) == {"eager"}
+    reference = T5ForConditionalGeneration(tiny_config()).eval()
+    reference.load_state_dict(reader.state_dict())
+    assert attention_kernels(reference) == {"sdpa"}  # transformers' own default: the independent reference
+    ids, mask, labels = ragged_batch()
+    fid = reader(ids, mask, labels=labels)
+    fid.loss.backward()
+    states = reader.encode_pairs(ids, mask).reshape(2, 3 * 8, -1)
+    ref = reference(encoder_outputs=BaseModelOutput(last_hidden_state=reference.encoder(
+        input_ids=ids.reshape(6, 8), attention_mask=mask.reshape(6, 8)).last_hidden_state.reshape(2, 24, -1)),
+        attention_mask=mask.reshape(2, 24), labels=labels)
+    ref.loss.backward()
+    torch.testing.assert_close(states, fid.encoder_last_hidden_state, rtol=0, atol=0)
+    torch.testing.assert_close(fid.logits, ref.logits, rtol=0, atol=1e-5)
+    for (name, mine), theirs in zip(reader.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-4, atol=1e-6, msg=name)

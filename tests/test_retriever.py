@@ -175,3 +175,22 @@ def test_offline_hub_name_fails_fast_with_clear_message(monkeypatch, tmp_path):
 def test_tiny_without_tokenizer_is_a_config_error():
     with pytest.raises(ConfigError, match="tokenizer"):
         DualEncoder.from_config(tiny_cfg())
+
+
+def test_cpu_towers_run_eager_attention_built_or_loaded(tokenizer, tmp_path):
+    """Both towers of a built and of a loaded retriever run T5's eager attention on CPU (models/attention.py) and
+    embed as the same weights do under transformers' SDPA."""
+    model = DualEncoder.from_config(RetrieverConfig(model="tiny", tiny=TINY), tokenizer=tokenizer).eval()
+    model.save(tmp_path / "r")
+    for built in (model, DualEncoder.load(tmp_path / "r")):
+        kernels = {m.config._attn_implementation for m in built.modules() if getattr(m, "config", None) is not None
+                   and getattr(m.config, "model_type", None) == "t5"}
+        assert kernels == {"eager"}
+    passages = [{"title": "Gorar Vegapo", "text": "Gorar was born in Dapodale."}, "a much longer passage " * 6]
+    with torch.no_grad():
+        eager = model.encode_passages(passages)
+        for module in model.modules():
+            if getattr(getattr(module, "config", None), "model_type", None) == "t5":
+                module.config._attn_implementation = "sdpa"
+        sdpa = model.encode_passages(passages)
+    torch.testing.assert_close(eager, sdpa, rtol=0, atol=1e-5)

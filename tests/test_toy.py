@@ -317,3 +317,10 @@ def test_tiny_t5_config_builds_a_runnable_model(toy_tokenizer):
     assert torch.isfinite(loss) and abs(loss.item() - math.log(len(toy_tokenizer))) < 2.0  # near uniform at init
     out = model.generate(**inputs, max_new_tokens=3)
     assert out.shape[0] == 2 and bool((out[:, 0] == 0).all())
+    # T5 v1.1's activation (gated "gelu_new", six element-wise ops) computed by torch's fused kernel: same function
+    assert config.dense_act_fn == "gelu_pytorch_tanh" and config.is_gated_act
+    v11 = T5ForConditionalGeneration(tiny_t5_config(toy_tokenizer, tiny, feed_forward_proj="gated-gelu"))
+    assert v11.config.dense_act_fn == "gelu_new"
+    v11.load_state_dict(model.state_dict())
+    torch.testing.assert_close(v11(**inputs, labels=labels).logits, model(**inputs, labels=labels).logits,
+                               rtol=0, atol=1e-5)

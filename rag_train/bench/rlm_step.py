@@ -56,7 +56,7 @@ from rag_train.data.corpus import Corpus
 from rag_train.data.qa import QAExample
 from rag_train.models.reader import FiDReader
 from rag_train.models.retriever import DualEncoder
-from rag_train.train.rlm import RLMRecipe, StepBatch
+from rag_train.train.rlm import RLMRecipe
 
 EXTRA_IDS = 100  # T5's <extra_id_N> sentinels at the end of the vocabulary
 PAD, EOS, FIRST_WORD = 0, 1, 3  # T5 layout: <pad>=0, </s>=1, <unk>=2

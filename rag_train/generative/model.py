@@ -21,6 +21,7 @@ from transformers import T5ForConditionalGeneration
 from transformers.modeling_outputs import BaseModelOutput, Seq2SeqLMOutput
 
 from rag_train.generative.ce_table import START_ROW
+from rag_train.models.attention import eager_t5_attention_on_cpu
 from rag_train.models.reader import ReaderLoadError, hub_offline
 
 # the decoding cache's name in model outputs: `cache` in transformers 5, `past_key_values` before
@@ -32,6 +33,7 @@ class GenerativeT5(T5ForConditionalGeneration):
 
     def __init__(self, config):
         super().__init__(config)
+        eager_t5_attention_on_cpu(self)  # built or loaded: every generator goes through here
         self.register_buffer("ce", None, persistent=False)
         self.register_buffer("row_token", None, persistent=False)
         self.ce_decoder_inputs = False

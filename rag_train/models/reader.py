@@ -19,6 +19,7 @@ from transformers import T5ForConditionalGeneration
 from transformers.modeling_outputs import BaseModelOutput, Seq2SeqLMOutput
 
 from rag_train.config import ReaderConfig
+from rag_train.models.attention import eager_t5_attention_on_cpu
 
 
 class ReaderLoadError(RuntimeError):
@@ -40,6 +41,10 @@ class FiDReader(T5ForConditionalGeneration):
 
     2-D inputs behave exactly as in plain T5 (that is the path `generate` uses internally).
     """
+
+    def __init__(self, config):
+        super().__init__(config)
+        eager_t5_attention_on_cpu(self)  # built or loaded: every reader goes through here
 
     @classmethod
     def from_config(
@@ -149,6 +154,8 @@ class FiDReader(T5ForConditionalGeneration):
         """FiD when `input_ids` is [B, P, L]: `.loss` is the answer NLL (labels [B, T], -100 = padding)
         given all P passages, `.logits` [B, T, V], `.encoder_last_hidden_state` the fused [B, P*L, d]
         (reshape to [B*P, L, d] for `passage_log_likelihoods`). 2-D inputs: plain T5."""
+        if labels is not None:  # training or scoring: no decoding cache to fill
+            kwargs.setdefault("use_cache", False)
         if input_ids is not None and input_ids.dim() == 3:
             if encoder_outputs is not None:
                 raise ValueError("pass either FiD input_ids [B, P, L] or encoder_outputs, not both")

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from rag_train.config import ConfigError, RetrieverConfig
+from rag_train.models.attention import eager_t5_attention_on_cpu
 from rag_train.io import (atomic_directory, atomic_write_json, folder_checksums, read_json, state_bytes,
                           verify_checksums)
 
@@ -139,6 +140,7 @@ class DualEncoder(nn.Module):
             passage_tower.requires_grad_(train_passage_encoder)
         if self.query_encoder.get_embedding_dimension() != self.passage_encoder.get_embedding_dimension():
             raise ValueError("query and passage towers give vectors of different sizes")
+        eager_t5_attention_on_cpu(self)
 
     @property
     def shared_towers(self) -> bool:

@@ -30,9 +30,10 @@ from rag_train.data.corpus import Corpus
 from rag_train.data.sources import TOY_LM_MANIFEST, world_fingerprint
 from rag_train.data.span_corruption import corrupt, noise_mask, sentinel_ids
 from rag_train.data.tokenizer import load_tokenizer
-from rag_train.data.toy_files import ensure_toy_world, toy_paths
+from rag_train.data.toy_files import ensure_toy_world
 from rag_train.io import atomic_directory, atomic_write_json, folder_checksums, read_json
 from rag_train.models.retriever import format_passage
+from rag_train.models.attention import eager_t5_attention_on_cpu
 from rag_train.models.tiny import tiny_t5_config
 
 LM_FORMAT_VERSION = 1
@@ -167,8 +168,8 @@ def pretrain_toy_lm(cfg: LMPretrainConfig, progress: bool = True) -> dict:
     started = time.time()
     with torch.random.fork_rng(devices=[]):  # the init and every dropout mask come from the config's seed
         torch.manual_seed(cfg.seed)
-        model = T5ForConditionalGeneration(tiny_t5_config(tokenizer, cfg.model, dropout_rate=cfg.dropout_rate,
-                                                          tie_word_embeddings=cfg.tie_word_embeddings))
+        model = eager_t5_attention_on_cpu(T5ForConditionalGeneration(tiny_t5_config(
+            tokenizer, cfg.model, dropout_rate=cfg.dropout_rate, tie_word_embeddings=cfg.tie_word_embeddings)))
         losses = _span_corruption_steps(model, passages, cfg, sentinels, tokenizer, progress)
     model.eval()
     window = max(1, min(50, cfg.steps // 10))
