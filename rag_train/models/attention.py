@@ -2,10 +2,11 @@
 
 T5 always adds a float bias to its attention scores (the relative position bias). torch's CPU SDPA has no fused
 kernel for an additive float mask: transformers materialises bias + padding mask as [B, H, L, L] and SDPA's
-fallback adds a fully-masked-row check over it (isneginf / all / where). Forward + backward of a two-layer T5
-encoder, two threads, 2-core VM (docs/rlm_toy.md): eager 1.25x faster at d 64 and 1.20x at d 128 (the toy
-towers and reader), 1.04-1.08x at d 256-512, 0.96-1.04x at d 768 (T5-base). On CUDA, SDPA's memory-efficient
-kernel takes the bias, so the model keeps what transformers picked.
+fallback adds a fully-masked-row check over it (isneginf / all / where), while computing what eager computes.
+`python scripts/bench_attention.py` (forward + backward of a T5 encoder, two threads, the same weights both ways;
+docs/rlm_toy.md): eager 1.15-1.20x faster at the toy towers' and reader's sizes (d 64, d 128), 1.02-1.10x from
+d 256 to T5-base. On CUDA, SDPA's memory-efficient kernel takes the bias, so the model keeps what transformers
+picked.
 """
 
 from __future__ import annotations
