@@ -38,7 +38,8 @@ LAYERS = [
           "`data/`: corpus store, QA / DPR / MS MARCO / BEIR loaders, toy world, T5 span corruption, offline "
           "tokenizer, FiD collation", "config"),
     Layer("3 models", ("rag_train.models",),
-          "`models/`: `DualEncoder` (f, g), `FiDReader`, `Corrector` (h), tiny T5 configs", "data (tokenizer)"),
+          "`models/`: `DualEncoder` (f, g), `FiDReader`, `Corrector` (h), tiny T5 configs, the attention kernel a "
+          "T5 runs on CPU", "data (tokenizer)"),
     Layer("4 buffer", ("rag_train.buffer",),
           "`buffer/`: on-disk stale buffer (`store`), `build_buffer`, `embed_rows`, chunked and sharded `search`, SG "
           "trees and their samplers (`sg_tree`), Nyström representations (`nystrom`)",
