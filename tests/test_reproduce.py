@@ -21,6 +21,18 @@ from rag_train.reproduction.analysis import ANALYSIS
 from rag_train.reproduction.report import write_report
 
 ROOT = Path(__file__).resolve().parents[1]
+SEED_SECTIONS = ("dynnibal", "large_batches", "generative")
+
+
+@pytest.fixture(scope="module")
+def seed_sections(tmp_path_factory) -> Path:
+    """`reproduce.py --quick --only dynnibal large_batches generative --jobs 2` once, as a user runs several sections:
+    the three seed papers' sections share the run's fork server and toy worlds (75 s instead of 116 s as three
+    invocations). The tests below each read their section's runs and report from it."""
+    runs = tmp_path_factory.mktemp("seed_sections") / "runs"
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "reproduce.py"), "--quick", "--only", *SEED_SECTIONS,
+                    "--runs", str(runs), "--jobs", "2"], check=True, capture_output=True)
+    return runs
 
 
 def retriever_metrics(r1: float, reembedded: int = 0, rate: float = 2.0, seconds: float = 10.0) -> dict:
@@ -233,14 +245,13 @@ def test_probe_table_averages_the_steps_after_the_first_then_the_seeds():
     assert len(lines) == 2 + 3 + 2 and not any("plain" in line for line in lines)
 
 
-def test_quick_large_batches_section_runs_seed_002s_table(tmp_path):
-    """`reproduce.py --quick --only large_batches` end to end: the runs, the table in reproduction.md and the
-    per-step gradient-ratio curve. GradCache N x K computes the full-batch gradient, so its run equals in-batch at
+@pytest.mark.xdist_group("seed_sections")
+def test_quick_large_batches_section_runs_seed_002s_table(seed_sections):
+    """`reproduce.py --quick --only large_batches` end to end (`seed_sections`): the runs, the table in
+    reproduction.md and the per-step gradient-ratio curve. GradCache N x K computes the full-batch gradient, so its run equals in-batch at
     N_total (same seed, same batches) to every metric; the tower ratio is logged at every step, and the probed
     ContAccum run's probe with the banks is the run's own gradient at every step."""
-    runs = tmp_path / "runs"
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "reproduce.py"), "--quick", "--only", "large_batches",
-                    "--runs", str(runs)], check=True, capture_output=True)
+    runs = seed_sections
     folder = runs / "large_batches"
     cache, full = (json.loads((folder / f"{name}-seed0" / "metrics.json").read_text())
                    for name in ("GradCache_2x2", "in-batch_4_a_card_that_fits_it"))
@@ -260,15 +271,14 @@ def test_quick_large_batches_section_runs_seed_002s_table(tmp_path):
     assert (runs / "report" / "figures" / "large_batches" / "grad_ratio_raw_lm.png").stat().st_size > 0
 
 
-def test_quick_dynnibal_section_runs_seed_001s_rows(tmp_path):
-    """`reproduce.py --quick --only dynnibal --jobs 2` end to end (8 steps: uniform warm start for 3, every target
+@pytest.mark.xdist_group("seed_sections")
+def test_quick_dynnibal_section_runs_seed_001s_rows(seed_sections):
+    """`reproduce.py --quick --only dynnibal --jobs 2` end to end (`seed_sections`; 8 steps: uniform warm start for 3, every target
     encoded after step 3, Nyström refreshes after steps 4, 6 and 8 (w = 2), every target encoded again after step 5):
     each row re-embeds what its schedule says (the control refreshes exhaustively once per warm-start length), SNM
     holds 3 d' + s' targets, the GTR-like rows start from the pretrained retriever, and the report's cells and gap
     shares are those of the runs' metrics, computed by hand."""
-    runs = tmp_path / "runs"
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "reproduce.py"), "--quick", "--only", "dynnibal",
-                    "--runs", str(runs), "--jobs", "2"], check=True, capture_output=True)
+    runs = seed_sections
     passages, landmarks, samples = 300, 8, 32  # QUICK's world and Nyström sizes
     folder = runs / "dynnibal"
     rows = ("uniform", "dynnibal-plus0", "dynnibal", "snm", "exhaustive", "exhaustive-rare")
@@ -341,17 +351,16 @@ def test_run_all_stops_launching_after_a_failure_and_lets_runs_in_flight_finish(
     assert ("end", "pre") in log and ("start", "after") not in log
 
 
-def test_quick_generative_section_runs_seed_003s_four_tables(tmp_path):
-    """`reproduce.py --quick --only generative --jobs 2` end to end: every run reads its split (the fraction's training
+@pytest.mark.xdist_group("seed_sections")
+def test_quick_generative_section_runs_seed_003s_four_tables(seed_sections):
+    """`reproduce.py --quick --only generative --jobs 2` end to end (`seed_sections`): every run reads its split (the fraction's training
     file, seen and unseen dev) and its size's LM (d 128 or d 64, both pretrained on the section's described world),
     ASYNC rebuilds on its schedule and CONTRA after its contrastive steps, the dual encoder's title-level figures are
     those of `dense_title_metrics`, the multi-hop runs read the bridge files and report Recall@2, and the report's rows
     and computed Np gain are the runs' metrics, by hand."""
     from rag_train.analysis.generative_compare import dense_title_metrics
 
-    runs = tmp_path / "runs"
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "reproduce.py"), "--quick", "--only", "generative",
-                    "--runs", str(runs), "--jobs", "2"], check=True, capture_output=True)
+    runs = seed_sections
     folder = runs / "generative"
     metrics = {p.parent.name: json.loads(p.read_text()) for p in folder.glob("*-seed0/metrics.json")}
     assert sorted(metrics) == sorted(["vanilla-seed0", "base-seed0", "async-seed0", "contra-seed0", "dense-seed0",
