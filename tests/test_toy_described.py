@@ -23,11 +23,6 @@ PHRASES = {value.split(" {v}")[0]: clue for clue, values in toy_described.PHRASE
 DESCRIBED = re.compile(r"the ([A-Z][a-z]+) who (" + "|".join(map(re.escape, PHRASES)) + r") (.+?)(?: born| play)?\?$")
 
 
-@pytest.fixture(scope="module")
-def world(described_world):
-    return described_world
-
-
 def states(passage, clue, value):
     """Does the passage state `value` as its own person's fact `clue` (read from the text, not from the generator)?"""
     if FACTS[clue].pool == "person":
@@ -37,12 +32,12 @@ def states(passage, clue, value):
         int(passage["id"][1:]) % 2
 
 
-def test_described_questions_name_no_one_in_full_and_their_gold_states_clue_and_answer(world):
-    passages = {p["id"]: p for p in read_jsonl(world["passages"])}
+def test_described_questions_name_no_one_in_full_and_their_gold_states_clue_and_answer(described_world):
+    passages = {p["id"]: p for p in read_jsonl(described_world["passages"])}
     ToyWorldSplit = {"train": False, "dev": True}
     clues = collections.Counter()
     for split, dev in ToyWorldSplit.items():
-        questions = read_jsonl(world[f"described-{split}"])
+        questions = read_jsonl(described_world[f"described-{split}"])
         assert len(questions) == min(PASSAGES if split == "train" else 120, toy_described.capacity(
             ToyWorld(PASSAGES, SEED), split))
         assert len({(q["question"], q["gold_ids"][0]) for q in questions}) == len(questions)
@@ -58,9 +53,9 @@ def test_described_questions_name_no_one_in_full_and_their_gold_states_clue_and_
     assert set(clues) == {0, 1, 2, 5}  # birthplace, birth year, employer, mentor
 
 
-def test_fitting_and_ceiling_match_a_brute_force_count_over_the_passages(world):
-    passages = read_jsonl(world["passages"])
-    questions = read_jsonl(world["described-dev"])
+def test_fitting_and_ceiling_match_a_brute_force_count_over_the_passages(described_world):
+    passages = read_jsonl(described_world["passages"])
+    questions = read_jsonl(described_world["described-dev"])
     counts = []
     for q in questions:
         first, phrase, value = DESCRIBED.search(q["question"]).groups()
@@ -69,12 +64,13 @@ def test_fitting_and_ceiling_match_a_brute_force_count_over_the_passages(world):
     assert fitting.tolist() == counts and max(counts) > 1  # some descriptions fit several people
     expected = 100 * float(np.mean([1 / c for c in counts]))
     assert toy_described.ceiling(ToyWorld(PASSAGES, SEED), "dev", len(questions)) == pytest.approx(expected)
-    assert json.loads(world["manifest"].read_text())["described_ceiling"]["dev"] == round(expected, 2)
+    assert json.loads(described_world["manifest"].read_text())["described_ceiling"]["dev"] == round(expected, 2)
 
 
-def test_retrieval_files_of_a_described_world_ask_the_described_questions(world):
+def test_retrieval_files_of_a_described_world_ask_the_described_questions(described_world):
     for split in ("train", "dev"):
-        retrieval, described = read_jsonl(world[f"retrieval-{split}"]), read_jsonl(world[f"described-{split}"])
+        retrieval = read_jsonl(described_world[f"retrieval-{split}"])
+        described = read_jsonl(described_world[f"described-{split}"])
         assert [(r["question"], r["positive_ctxs"][0]["passage_id"]) for r in retrieval] == \
             [(d["question"], d["gold_ids"][0]) for d in described]
 

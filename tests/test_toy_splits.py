@@ -19,13 +19,8 @@ DEV = 40
 
 
 @pytest.fixture(scope="module")
-def world(described_world):
-    return described_world
-
-
-@pytest.fixture(scope="module")
-def splits(world, tmp_path_factory):
-    return make_splits(world["manifest"].parent, tmp_path_factory.mktemp("splits") / "s", dev_questions=DEV)
+def splits(described_world, tmp_path_factory):
+    return make_splits(described_world["manifest"].parent, tmp_path_factory.mktemp("splits") / "s", dev_questions=DEV)
 
 
 def person(passage_id):
@@ -37,8 +32,8 @@ def pairs(rows):
     return [(person(r["positive_ctxs"][0]["passage_id"]), r["answers"][0]) for r in rows]
 
 
-def test_no_question_contains_its_target_title_in_any_split(world, splits):
-    titles = {p["id"]: p["title"] for p in read_jsonl(world["passages"])}
+def test_no_question_contains_its_target_title_in_any_split(described_world, splits):
+    titles = {p["id"]: p["title"] for p in read_jsonl(described_world["passages"])}
     checked = 0
     for name, path in splits.items():
         if name == "manifest" or name.startswith("bridge-"):  # the bridge files: their own test below
@@ -53,9 +48,10 @@ def test_no_question_contains_its_target_title_in_any_split(world, splits):
     assert manifest["counts"]["seen-dev"] == DEV
 
 
-def test_chance_is_a_uniform_guess_among_the_people_sharing_the_first_name(world, splits):
+def test_chance_is_a_uniform_guess_among_the_people_sharing_the_first_name(described_world, splits):
     """The manifest's chance recall, against a count of first names over the passages file's distinct titles."""
-    people = collections.Counter(title.split()[0] for title in {p["title"] for p in read_jsonl(world["passages"])})
+    titles = {p["title"] for p in read_jsonl(described_world["passages"])}
+    people = collections.Counter(title.split()[0] for title in titles)
     chance = json.loads(splits["manifest"].read_text())["chance"]
     for name in ("seen-dev", "unseen-dev"):
         firsts = [row["positive_ctxs"][0]["title"].split()[0] for row in read_jsonl(splits[name])]
@@ -64,8 +60,8 @@ def test_chance_is_a_uniform_guess_among_the_people_sharing_the_first_name(world
                                                           abs=0.006)
 
 
-def test_fractions_are_nested_prefixes_of_the_worlds_training_questions(world, splits):
-    world_train = read_jsonl(world["described-train"])
+def test_fractions_are_nested_prefixes_of_the_worlds_training_questions(described_world, splits):
+    world_train = read_jsonl(described_world["described-train"])
     full = read_jsonl(splits["train-100"])
     assert [(r["id"], r["question"], r["answers"], [r["positive_ctxs"][0]["passage_id"]]) for r in full] == \
         [(r["id"], r["question"], r["answers"], r["gold_ids"]) for r in world_train]
@@ -74,7 +70,7 @@ def test_fractions_are_nested_prefixes_of_the_worlds_training_questions(world, s
         assert part == full[: len(world_train) * percent // 100]
 
 
-def test_seen_dev_asks_new_facts_of_people_in_every_fraction_and_unseen_dev_people_never_asked(world, splits):
+def test_seen_dev_asks_new_facts_of_people_in_every_fraction_and_unseen_dev_people_never_asked(described_world, splits):
     seen, unseen = pairs(read_jsonl(splits["seen-dev"])), pairs(read_jsonl(splits["unseen-dev"]))
     every_train_pair = set(pairs(read_jsonl(splits["train-100"])))
     smallest = {p for p, _ in pairs(read_jsonl(splits[f"train-{min(FRACTIONS)}"]))}
@@ -83,21 +79,22 @@ def test_seen_dev_asks_new_facts_of_people_in_every_fraction_and_unseen_dev_peop
     assert {p for p, _ in seen} <= smallest
     assert len(unseen) == DEV and not {p for p, _ in unseen} & {p for p, _ in every_train_pair}
     assert [r["question"] for r in read_jsonl(splits["unseen-dev"])] == \
-        [r["question"] for r in read_jsonl(world["described-dev"])][:DEV]
+        [r["question"] for r in read_jsonl(described_world["described-dev"])][:DEV]
 
 
-def test_split_files_load_as_retrieval_sets_against_the_worlds_corpus(world, splits):
-    corpus = Corpus.open(world["passages"])
+def test_split_files_load_as_retrieval_sets_against_the_worlds_corpus(described_world, splits):
+    corpus = Corpus.open(described_world["passages"])
     examples = load_retrieval(splits["seen-dev"], corpus=corpus)
     assert [ex.question for ex in examples] == [r["question"] for r in read_jsonl(splits["seen-dev"])]
 
 
-def test_same_settings_reuse_the_folder_and_other_ones_are_refused(world, splits, capsys, tmp_path):
+def test_same_settings_reuse_the_folder_and_other_ones_are_refused(described_world, splits, capsys, tmp_path):
     before = {name: path.read_bytes() for name, path in splits.items()}
-    assert make_splits(world["manifest"].parent, splits["manifest"].parent, dev_questions=DEV) == splits
+    assert make_splits(described_world["manifest"].parent, splits["manifest"].parent, dev_questions=DEV) == splits
     assert {name: path.read_bytes() for name, path in splits.items()} == before
     with pytest.raises(SystemExit):
-        main(["--world", str(world["manifest"].parent), "--out", str(splits["manifest"].parent), "--dev-questions", "7"])
+        main(["--world", str(described_world["manifest"].parent), "--out", str(splits["manifest"].parent),
+              "--dev-questions", "7"])
     assert "--overwrite" in capsys.readouterr().err
     assert {name: path.read_bytes() for name, path in splits.items()} == before
     with pytest.raises(FileNotFoundError, match="not a toy world"):
@@ -105,17 +102,17 @@ def test_same_settings_reuse_the_folder_and_other_ones_are_refused(world, splits
     copy = tmp_path / "copy"
     shutil.copytree(splits["manifest"].parent, copy)
     (copy / "notes.txt").write_text("mine")
-    replaced = make_splits(world["manifest"].parent, copy, dev_questions=7, overwrite=True)
+    replaced = make_splits(described_world["manifest"].parent, copy, dev_questions=7, overwrite=True)
     assert len(read_jsonl(replaced["seen-dev"])) == 7 and json.loads(replaced["manifest"].read_text())["dev_questions"] == 7
     assert read_jsonl(replaced["seen-dev"]) == read_jsonl(splits["seen-dev"])[:7]  # the same order, cut shorter
     assert (copy / "notes.txt").read_text() == "mine"  # only the splits' own files are replaced
 
 
-def test_bridge_files_name_the_first_person_and_never_the_answer_passages_title(world, splits):
+def test_bridge_files_name_the_first_person_and_never_the_answer_passages_title(described_world, splits):
     """Multi-hop (mentor_bridge): two golds per question, the named person's passage (its title in the question) and
     the mentor's, whose title never is; bridge-train is the world's own file; seen-dev asks new facts of mentors of
     people asked in training, unseen-dev asks about people never asked."""
-    titles = {p["id"]: p["title"] for p in read_jsonl(world["passages"])}
+    titles = {p["id"]: p["title"] for p in read_jsonl(described_world["passages"])}
     for name in ("bridge-train", "bridge-seen-dev", "bridge-unseen-dev"):
         for row in read_jsonl(splits[name]):
             named, answer = (ctx["passage_id"] for ctx in row["positive_ctxs"])
@@ -123,7 +120,7 @@ def test_bridge_files_name_the_first_person_and_never_the_answer_passages_title(
             assert person(named) != person(answer)
     train = read_jsonl(splits["bridge-train"])
     assert [[c["passage_id"] for c in r["positive_ctxs"]] for r in train] == \
-        [r["gold_ids"] for r in read_jsonl(world["mentor_bridge-train"])]
+        [r["gold_ids"] for r in read_jsonl(described_world["mentor_bridge-train"])]
     seen, unseen = pairs(read_jsonl(splits["bridge-seen-dev"])), pairs(read_jsonl(splits["bridge-unseen-dev"]))
     assert len(seen) == len(unseen) == DEV and not set(seen) & set(pairs(train))
     assert {p for p, _ in seen} <= {p for p, _ in pairs(train)}
