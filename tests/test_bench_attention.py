@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from rag_train.bench import attention as bench
+from rag_train.models.attention import t5_configs
 
 
 def t5_kernels(model) -> set:
-    return {m.config._attn_implementation for m in model.modules() if getattr(getattr(m, "config", None),
-                                                                             "model_type", None) == "t5"}
+    return {config._attn_implementation for config in t5_configs(model)}
 
 
 def test_quick_run_times_eager_against_sdpa_on_equal_outputs(capsys):

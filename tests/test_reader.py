@@ -10,6 +10,7 @@ from transformers.modeling_outputs import BaseModelOutput
 
 from rag_train.config import ReaderConfig, TinyModelConfig
 from rag_train.data.collate import answer_labels, choose_answer, fid_inputs, format_fid_input
+from rag_train.models.attention import t5_configs
 from rag_train.models.reader import FiDReader, ReaderLoadError
 
 VOCAB = 100
@@ -318,7 +319,7 @@ def test_a_t5_v1_1_checkpoint_keeps_its_own_output_layer_and_unscaled_logits(tmp
 
 
 def attention_kernels(model) -> set:
-    return {module.config._attn_implementation for module in model.modules() if hasattr(module, "config")}
+    return {config._attn_implementation for config in t5_configs(model)}
 
 
 def test_a_cpu_reader_runs_eager_attention_and_computes_what_sdpa_computes(reader, tmp_path):

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from rag_train.config import ConfigError, RetrieverConfig, TinyModelConfig
+from rag_train.models.attention import set_t5_attention, t5_configs
 from rag_train.models.retriever import DualEncoder, format_passage
 from rag_train.data.tokenizer import train_tokenizer
 
@@ -183,14 +184,9 @@ def test_cpu_towers_run_eager_attention_built_or_loaded(tokenizer, tmp_path):
     model = DualEncoder.from_config(RetrieverConfig(model="tiny", tiny=TINY), tokenizer=tokenizer).eval()
     model.save(tmp_path / "r")
     for built in (model, DualEncoder.load(tmp_path / "r")):
-        kernels = {m.config._attn_implementation for m in built.modules() if getattr(m, "config", None) is not None
-                   and getattr(m.config, "model_type", None) == "t5"}
-        assert kernels == {"eager"}
+        assert {config._attn_implementation for config in t5_configs(built)} == {"eager"}
     passages = [{"title": "Gorar Vegapo", "text": "Gorar was born in Dapodale."}, "a much longer passage " * 6]
     with torch.no_grad():
         eager = model.encode_passages(passages)
-        for module in model.modules():
-            if getattr(getattr(module, "config", None), "model_type", None) == "t5":
-                module.config._attn_implementation = "sdpa"
-        sdpa = model.encode_passages(passages)
+        sdpa = set_t5_attention(model, "sdpa").encode_passages(passages)
     torch.testing.assert_close(eager, sdpa, rtol=0, atol=1e-5)

@@ -26,7 +26,7 @@ from transformers.optimization import Adafactor
 
 from rag_train.bench.machine import cpu_name
 from rag_train.config import TinyModelConfig
-from rag_train.models.attention import eager_t5_attention_on_cpu
+from rag_train.models.attention import eager_t5_attention_on_cpu, set_t5_attention
 from rag_train.models.reader import FiDReader
 
 # (d_model, heads, tokens, sequences): the toy towers and reader, then up to T5-base
@@ -46,11 +46,7 @@ def as_transformers_default(model: torch.nn.Module, activation: str | None = Non
         config.dense_act_fn = activation
         other = type(model)(config)
         other.load_state_dict(model.state_dict())
-    for module in other.modules():
-        config = getattr(module, "config", None)
-        if getattr(config, "model_type", None) == "t5":
-            config._attn_implementation = "sdpa"
-    return other
+    return set_t5_attention(other, "sdpa")
 
 
 def interleaved(steps: dict, rounds: int) -> dict:
@@ -103,16 +99,16 @@ def reader_row(rounds: int, quick: bool) -> dict:
     ids = torch.randint(5, 2000, (questions, passages, tokens), generator=generator)
     mask = torch.ones_like(ids)
     labels = torch.randint(5, 2000, (questions, 3), generator=generator)
-    optimizers = {id(m): Adafactor(m.parameters(), lr=1e-2, scale_parameter=True, relative_step=False)
-                  for m in (ours, default)}
 
     def step(model):
+        optimizer = Adafactor(model.parameters(), lr=1e-2, scale_parameter=True, relative_step=False)
+
         def run():
             loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizers[id(model)].step()
-            optimizers[id(model)].zero_grad(set_to_none=True)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
             return loss
         return run
 

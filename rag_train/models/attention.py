@@ -15,16 +15,23 @@ import torch
 from torch import nn
 
 
+def t5_configs(model: nn.Module) -> list:
+    """The config of every T5 module inside `model` (the model's own, its stacks', its attention layers')."""
+    return [module.config for module in model.modules()
+            if getattr(getattr(module, "config", None), "model_type", None) == "t5"]
+
+
+def set_t5_attention(model: nn.Module, kernel: str) -> nn.Module:
+    """Every T5 inside `model` runs `kernel` ("eager", "sdpa"); returns `model`. The config attribute is read at every
+    forward; `set_attn_implementation` would refuse a subclass defined outside transformers (FiDReader) with a log
+    line, and older transformers lack it."""
+    for config in t5_configs(model):
+        config._attn_implementation = kernel
+    return model
+
+
 def eager_t5_attention_on_cpu(model: nn.Module) -> nn.Module:
     """Switch every T5 inside `model` (a reader, a sentence-transformers tower, ...) to eager attention when
     torch sees no CUDA device; returns `model`. The switch is not saved: a reloaded model passes through here
     again where this project loads it."""
-    if torch.cuda.is_available():
-        return model
-    for module in model.modules():
-        config = getattr(module, "config", None)
-        if getattr(config, "model_type", None) == "t5":
-            # the config attribute, read at every forward; `set_attn_implementation` would refuse a subclass
-            # defined outside transformers (FiDReader) with a log line, and older transformers lack it
-            config._attn_implementation = "eager"
-    return model
+    return model if torch.cuda.is_available() else set_t5_attention(model, "eager")
