@@ -14,6 +14,7 @@ from rag_train.buffer.embed import (CHUNK_BATCHES, WORKER_MIN_BATCHES, PassageTo
                                     passage_loader, plan_batches)
 from rag_train.config import RetrieverConfig, TinyModelConfig
 from rag_train.data.corpus import Corpus
+from rag_train.models.attention import set_t5_attention, t5_attention, t5_configs
 from rag_train.models.retriever import DualEncoder, format_passage
 
 TINY = TinyModelConfig(d_model=32, d_ff=64, d_kv=8, num_heads=4, num_layers=2)
@@ -124,6 +125,45 @@ def test_small_passes_run_in_the_main_process(t5_world):
                               pin_memory=False).num_workers
 
     assert (workers(4 * WORKER_MIN_BATCHES - 1), workers(4 * WORKER_MIN_BATCHES)) == (0, 2)
+
+
+def test_corpus_passes_run_eager_attention_and_restore_the_kernel(t5_world, monkeypatch):
+    """A tower on SDPA (as on CUDA) embeds through eager attention, the same vectors, and is on SDPA again after."""
+    corpus, model = t5_world
+    kernels_seen = []
+    forward = model.encode_passage_features
+
+    def spy(features):
+        kernels_seen.append({config._attn_implementation for config in t5_configs(model)})
+        return forward(features)
+
+    set_t5_attention(model, "sdpa")
+    try:
+        with torch.inference_mode():
+            on_sdpa = model.encode_passages(corpus.passages(range(len(corpus))))
+        monkeypatch.setattr(model, "encode_passage_features", spy)
+        ours = embed_rows(model, corpus, np.arange(len(corpus)), 16, torch.device("cpu"))
+        after = {config._attn_implementation for config in t5_configs(model)}
+    finally:
+        set_t5_attention(model, "eager")
+    assert kernels_seen and all(seen == {"eager"} for seen in kernels_seen)
+    assert after == {"sdpa"}
+    torch.testing.assert_close(ours, on_sdpa, atol=1e-6, rtol=0)
+
+
+def test_t5_attention_restores_each_kernel_after_an_error(t5_world):
+    _, model = t5_world
+    configs = t5_configs(model)
+    configs[0]._attn_implementation = "sdpa"  # mixed kernels come back as they were, one by one
+    before = [config._attn_implementation for config in configs]
+    try:
+        with pytest.raises(RuntimeError, match="inside"):
+            with t5_attention(model, "eager"):
+                assert {config._attn_implementation for config in configs} == {"eager"}
+                raise RuntimeError("inside")
+        assert [config._attn_implementation for config in configs] == before
+    finally:
+        set_t5_attention(model, "eager")
 
 
 def test_chunk_batches_give_every_worker_two_items_by_hand():

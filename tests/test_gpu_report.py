@@ -137,6 +137,7 @@ def test_forward_rates_follow_the_hand_counted_flops_and_the_tokeniser_truncates
         assert sum(shares.values()) == pytest.approx(1.0) and set(shares) == set(forward_stage.KERNEL_CLASSES)
         assert shares["GEMM, fp32"] > 0 and shares["GEMM, 16-bit"] == 0  # CPU: no autocast, every GEMM in fp32
         assert r["min_cosine_bf16_vs_autocast"] > 0.99
+        assert r["attention"] == "eager" and r["min_cosine_sdpa_vs_eager"] > 0.9999  # fp32 on CPU: the same vectors
     assert [t["length"] for t in record["tokenise"]] == [16, 32]
 
 

@@ -1,15 +1,19 @@
-"""Which attention kernel a T5 runs: eager where no CUDA device is, transformers' choice (SDPA) where one is.
+"""Which attention kernel a T5 runs: eager wherever measured faster, transformers' choice (SDPA) elsewhere.
 
-T5 always adds a float bias to its attention scores (the relative position bias). torch's CPU SDPA has no fused
-kernel for an additive float mask: transformers materialises bias + padding mask as [B, H, L, L] and SDPA's
-fallback adds a fully-masked-row check over it (isneginf / all / where), while computing what eager computes.
-`python scripts/bench_attention.py` (forward + backward of a T5 encoder, two threads, the same weights both ways;
-docs/rlm_toy.md): eager 1.15-1.20x faster at the toy towers' and reader's sizes (d 64, d 128), 1.02-1.10x from
-d 256 to T5-base. On CUDA, SDPA's memory-efficient kernel takes the bias, so the model keeps what transformers
-picked.
+T5 always adds a float bias to its attention scores (the relative position bias). transformers hands SDPA that bias
+as a float mask, rebuilt as [B, H, L, L] from bias and padding in every layer; no fused kernel wins that back.
+* CPU, forward + backward (`python scripts/bench_attention.py`, two threads, the same weights both ways;
+  docs/rlm_toy.md): eager 1.15-1.20x faster at the toy towers' and reader's sizes (d 64, d 128), 1.02-1.10x from
+  d 256 to T5-base. Every T5 on a machine without CUDA runs eager (`eager_t5_attention_on_cpu`).
+* CUDA, the encoder's forward without gradient under bf16 autocast, as `embed_rows` runs it (one H200, T5-base
+  shape, 1,024 rows with half of them padded, interleaved rounds; docs/gpu_report.md, third session): eager
+  1.29x faster at 256 tokens (475 against 613 ms), 1.18x at 64. The corpus passes run eager
+  (`t5_attention(model, "eager")` in `buffer/embed.py`). Training steps on CUDA keep SDPA: not measured there.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from torch import nn
@@ -35,3 +39,16 @@ def eager_t5_attention_on_cpu(model: nn.Module) -> nn.Module:
     torch sees no CUDA device; returns `model`. The switch is not saved: a reloaded model passes through here
     again where this project loads it."""
     return model if torch.cuda.is_available() else set_t5_attention(model, "eager")
+
+
+@contextlib.contextmanager
+def t5_attention(model: nn.Module, kernel: str):
+    """Every T5 inside `model` runs `kernel` inside the block and what it ran before after it."""
+    configs = t5_configs(model)
+    before = [config._attn_implementation for config in configs]
+    set_t5_attention(model, kernel)
+    try:
+        yield model
+    finally:
+        for config, kernel_before in zip(configs, before):
+            config._attn_implementation = kernel_before

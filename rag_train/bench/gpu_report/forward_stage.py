@@ -9,6 +9,8 @@ import time
 
 from rag_train.bench.gpu_report.common import TOY_PASSAGES, Context, StageCheckError, gemm_peak
 
+EMBED_ATTENTION = "eager"  # the kernel `embed_rows` runs T5 with (buffer/embed.py)
+
 FORWARD_GPU = {"shapes": ("tiny", "small", "base"), "lengths": (64, 256), "batch": 1024, "repeats": 10,
                "tokenise_rows": 32768}
 FORWARD_QUICK = {"shapes": ("tiny",), "lengths": (16, 32), "batch": 8, "repeats": 2, "tokenise_rows": 64}
@@ -56,6 +58,7 @@ def stage_forward(ctx: Context) -> dict:
     from rag_train.buffer.embed import PassageTokenizer, autocast_for
     from rag_train.config import RetrieverConfig
     from rag_train.data.toy_files import generate_toy_world
+    from rag_train.models.attention import t5_attention
     from rag_train.models.retriever import DualEncoder, format_passage
 
     cfg = FORWARD_QUICK if ctx.quick else FORWARD_GPU
@@ -74,32 +77,40 @@ def stage_forward(ctx: Context) -> dict:
             ids = torch.randint(5, 500, (cfg["batch"], length), generator=generator).to(device)
             features = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
             flops = encoder_flops(model, length) * cfg["batch"]
-            attention = model.passage_encoder[0].auto_model.config._attn_implementation
             tokenizer = PassageTokenizer.for_passages(model)  # the towers of one length share the toy tokenizer
             with torch.inference_mode():
                 def autocast_forward():
                     with autocast_for(device):
                         return model.encode_passage_features(features)
 
-                reference = autocast_forward().float()
-                seconds = best_time(autocast_forward, cfg["repeats"], device=device)
-                shares = forward_profile(autocast_forward, device)
-                model.to(torch.bfloat16)
-                low = model.encode_passage_features(features).float()
-                low_seconds = best_time(lambda: model.encode_passage_features(features), cfg["repeats"],
-                                        device=device)
+                with t5_attention(model, "sdpa"):  # transformers' default kernel, against the one embed_rows runs
+                    on_sdpa = autocast_forward().float()
+                    sdpa_seconds = best_time(autocast_forward, cfg["repeats"], device=device)
+                with t5_attention(model, EMBED_ATTENTION):
+                    reference = autocast_forward().float()
+                    seconds = best_time(autocast_forward, cfg["repeats"], device=device)
+                    shares = forward_profile(autocast_forward, device)
+                    model.to(torch.bfloat16)
+                    low = model.encode_passage_features(features).float()
+                    low_seconds = best_time(lambda: model.encode_passage_features(features), cfg["repeats"],
+                                            device=device)
+            sdpa_agreement = torch.nn.functional.cosine_similarity(on_sdpa, reference, dim=1).min().item()
+            if not sdpa_agreement > 0.99:
+                raise StageCheckError(f"forward {shape} at {length} tokens: SDPA gives vectors at cosine "
+                                      f"{sdpa_agreement:.4f} of {EMBED_ATTENTION} attention's")
             agreement = torch.nn.functional.cosine_similarity(low, reference, dim=1).min().item()
             if not agreement > 0.99:
                 raise StageCheckError(f"forward {shape} at {length} tokens: bf16 weights give vectors at cosine "
                                       f"{agreement:.4f} of the autocast ones")
-            results.append({"shape": shape, "length": length, "rows": cfg["batch"], "attention": attention,
+            results.append({"shape": shape, "length": length, "rows": cfg["batch"], "attention": EMBED_ATTENTION,
                             "autocast_seconds": seconds, "autocast_fraction_of_peak": flops / seconds / peak,
+                            "sdpa_seconds": sdpa_seconds, "min_cosine_sdpa_vs_eager": sdpa_agreement,
                             "bf16_seconds": low_seconds, "bf16_fraction_of_peak": flops / low_seconds / peak,
                             "min_cosine_bf16_vs_autocast": agreement, "device_time_shares": shares})
             print(f"forward {shape:>5} {length:>3} tok x {cfg['batch']}: autocast {seconds * 1e3:8.1f} ms "
                   f"({flops / seconds / peak:.3f} of peak), bf16 weights {low_seconds * 1e3:8.1f} ms "
-                  f"({flops / low_seconds / peak:.3f}); " + ", ".join(f"{k} {v:.0%}" for k, v in shares.items()),
-                  flush=True)
+                  f"({flops / low_seconds / peak:.3f}), SDPA {sdpa_seconds * 1e3:8.1f} ms; "
+                  + ", ".join(f"{k} {v:.0%}" for k, v in shares.items()), flush=True)
             del model
         corpus = long_passages(toy / "passages.jsonl", ctx.work / f"long-{length}.jsonl", cfg["tokenise_rows"],
                                join=math.ceil(length / 20) + 1)
@@ -129,13 +140,18 @@ def render_forward(record: dict) -> list[str]:
              f"`autocast_for`), on {s['batch']} rows of token ids already on the device, exactly the length wide; "
              f"best of {s['repeats']} after one warm-up; then the same with the weights cast to bf16 and no "
              "autocast. Fractions are encoder matmul FLOP/s over the same-run GEMM peak; the shares split one "
-             "autocast forward's device time (CPU: the aten ops' own time) by kernel.", "",
-             "| tower | tokens | attention | autocast ms | of peak | bf16 weights ms | of peak | "
-             + " | ".join(KERNEL_CLASSES) + " |", "|---|---|---|---|---|---|---|" + "---|" * len(KERNEL_CLASSES)]
+             "autocast forward's device time (CPU: the aten ops' own time) by kernel. The SDPA column is the same "
+             "autocast forward on transformers' default attention (SDPA, T5's bias as a float mask), the same "
+             "model, timed just before.", "",
+             "| tower | tokens | attention | autocast ms | of peak | SDPA ms | SDPA / ours | "
+             "bf16 weights ms | of peak | "
+             + " | ".join(KERNEL_CLASSES) + " |", "|" + "---|" * (9 + len(KERNEL_CLASSES))]
     for r in record["results"]:
         shares = " | ".join(f"{100 * r['device_time_shares'][k]:.0f}%" for k in KERNEL_CLASSES)
+        sdpa = (f"{r['sdpa_seconds'] * 1e3:.1f} | {r['sdpa_seconds'] / r['autocast_seconds']:.2f}x"
+                if "sdpa_seconds" in r else "not measured | -")  # fragments of before the column
         lines.append(f"| {r['shape']} | {r['length']} | {r['attention']} | {r['autocast_seconds'] * 1e3:.1f} | "
-                     f"{r['autocast_fraction_of_peak']:.3f} | {r['bf16_seconds'] * 1e3:.1f} | "
+                     f"{r['autocast_fraction_of_peak']:.3f} | {sdpa} | {r['bf16_seconds'] * 1e3:.1f} | "
                      f"{r['bf16_fraction_of_peak']:.3f} | {shares} |")
     lines += ["", "Host tokenisation (`PassageTokenizer.encode`, the Rust batch call `embed_rows` makes; passages longer "
               "than the length, truncated to it) in one process, with the Rust library's threads and with one thread "
