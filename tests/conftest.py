@@ -39,13 +39,6 @@ def pytest_configure(config):
         sys.dont_write_bytecode, sys.pycache_prefix = False, prefix
 
 
-def pytest_collection_modifyitems(items):
-    """Tests marked `slow` (multi-process or end-to-end: 10-30 s each) run first, after xdist's groups (which it
-    already sends first, as its largest scopes): two workers then end on short tests together, instead of one of
-    them starting a 30 s test while the other has nothing left to take."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
-
-
 @pytest.fixture(scope="session")
 def toy_world(tmp_path_factory):
     """Paths of a 2000-passage toy world (seed 0): passages, {nq,tqa,hotpotqa}-{train,dev}, retrieval-*, tokenizer."""
