@@ -42,6 +42,9 @@ PENDING_COPIES = 4  # device -> host copies in flight before the oldest is waite
 # 2-core CPU, 1 worker, batches of 256: 16 batches 1.14x, 64 batches 0.92x; docs/gpu_report.md). Per-step embeds
 # (negative cache, SNM, small refreshes) are such passes.
 WORKER_MIN_BATCHES = 32
+# every T5 inside the tower runs this attention kernel for the pass: on CUDA 1.18-1.29x faster than SDPA with T5's
+# bias for this bf16 forward (models/attention.py; the GPU report's `forward` stage times both)
+PASS_ATTENTION = "eager"
 
 
 def autocast_for(device: torch.device):
@@ -198,7 +201,7 @@ def embed_rows(model: nn.Module, corpus: Corpus, rows: np.ndarray, batch_size: i
         out[positions.to(out.device)] = vectors.to(out.device)
 
     bar = tqdm(total=len(rows), desc="embed", unit="psg", disable=not progress, leave=False)
-    with t5_attention(model, "eager"):  # faster than SDPA with T5's bias on CUDA too (models/attention.py)
+    with t5_attention(model, PASS_ATTENTION):
         for chunk in loader:
             for batch in chunk:
                 positions = batch.pop("positions")

@@ -8,7 +8,7 @@ as a float mask, rebuilt as [B, H, L, L] from bias and padding in every layer; n
 * CUDA, the encoder's forward without gradient under bf16 autocast, as `embed_rows` runs it (one H200, T5-base
   shape, 1,024 rows with half of them padded, interleaved rounds; docs/gpu_report.md, third session): eager
   1.29x faster at 256 tokens (475 against 613 ms), 1.18x at 64. The corpus passes run eager
-  (`t5_attention(model, "eager")` in `buffer/embed.py`). Training steps on CUDA keep SDPA: not measured there.
+  (`PASS_ATTENTION` in `buffer/embed.py`). Training steps on CUDA keep SDPA: not measured there.
 """
 
 from __future__ import annotations

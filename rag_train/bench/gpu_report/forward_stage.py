@@ -9,8 +9,6 @@ import time
 
 from rag_train.bench.gpu_report.common import TOY_PASSAGES, Context, StageCheckError, gemm_peak
 
-EMBED_ATTENTION = "eager"  # the kernel `embed_rows` runs T5 with (buffer/embed.py)
-
 FORWARD_GPU = {"shapes": ("tiny", "small", "base"), "lengths": (64, 256), "batch": 1024, "repeats": 10,
                "tokenise_rows": 32768}
 FORWARD_QUICK = {"shapes": ("tiny",), "lengths": (16, 32), "batch": 8, "repeats": 2, "tokenise_rows": 64}
@@ -55,7 +53,7 @@ def stage_forward(ctx: Context) -> dict:
 
     from rag_train.bench.embed import SHAPES, encoder_flops, long_passages
     from rag_train.bench.search import best_time
-    from rag_train.buffer.embed import PassageTokenizer, autocast_for
+    from rag_train.buffer.embed import PASS_ATTENTION, PassageTokenizer, autocast_for
     from rag_train.config import RetrieverConfig
     from rag_train.data.toy_files import generate_toy_world
     from rag_train.models.attention import t5_attention
@@ -86,7 +84,7 @@ def stage_forward(ctx: Context) -> dict:
                 with t5_attention(model, "sdpa"):  # transformers' default kernel, against the one embed_rows runs
                     on_sdpa = autocast_forward().float()
                     sdpa_seconds = best_time(autocast_forward, cfg["repeats"], device=device)
-                with t5_attention(model, EMBED_ATTENTION):
+                with t5_attention(model, PASS_ATTENTION):
                     reference = autocast_forward().float()
                     seconds = best_time(autocast_forward, cfg["repeats"], device=device)
                     shares = forward_profile(autocast_forward, device)
@@ -97,12 +95,12 @@ def stage_forward(ctx: Context) -> dict:
             sdpa_agreement = torch.nn.functional.cosine_similarity(on_sdpa, reference, dim=1).min().item()
             if not sdpa_agreement > 0.99:
                 raise StageCheckError(f"forward {shape} at {length} tokens: SDPA gives vectors at cosine "
-                                      f"{sdpa_agreement:.4f} of {EMBED_ATTENTION} attention's")
+                                      f"{sdpa_agreement:.4f} of {PASS_ATTENTION} attention's")
             agreement = torch.nn.functional.cosine_similarity(low, reference, dim=1).min().item()
             if not agreement > 0.99:
                 raise StageCheckError(f"forward {shape} at {length} tokens: bf16 weights give vectors at cosine "
                                       f"{agreement:.4f} of the autocast ones")
-            results.append({"shape": shape, "length": length, "rows": cfg["batch"], "attention": EMBED_ATTENTION,
+            results.append({"shape": shape, "length": length, "rows": cfg["batch"], "attention": PASS_ATTENTION,
                             "autocast_seconds": seconds, "autocast_fraction_of_peak": flops / seconds / peak,
                             "sdpa_seconds": sdpa_seconds, "min_cosine_sdpa_vs_eager": sdpa_agreement,
                             "bf16_seconds": low_seconds, "bf16_fraction_of_peak": flops / low_seconds / peak,
