@@ -846,7 +846,8 @@ def make_read_only(folder: Path) -> tuple[str, Callable[[], None]]:
 def make_reproduce_runs(runs: Path) -> None:
     """A --runs folder of finished runs (metrics.json only, as tests/test_reproduce.py writes them), for the
     report-only reproduce cells."""
-    from rag_train.reproduction.plan import QUICK, Plan
+    from rag_train.reproduction.budgets import QUICK
+    from rag_train.reproduction.plan import Plan
     from test_reproduce import fake_results
 
     shutil.rmtree(runs, ignore_errors=True)

@@ -3,6 +3,7 @@ written from given metrics (tables, computed verdicts against the paper, PNG plo
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import subprocess
@@ -16,19 +17,20 @@ import pytest
 from rag_train.config import load_config
 from rag_train.experiments import PROBED_VALUES, batching_setups, batching_sweep_table, probe_table
 from rag_train.train.schema import RetrieverTrainConfig, RLMConfig
-from rag_train.reproduction.plan import FULL, QUICK, RETRIEVER_CONFIG, TABLE3, Plan, Run, run_all
+from rag_train.reproduction.budgets import FULL, QUICK
+from rag_train.reproduction.plan import RETRIEVER_CONFIG, TABLE3, Plan, Run, run_all
 from rag_train.reproduction.analysis import ANALYSIS
 from rag_train.reproduction.report import write_report
 
 ROOT = Path(__file__).resolve().parents[1]
-SEED_SECTIONS = ("dynnibal", "large_batches", "generative")
+SEED_SECTIONS = ("dynnibal", "large_batches", "generative", "described")
 
 
 @pytest.fixture(scope="module")
 def seed_sections(tmp_path_factory) -> Path:
-    """`reproduce.py --quick --only dynnibal large_batches generative --jobs 2` once, as a user runs several sections:
-    the three seed papers' sections share the run's fork server and toy worlds (75 s instead of 116 s as three
-    invocations). The tests below each read their section's runs and report from it."""
+    """`reproduce.py --quick --only dynnibal large_batches generative described --jobs 2` once, as a user runs several
+    sections: the seed papers' sections and seed 000's Table 1 on a described world share the run's fork server (one
+    invocation instead of four). The tests below each read their section's runs and report from it."""
     runs = tmp_path_factory.mktemp("seed_sections") / "runs"
     subprocess.run([sys.executable, str(ROOT / "scripts" / "reproduce.py"), "--quick", "--only", *SEED_SECTIONS,
                     "--runs", str(runs), "--jobs", "2"], check=True, capture_output=True)
@@ -198,6 +200,67 @@ def test_plan_shares_one_warm_start_and_reuses_the_default_corrector(tmp_path):
     assert "strategy.refresh_every=50" in plan.table3("exhaustive", 0).overrides
     cfg = load_config(RetrieverTrainConfig, RETRIEVER_CONFIG, plan.ablation(64, 1).overrides)
     assert (cfg.strategy.name, cfg.strategy.corrector.hidden, cfg.train.seed) == ("corrector", 64, 1)
+
+
+def test_described_section_plans_every_row_from_three_inits_on_each_world(tmp_path):
+    """seed 000's Table 1 in its regime: each described world's runs start from nothing (random), from that world's
+    own LM, or from the GTR-like init (the other world's LM trained in-batch, run first); the MSE and "+0" rows are
+    their strategy with the row's keys, and every run loads with only the budget keys its strategy reads."""
+    plan = Plan(tmp_path, FULL, [0, 1, 2], [256], tmp_path / "docs")
+    runs = plan.section("described")
+    assert runs[0].out == plan.described_pretrain().out == tmp_path / "described" / "pretrain"
+    assert len(runs) == 1 + len(FULL.described_worlds) * 3 * 8 * 3 and len({r.out for r in runs}) == len(runs)
+    other = FULL.described_other_world
+    pretrain = load_config(RetrieverTrainConfig, RETRIEVER_CONFIG,
+                           [o for o in runs[0].overrides if not o.startswith("retriever.model=")])
+    assert (pretrain.strategy.name, pretrain.data.toy_passages, pretrain.data.toy_seed) == ("in_batch", *other)
+    assert f"retriever.model={plan.described_lm(other).folder()}" in runs[0].overrides
+    for world in FULL.described_worlds:
+        lm = plan.described_lm(world)
+        assert (lm.data.toy_passages, lm.data.toy_seed, lm.data.toy_retrieval) == (*world, "described")
+        models = {init: [o for o in plan.described_run(world, init, "stale", 1).overrides if "retriever.model" in o]
+                  for init in ("random", "lm", "pretrained")}  # the folders do not exist: not loaded here
+        assert models == {"random": [], "lm": [f"retriever.model={lm.folder()}"],
+                          "pretrained": [f"retriever.model={plan.described_pretrain().out / 'retriever'}"]}
+        cfg = {row: load_config(RetrieverTrainConfig, RETRIEVER_CONFIG, plan.described_run(world, "random", row, 2).overrides)
+               for row in ("in_batch", "corrector", "corrector-mse", "dynnibal-plus0", "dynnibal", "exhaustive")}
+        assert all(c.data.toy_dir == lm.data.toy_dir and c.train.seed == 2 and c.train.steps == 4000 for c in cfg.values())
+        assert (cfg["corrector"].strategy.corrector.loss, cfg["corrector-mse"].strategy.corrector.loss) == ("ce", "mse")
+        plus0, scheduled = cfg["dynnibal-plus0"].strategy, cfg["dynnibal"].strategy
+        assert (plus0.warm_start_steps, plus0.full_refresh_step, plus0.refresh_every) == (0, 0, 0)
+        assert (scheduled.warm_start_steps, scheduled.full_refresh_step) == (500, 1000)
+        assert cfg["exhaustive"].strategy.name == "exhaustive" and cfg["in_batch"].strategy.name == "in_batch"
+    clash = Plan(tmp_path, dataclasses.replace(QUICK, described_other_world=(300, 1)), [0], [64], tmp_path / "docs")
+    with pytest.raises(ValueError, match="described_other_world"):
+        clash.described_pretrain()
+
+
+def test_described_report_gives_each_rows_share_of_the_gap_per_seed_and_the_verdict(tmp_path):
+    """The section's tables and gap shares from given metrics, against shares computed by hand: stale 0.40 / 0.50,
+    exhaustive 0.80 / 0.70, corrector 0.72 / 0.68 closes (0.70 - 0.45) / (0.75 - 0.45) = 83% of the means (80%,
+    90% per seed), above SNM's 0.60: reproduced; on the untuned world the corrector is below SNM: not reproduced."""
+    from rag_train.reproduction.described import described_section
+
+    def rows(**r1s):
+        return {row: [retriever_metrics(v, reembedded=1000 if row == "exhaustive" else 0) for v in values]
+                for row, values in r1s.items()}
+
+    tuned = rows(stale=[0.40, 0.50], exhaustive=[0.80, 0.70], corrector=[0.72, 0.68], snm=[0.60, 0.60])
+    untuned = rows(stale=[0.50], exhaustive=[0.90], corrector=[0.70], snm=[0.80])
+    results = {"tuned": "w3000-s0", "worlds": {"w3000-s0": {"random": {}, "lm": tuned, "pretrained": {}},
+                                               "w2000-s1": {"random": {}, "lm": untuned, "pretrained": {}}}}
+    text = "\n".join(described_section(results))
+    tuned_part, untuned_part = text.split("### w2000-s1")
+    assert "### w3000-s0 (the settings were tuned on this world): LM-pretrained init (paper: T5-base)" in tuned_part
+    assert "| corrector (CE, Eq. 6) | 2 | 0 | 70.0 ± 2.8 |" in tuned_part
+    assert "| exhaustive | 2 | 1,000 | 75.0 ± 7.1 |" in tuned_part
+    assert "stale 45.0, exhaustive 75.0 (a gap of 30.0 points)" in tuned_part
+    assert "corrector (CE, Eq. 6) 83% (per seed: 80%, 90%); SNM 50% (per seed: 50%, 50%)" in tuned_part
+    assert "**reproduced** here: 83%, R@1 70.0 against SNM's 60.0" in tuned_part
+    assert " (not tuned on): LM-pretrained init" in untuned_part and "**not reproduced** here: 50%" in untuned_part
+    assert "| 20 | 22.5 | 35.0 | 37.5 |" in tuned_part  # the curve at step 20: R@1 / 2 (retriever_metrics' history)
+    assert "random init" not in text  # inits without runs are left out
+    assert "_(not run: `--only described`)_" in "\n".join(described_section(None))
 
 
 def batching_metrics(r1: float, r20: float) -> dict:
@@ -406,3 +469,40 @@ def test_quick_generative_section_runs_seed_003s_four_tables(seed_sections):
     best = max(("base", "async", "contra"), key=lambda v: seen[v])  # the first of equals, as max() picks
     assert f"against vanilla {100 * seen['vanilla']:.1f}: **{100 * (seen[best] - seen['vanilla']):+.1f} points**" \
         in section
+
+
+@pytest.mark.xdist_group("seed_sections")
+def test_quick_described_section_runs_seed_000s_table1_from_three_inits(seed_sections):
+    """`reproduce.py --quick --only described` end to end (`seed_sections`): every row from every init on the world,
+    each from its init's model (nothing, the world's LM, the GTR-like pretraining run's retriever) with its row's
+    keys; the MSE corrector re-embeds nothing and Dynnibal "+0" nothing, scheduled Dynnibal and exhaustive what their
+    schedules say; the report's cells and per-seed gap shares are the runs' metrics, by hand."""
+    runs = seed_sections
+    folder, passages = runs / "described" / "w300-s1", 300
+    inits, rows = ("random", "lm", "pretrained"), ("in_batch", "stale", "corrector", "corrector-mse", "dynnibal-plus0",
+                                                   "dynnibal", "snm", "exhaustive")
+    metrics = {(i, r): json.loads((folder / i / f"{r}-seed0" / "metrics.json").read_text()) for i in inits for r in rows}
+    lm = next(folder.glob("lm-*"))
+    for init, model in (("lm", lm), ("pretrained", runs / "described" / "pretrain" / "retriever")):
+        assert f"model: {model}\n" in (folder / init / "stale-seed0" / "config.yaml").read_text()
+    assert "model: tiny\n" in (folder / "random" / "stale-seed0" / "config.yaml").read_text()
+    assert "loss: mse\n" in (folder / "lm" / "corrector-mse-seed0" / "config.yaml").read_text()
+    pretrain = (runs / "described" / "pretrain" / "config.yaml").read_text()
+    assert "toy_seed: 0\n" in pretrain and "name: in_batch\n" in pretrain  # another world: other people
+    for init in inits:
+        reembedded = {r: metrics[init, r]["reembedded_passages"] for r in rows}
+        assert reembedded["corrector-mse"] == reembedded["dynnibal-plus0"] == reembedded["stale"] == 0
+        assert reembedded["exhaustive"] == (8 // 2) * passages  # a refresh every 2 of 8 steps
+        assert reembedded["dynnibal"] == 2 * passages + 3 * (8 + 32)  # as in the dynnibal section's quick runs
+    report = (runs / "report" / "reproduction.md").read_text()
+    section = report[report.index("## Table 1 in the paper's regime"):]
+    lm_part = section[section.index("LM-pretrained init (paper: T5-base)"):section.index("retrieval-pretrained init")]
+    m = {r: metrics["lm", r] for r in rows}
+    assert (f"| corrector (MSE, Eq. 5) | 1 | 0 | {100 * m['corrector-mse']['recall']['1']:.1f} | "
+            f"{100 * m['corrector-mse']['recall']['5']:.1f} |") in lm_part
+    low, high = m["stale"]["recall"]["1"], m["exhaustive"]["recall"]["1"]
+    if high > low:  # 8-step runs need not open a gap; when they do, the share is (corrector - low) / (high - low)
+        share = 100 * (m["corrector"]["recall"]["1"] - low) / (high - low)
+        assert f"corrector (CE, Eq. 6) {share:.0f}% (per seed: {share:.0f}%)" in lm_part
+    else:
+        assert "**undecided (exhaustive is not above stale: no gap)**" in lm_part

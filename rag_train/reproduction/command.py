@@ -31,6 +31,11 @@ Sections (--only):
             (zero-shot) people; generator and CE encoder the world's span-corruption toy T5
             (rag_train/reproduction/generative.py). About 5-10 min per run on one core, 39 runs with 3 seeds
             (26 of them took 2 h with --jobs 2).
+  described seed 000's Table 1 in its regime (issue 27): described worlds (the first tuned on, the others not),
+            three inits (random; the world's span-corruption toy T5; a GTR-like one, another described world's toy
+            T5 trained in-batch on its questions) and the paper's rows: in-batch, stale, corrector (CE and MSE),
+            Dynnibal "+0" and scheduled, SNM, exhaustive, with the share of the stale -> exhaustive gap each closes
+            (rag_train/reproduction/described.py).
 
 Cost on 2 CPU cores (estimated from single runs, one torch thread per run): table1 + ablation + curves with
 the default 3 seeds about 35 min (a 300-step run is 40-70 s); table3 is dominated by the shared reader warm start
@@ -58,7 +63,8 @@ from pathlib import Path
 
 import torch
 
-from rag_train.reproduction.plan import FULL, QUICK, SECTIONS, Plan
+from rag_train.reproduction.budgets import FULL, QUICK
+from rag_train.reproduction.plan import SECTIONS, Plan
 from rag_train.reproduction.report import write_report
 
 

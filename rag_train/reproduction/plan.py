@@ -20,7 +20,8 @@ from rag_train.strategies import reads
 from rag_train.train.lm_pretrain import LMPretrainConfig, pretrain_toy_lm
 from rag_train.train.schema import RetrieverTrainConfig
 from rag_train.experiments import compare_batching_main, run_once
-from rag_train.reproduction import dynnibal, generative
+from rag_train.reproduction import described, dynnibal, generative
+from rag_train.reproduction.budgets import Budget
 from rag_train.reproduction.large_batches import large_batches_outputs
 from rag_train.io import atomic_write_json, read_json, remove_temporaries_of
 
@@ -29,7 +30,8 @@ RETRIEVER_CONFIG = ROOT / "configs" / "toy" / "retriever.yaml"
 RLM_CONFIG = ROOT / "configs" / "toy" / "rlm.yaml"
 GENERATIVE_CONFIG = ROOT / "configs" / "toy" / "generative.yaml"
 LM_CONFIG = ROOT / "configs" / "toy" / "lm.yaml"
-SECTIONS = ("table1", "table3", "ablation", "curves", "synthetic", "large_batches", "dynnibal", "generative")
+SECTIONS = ("table1", "table3", "ablation", "curves", "synthetic", "large_batches", "dynnibal", "generative",
+            "described")
 INITS = ("random", "lm", "pretrained")
 INIT_LABELS = {"random": "random init (no counterpart in the paper)", "lm": "LM-pretrained init (paper: T5-base)",
                "pretrained": "retrieval-pretrained init (paper: GTR-base)"}
@@ -38,90 +40,6 @@ TABLE3 = ("closed_book", "frozen", "corrector", "exhaustive")
 CURVES = ("stale", "corrector", "exhaustive")
 RLM_CURVES = ("frozen", "corrector", "exhaustive")
 INVOCATIONS = "invocations.json"  # under --runs: every invocation that ran sections, with its wall time
-
-
-# ---- budgets -----------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Budget:
-    """Overrides that set the size of every run, the seeds and the ablation's corrector sizes."""
-
-    retriever: tuple[str, ...]  # every Algorithm 1 run (Table 1, ablation)
-    pretrain: tuple[str, ...]  # the GTR stand-in's supervised pretraining on the other world
-    lm: tuple[str, ...]  # the T5 stand-in: span corruption on this world's passages (configs/toy/lm.yaml)
-    rlm: tuple[str, ...]  # every Algorithm 2 run
-    synthetic: tuple[str, ...]  # scripts/synthetic_corrector.py arguments
-    # seed 002 in its own regime (scripts/compare_batching.py: raw dot products at temperature 1, from the LM init):
-    # its arguments (N_local, the K and M sweeps) and the overrides of every run
-    large_batches: tuple[str, ...]
-    large_batches_runs: tuple[str, ...]
-    # seed 001 as it runs (the `dynnibal` section): the described world (passages, toy seed), the other described
-    # world its GTR-like init is trained on, that init's in-batch training, and the overrides of every run
-    dynnibal_world: tuple[int, int]
-    dynnibal_other_world: tuple[int, int]
-    dynnibal_pretrain: tuple[str, ...]
-    dynnibal: tuple[str, ...]
-    # seed 003 where titles cannot be copied (the `generative` section): the described world, its splits' dev
-    # questions, every generative run's overrides, ASYNC's and CONTRA's schedule keys, the dual encoder's
-    generative_world: tuple[int, int]
-    generative_dev_questions: int
-    generative: tuple[str, ...]
-    generative_async: tuple[str, ...]
-    generative_contra: tuple[str, ...]
-    generative_dense: tuple[str, ...]
-    seeds: tuple[int, ...]
-    hidden: tuple[int, ...]  # corrector sizes of the ablation
-    toy_passages: Optional[int] = None  # None: the configs' world (3,000 passages in data/toy)
-
-
-FULL = Budget(
-    retriever=("train.steps=300", "train.eval_every=50", "strategy.refresh_every=50"),
-    pretrain=("strategy.name=in_batch", "train.steps=300", "train.batch_size=32", "train.eval_every=0"),
-    lm=(),
-    rlm=("strategy.refresh_every=50", "train.eval_every=100"),
-    synthetic=(),
-    large_batches=("--local", "4", "--micro", "4", "1", "2", "8", "--bank", "64", "16", "128",
-                   "--hard-negatives", "1"),
-    large_batches_runs=("train.steps=600", "train.eval_every=0", "train.log_every=10", "data.max_eval_examples=300"),
-    dynnibal_world=(6000, 1),
-    dynnibal_other_world=(3000, 0),
-    dynnibal_pretrain=("train.steps=1000", "train.batch_size=32", "train.eval_every=0"),
-    dynnibal=("train.steps=1500", "train.eval_every=250", "strategy.warm_start_steps=500",
-              "strategy.full_refresh_step=1000"),
-    generative_world=(6000, 1),
-    generative_dev_questions=300,
-    generative=("train.steps=6000", "train.eval_every=2000"),
-    generative_async=("np.rebuild_every_epochs=8",),  # 32 epochs in 6,000 steps: rebuilds at epochs 8, 16, 24
-    generative_contra=("np.contrastive_steps=1000",),
-    generative_dense=("train.steps=2000", "train.eval_every=500"),
-    seeds=(0, 1, 2),
-    hidden=(64, 256, 1024),
-)
-QUICK = Budget(
-    retriever=("train.steps=12", "train.eval_every=6", "strategy.refresh_every=6", "strategy.snm_targets=100",
-               "strategy.cache_size=64", "strategy.cache_refresh=8"),
-    pretrain=("strategy.name=in_batch", "train.steps=12", "train.eval_every=0"),
-    lm=("steps=6", "batch_size=8", "warmup_steps=2"),
-    rlm=("train.steps=6", "train.eval_every=3", "strategy.refresh_every=3", "warm_start.reader_steps=8",
-         "warm_start.reader_copy_steps=4", "warm_start.retriever_steps=6", "data.max_eval_examples=16"),
-    synthetic=("--quick",),
-    large_batches=("--local", "2", "--micro", "2", "--bank", "4", "--hard-negatives", "1"),
-    large_batches_runs=("train.steps=6", "train.eval_every=0", "train.log_every=1", "data.max_eval_examples=16"),
-    dynnibal_world=(300, 1),
-    dynnibal_other_world=(300, 0),
-    dynnibal_pretrain=("train.steps=6", "train.eval_every=0"),
-    dynnibal=("train.steps=8", "train.eval_every=4", "strategy.refresh_every=2", "strategy.warm_start_steps=3",
-              "strategy.full_refresh_step=5", "strategy.landmarks=8", "strategy.nystrom_samples=32", "strategy.trees=2",
-              "data.max_eval_examples=16"),
-    generative_world=(300, 1),
-    generative_dev_questions=12,
-    generative=("train.steps=4", "train.eval_every=0", "train.batch_size=8"),
-    generative_async=("np.rebuild_every_epochs=0.05",),  # every 2 of the 37 steps an epoch takes
-    generative_contra=("np.contrastive_steps=2",),
-    generative_dense=("train.steps=6", "train.eval_every=0"),
-    seeds=(0,),
-    hidden=(64, 256),
-    toy_passages=300,
-)
 
 
 def build_lm(cfg: LMPretrainConfig, threads: Optional[int] = None) -> None:
@@ -195,6 +113,7 @@ class Plan:
 
     def __init__(self, runs: Path, budget: Budget, seeds: list[int], hidden: list[int], out: Path):
         self.runs, self.budget, self.seeds, self.hidden, self.out = runs, budget, seeds, hidden, out
+        self.described_lms: dict[tuple[int, int], LMPretrainConfig] = {}
         self.default_hidden = load_config(RetrieverTrainConfig, RETRIEVER_CONFIG).strategy.corrector.hidden
         self.world = [] if budget.toy_passages is None else [f"data.toy_dir={runs / 'toy-world'}",
                                                                f"data.toy_passages={budget.toy_passages}"]
@@ -301,6 +220,41 @@ class Plan:
         make_splits(self.generative_splits().parent / "world", self.generative_splits(),
                     self.budget.generative_dev_questions)
 
+    def described_args(self, world: tuple[int, int]) -> list[str]:
+        passages, seed = world
+        return [f"data.toy_dir={self.runs / 'described' / described.world_name(passages, seed)}",
+                f"data.toy_passages={passages}", f"data.toy_seed={seed}", "data.toy_retrieval=described"]
+
+    def described_lm(self, world: tuple[int, int]) -> LMPretrainConfig:
+        """The T5 stand-in of a described world of the `described` section (cached beside it; its config loaded once
+        per world: the section plans 217 runs)."""
+        if world not in self.described_lms:
+            self.described_lms[world] = load_config(LMPretrainConfig, LM_CONFIG,
+                                                    [*self.described_args(world), *self.budget.lm])
+        return self.described_lms[world]
+
+    def described_pretrain(self) -> Run:
+        """The GTR stand-in of the `described` section: the other world's LM trained in-batch on its questions. Its
+        toy seed is none of the compared worlds', so it has seen none of their people."""
+        other = self.budget.described_other_world
+        if other[1] in {seed for _, seed in self.budget.described_worlds}:
+            raise ValueError(f"described_other_world {other}: its toy seed is a compared world's (same people)")
+        return Run("train_retriever.py", RETRIEVER_CONFIG, self.runs / "described" / "pretrain",
+                   ["train.tracker=null", *self.described_args(other),
+                    f"retriever.model={self.described_lm(other).folder()}", "strategy.name=in_batch",
+                    *self.budget.described_pretrain])
+
+    def described_run(self, world: tuple[int, int], init: str, row: str, seed: int) -> Run:
+        """One row of the `described` section (rag_train/reproduction/described.py) on `world` from `init`."""
+        _, strategy, extra = described.ROWS[row]
+        model = {"random": lambda: [], "lm": lambda: [f"retriever.model={self.described_lm(world).folder()}"],
+                 "pretrained": lambda: [f"retriever.model={self.described_pretrain().out / 'retriever'}"]}[init]()
+        budget = [o for o in self.budget.described if reads(strategy, o.split("=", 1)[0])]
+        return Run("train_retriever.py", RETRIEVER_CONFIG,
+                   self.runs / "described" / described.world_name(*world) / init / f"{row}-seed{seed}",
+                   ["train.tracker=null", *self.described_args(world), *model, *budget, f"strategy.name={strategy}",
+                    f"train.seed={seed}", *extra])
+
     def table1(self, init: str, strategy: str, seed: int, extra: tuple[str, ...] = ()) -> Run:
         model = {"random": [], "lm": [f"retriever.model={self.lm().folder()}"],
                  "pretrained": [f"retriever.model={self.pretrain().out / 'retriever'}"]}[init]
@@ -342,6 +296,10 @@ class Plan:
                                                  for r in dynnibal.ROWS for seed in self.seeds]
         if name == "generative":
             return self.generative_runs()
+        if name == "described":
+            return [self.described_pretrain()] + [self.described_run(w, i, r, seed)
+                                                  for w in self.budget.described_worlds for i in described.INITS
+                                                  for r in described.ROWS for seed in self.seeds]
         if name in ("synthetic", "large_batches"):  # scripts of their own, run by execute
             return []
         raise ValueError(f"unknown section {name!r}; expected one of {SECTIONS}")
@@ -364,6 +322,9 @@ class Plan:
                 compare_batching_main(self.large_batches_args())
             if section == "generative":
                 self.prepare_generative(threads)
+            if section == "described":
+                for world in (*self.budget.described_worlds, self.budget.described_other_world):
+                    build_lm(self.described_lm(world), threads)
             runs = [run for run in self.section(section) if run.out not in done]
             done.update(run.out for run in runs)
             for finished_before in run_all(runs, threads, jobs):
@@ -418,6 +379,12 @@ class Plan:
                          "passages": self.budget.dynnibal_world[0], "snm_targets": self.dynnibal_snm_targets(),
                          "world": "described, {} passages, toy_seed {}".format(*self.budget.dynnibal_world)},
             "generative": self.collect_generative(),
+            "described": {"tuned": described.world_name(*self.budget.described_worlds[0]),
+                          "worlds": {described.world_name(*w): {i: {r: found([self.described_run(w, i, r, seed)
+                                                                             for seed in self.seeds])
+                                                                     for r in described.ROWS}
+                                                                 for i in described.INITS}
+                                     for w in self.budget.described_worlds}},
         }
 
     def collect_generative(self) -> dict:

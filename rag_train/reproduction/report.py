@@ -14,6 +14,7 @@ from rag_train.reproduction.analysis import (percent, rlm_analysis, rlm_curves_a
                                              table1_curves_analysis)
 from rag_train.reproduction.metrics import DATASET_LABELS, DATASETS, em_curve, hotpotqa_gold_recall, mean_em, mean_of
 from rag_train.reproduction.paper import PAPER_TABLE1, PAPER_TABLE2_STEPS_PER_SECOND, PAPER_TABLE3
+from rag_train.reproduction.described import described_section
 from rag_train.reproduction.dynnibal import dynnibal_section
 from rag_train.reproduction.generative import generative_section
 from rag_train.reproduction.large_batches import large_batches_section
@@ -434,7 +435,7 @@ def write_report(results: dict, meta: dict, out: Path) -> Path:
         lines += ["_(not run: `--only synthetic`)_", ""]
     path = out / "reproduction.md"
     lines += (large_batches_section(out) + dynnibal_section(results.get("dynnibal"))
-              + generative_section(results.get("generative")))
+              + generative_section(results.get("generative")) + described_section(results.get("described")))
     atomic_write_text(path, "\n".join(lines).rstrip() + "\n")  # StorageError on a full disk
     return path
 
