@@ -108,6 +108,25 @@ def gap_share(closed: Optional[float]) -> str:
     return "n/a" if closed is None else f"{100 * closed:.0f}%"
 
 
+def mean_r1(runs: list[dict]) -> Optional[float]:
+    """Mean R@1 over a row's seeds (None for a row that did not run)."""
+    return statistics.mean(recall(m) for m in runs) if runs else None
+
+
+def gap_shares_line(rows: dict[str, list[dict]], low: str, high: str, closers, labels: dict[str, str]) -> str:
+    """`R@1 of the means: LOW a, HIGH b (a gap of c points). Share of it closed: ...`: each of `closers` that ran, of
+    the means and per seed (runs paired in seed order). `low` and `high` must have run."""
+    lo, hi = mean_r1(rows[low]), mean_r1(rows[high])
+    parts = []
+    for row in closers:
+        if rows.get(row):
+            per_seed = [gap_closed(recall(a), recall(r), recall(b)) for a, r, b in zip(rows[low], rows[row], rows[high])]
+            parts.append(f"{labels[row]} {gap_share(gap_closed(lo, mean_r1(rows[row]), hi))} (per seed: "
+                         f"{', '.join(gap_share(x) for x in per_seed)})")
+    return (f"R@1 of the means: {low} {100 * lo:.1f}, {high} {100 * hi:.1f} (a gap of {100 * (hi - lo):.1f} points). "
+            "Share of it closed: " + "; ".join(parts) + ".")
+
+
 GAP = ("stale", "corrector", "exhaustive")  # the gap the corrector closes: its low end, the corrector, its high end
 
 

@@ -12,10 +12,10 @@ re-embedded, above SNM."""
 
 from __future__ import annotations
 
-import statistics
 from typing import Optional
 
-from rag_train.experiments import cell, curve_table, gap_closed, gap_share, recall, retrieval_curve
+from rag_train.experiments import (cell, curve_table, gap_closed, gap_share, gap_shares_line, mean_r1,
+                                   retrieval_curve)
 
 INITS = {"random": "random init (no counterpart in the paper)",
          "lm": "LM-pretrained init (paper: T5-base)",
@@ -56,23 +56,11 @@ def gap_lines(rows: dict[str, list[dict]]) -> list[str]:
     """The stale -> exhaustive R@1 gap and the share each row closes: of the means, and per seed (runs paired in
     seed order); the verdict on the paper's claim (corrector >= 80% of the gap and above SNM). Nothing unless
     stale, exhaustive and the corrector ran."""
-    def r1(name: str) -> Optional[float]:
-        runs = rows.get(name) or []
-        return statistics.mean(recall(m) for m in runs) if runs else None
-
-    low, high, fixed = r1("stale"), r1("exhaustive"), r1("corrector")
+    low, high, fixed = (mean_r1(rows.get(name) or []) for name in ("stale", "exhaustive", "corrector"))
     if low is None or high is None or fixed is None:
         return []
-    parts = []
-    for row in CLOSERS:
-        if rows.get(row):
-            per_seed = [gap_closed(recall(s), recall(r), recall(e))
-                        for s, r, e in zip(rows["stale"], rows[row], rows["exhaustive"])]
-            parts.append(f"{ROWS[row][0]} {gap_share(gap_closed(low, r1(row), high))} (per seed: "
-                         f"{', '.join(gap_share(x) for x in per_seed)})")
-    lines = [f"R@1 of the means: stale {100 * low:.1f}, exhaustive {100 * high:.1f} (a gap of "
-             f"{100 * (high - low):.1f} points). Share of it closed: " + "; ".join(parts) + "."]
-    closed, snm = gap_closed(low, fixed, high), r1("snm")
+    lines = [gap_shares_line(rows, "stale", "exhaustive", CLOSERS, {r: label for r, (label, _, _) in ROWS.items()})]
+    closed, snm = gap_closed(low, fixed, high), mean_r1(rows.get("snm") or [])
     verdict = ("undecided (exhaustive is not above stale: no gap)" if closed is None
                else "reproduced" if closed >= 0.8 and (snm is None or fixed > snm) else "not reproduced")
     lines.append(f"Seed 000's claim (the corrector closes at least 80% of the gap, above SNM): **{verdict}** here: "

@@ -12,10 +12,10 @@ share and beats SNM at equal memory."""
 
 from __future__ import annotations
 
-import statistics
 from typing import Optional
 
-from rag_train.experiments import cell, curve_table, gap_closed, gap_share, recall, retrieval_curve
+from rag_train.experiments import (cell, curve_table, gap_closed, gap_share, gap_shares_line, mean_r1, recall,
+                                   retrieval_curve)
 
 INITS = {"lm": "LM-pretrained init (paper: RoBERTa-base; seed 000: T5-base)",
          "pretrained": "retrieval-pretrained init (GTR-like: trained in-batch on another described world)"}
@@ -49,10 +49,6 @@ def device_memory_pct(row: str, m: dict, passages: int, snm_targets: int) -> flo
     return {"uniform": 0.0, "snm": 100.0 * min(snm_targets, passages) / passages}[row]
 
 
-def _r1(runs: list[dict]) -> Optional[float]:
-    return statistics.mean(recall(m) for m in runs) if runs else None
-
-
 def init_table(rows: dict[str, list[dict]], passages: int, snm_targets: int) -> str:
     """One init's rows: device memory, re-embedded passages, R@1/5/20/100 (mean ± sd over seeds)."""
     lines = ["| row | device memory | re-embedded | " + " | ".join(f"R@{k}" for k in RECALL_AT) + " |",
@@ -69,21 +65,14 @@ def init_table(rows: dict[str, list[dict]], passages: int, snm_targets: int) -> 
 def gap_lines(rows: dict[str, list[dict]], passages: int, snm_targets: int) -> list[str]:
     """The share of the uniform -> exhaustive R@1 gap each row closes (of the means, and per seed in seed order),
     and the verdict on seed 001's claim; nothing unless uniform, Dynnibal and exhaustive ran."""
-    low, high, dyn = _r1(rows.get("uniform", [])), _r1(rows.get("exhaustive", [])), _r1(rows.get("dynnibal", []))
+    low, high, dyn = (mean_r1(rows.get(name, [])) for name in ("uniform", "exhaustive", "dynnibal"))
     if low is None or high is None or dyn is None:
         return []
-    parts = []
-    for row in ("dynnibal", "dynnibal-plus0", "snm"):
-        if rows.get(row):
-            per_seed = [gap_closed(recall(u), recall(r), recall(e))
-                        for u, r, e in zip(rows["uniform"], rows[row], rows["exhaustive"])]
-            parts.append(f"{ROWS[row][0]} {gap_share(gap_closed(low, _r1(rows[row]), high))} (per seed: "
-                         f"{', '.join(gap_share(x) for x in per_seed)})")
-    lines = [f"R@1 of the means: uniform {100 * low:.1f}, exhaustive {100 * high:.1f} (a gap of "
-             f"{100 * (high - low):.1f} points). Share of it closed: " + "; ".join(parts) + "."]
+    lines = [gap_shares_line(rows, "uniform", "exhaustive", ("dynnibal", "dynnibal-plus0", "snm"),
+                             {r: label for r, (label, _, _) in ROWS.items()})]
     closed = gap_closed(low, dyn, high)
     memory = device_memory_pct("dynnibal", rows["dynnibal"][0], passages, snm_targets)
-    snm = _r1(rows.get("snm", []))
+    snm = mean_r1(rows.get("snm", []))
     above_snm = snm is not None and dyn > snm
     verdict = ("undecided (exhaustive is not above uniform: no gap)" if closed is None
                else "reproduced" if closed > 0.5 and above_snm else "not reproduced")
