@@ -10,7 +10,7 @@ import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -51,6 +51,13 @@ def build_lm(cfg: LMPretrainConfig, threads: Optional[int] = None) -> None:
     finally:
         torch.set_num_threads(previous)
     print(f"[reproduce] toy LM {'reused' if built['reused'] else 'trained'}: {built['folder']}", flush=True)
+
+
+def init_model(init: str, lm: Callable[[], LMPretrainConfig], pretrain: Callable[[], "Run"]) -> list[str]:
+    """The `retriever.model` override of an init ("random", "lm", "pretrained"); only that init's model is looked up
+    (each lookup loads a config: a section plans hundreds of runs)."""
+    return {"random": lambda: [], "lm": lambda: [f"retriever.model={lm().folder()}"],
+            "pretrained": lambda: [f"retriever.model={pretrain().out / 'retriever'}"]}[init]()
 
 
 # ---- runs --------------------------------------------------------------------------------------------------------
@@ -113,7 +120,7 @@ class Plan:
 
     def __init__(self, runs: Path, budget: Budget, seeds: list[int], hidden: list[int], out: Path):
         self.runs, self.budget, self.seeds, self.hidden, self.out = runs, budget, seeds, hidden, out
-        self.described_lms: dict[tuple[int, int], LMPretrainConfig] = {}
+        self.lm_configs: dict[tuple[str, ...], LMPretrainConfig] = {}
         self.default_hidden = load_config(RetrieverTrainConfig, RETRIEVER_CONFIG).strategy.corrector.hidden
         self.world = [] if budget.toy_passages is None else [f"data.toy_dir={runs / 'toy-world'}",
                                                                f"data.toy_passages={budget.toy_passages}"]
@@ -127,9 +134,16 @@ class Plan:
         return Run("train_retriever.py", RETRIEVER_CONFIG, self.runs / "pretrain",
                    ["train.tracker=null", *other, *self.budget.pretrain])
 
+    def lm_config(self, *overrides: str) -> LMPretrainConfig:
+        """configs/toy/lm.yaml with `overrides`, loaded once per plan: every run a section plans (hundreds) names the
+        LM it starts from."""
+        if overrides not in self.lm_configs:
+            self.lm_configs[overrides] = load_config(LMPretrainConfig, LM_CONFIG, list(overrides))
+        return self.lm_configs[overrides]
+
     def lm(self) -> LMPretrainConfig:
         """The T5 stand-in: span corruption on this world's own passages, no labels (cached beside the world)."""
-        return load_config(LMPretrainConfig, LM_CONFIG, [*self.world, *self.budget.lm])
+        return self.lm_config(*self.world, *self.budget.lm)
 
     def described_world(self, passages_seed: tuple[int, int], name: str) -> list[str]:
         passages, seed = passages_seed
@@ -139,7 +153,7 @@ class Plan:
     def dynnibal_lm(self, world: str = "world") -> LMPretrainConfig:
         """The T5 / RoBERTa stand-in on a described world of the `dynnibal` section (cached beside it)."""
         size = self.budget.dynnibal_world if world == "world" else self.budget.dynnibal_other_world
-        return load_config(LMPretrainConfig, LM_CONFIG, [*self.described_world(size, world), *self.budget.lm])
+        return self.lm_config(*self.described_world(size, world), *self.budget.lm)
 
     def dynnibal_pretrain(self) -> Run:
         """The GTR stand-in of the `dynnibal` section: the other described world's LM, trained in-batch on its
@@ -164,12 +178,12 @@ class Plan:
         """One row of the `dynnibal` section (rag_train/reproduction/dynnibal.py) from `init` ("lm", "pretrained")."""
         _, strategy, extra = dynnibal.ROWS[row]
         extra = [o.format(warm_start_steps=self.dynnibal_config.warm_start_steps) for o in extra]
-        model = {"lm": self.dynnibal_lm().folder(), "pretrained": self.dynnibal_pretrain().out / "retriever"}[init]
+        model = init_model(init, self.dynnibal_lm, self.dynnibal_pretrain)
         budget = [o for o in (*self.budget.dynnibal, f"strategy.snm_targets={self.dynnibal_snm_targets()}")
                   if reads(strategy, o.split("=", 1)[0])]
         return Run("train_retriever.py", RETRIEVER_CONFIG, self.runs / "dynnibal" / init / f"{row}-seed{seed}",
                    ["train.tracker=null", *self.described_world(self.budget.dynnibal_world, "world"),
-                    f"retriever.model={model}", *budget, f"strategy.name={strategy}", f"train.seed={seed}", *extra])
+                    *model, *budget, f"strategy.name={strategy}", f"train.seed={seed}", *extra])
 
     def generative_world(self) -> list[str]:
         passages, seed = self.budget.generative_world
@@ -178,8 +192,7 @@ class Plan:
 
     def generative_lm(self, size: str) -> LMPretrainConfig:
         """The T5 stand-in of the `generative` section at a generator size (cached beside its world)."""
-        return load_config(LMPretrainConfig, LM_CONFIG,
-                           [*self.generative_world(), *self.budget.lm, *generative.SIZES[size][1]])
+        return self.lm_config(*self.generative_world(), *self.budget.lm, *generative.SIZES[size][1])
 
     def generative_splits(self) -> Path:
         return self.runs / "generative" / "splits"
@@ -226,12 +239,8 @@ class Plan:
                 f"data.toy_passages={passages}", f"data.toy_seed={seed}", "data.toy_retrieval=described"]
 
     def described_lm(self, world: tuple[int, int]) -> LMPretrainConfig:
-        """The T5 stand-in of a described world of the `described` section (cached beside it; its config loaded once
-        per world: the section plans 217 runs)."""
-        if world not in self.described_lms:
-            self.described_lms[world] = load_config(LMPretrainConfig, LM_CONFIG,
-                                                    [*self.described_args(world), *self.budget.lm])
-        return self.described_lms[world]
+        """The T5 stand-in of a described world of the `described` section (cached beside it)."""
+        return self.lm_config(*self.described_args(world), *self.budget.lm)
 
     def described_pretrain(self) -> Run:
         """The GTR stand-in of the `described` section: the other world's LM trained in-batch on its questions. Its
@@ -247,8 +256,7 @@ class Plan:
     def described_run(self, world: tuple[int, int], init: str, row: str, seed: int) -> Run:
         """One row of the `described` section (rag_train/reproduction/described.py) on `world` from `init`."""
         _, strategy, extra = described.ROWS[row]
-        model = {"random": lambda: [], "lm": lambda: [f"retriever.model={self.described_lm(world).folder()}"],
-                 "pretrained": lambda: [f"retriever.model={self.described_pretrain().out / 'retriever'}"]}[init]()
+        model = init_model(init, lambda: self.described_lm(world), self.described_pretrain)
         budget = [o for o in self.budget.described if reads(strategy, o.split("=", 1)[0])]
         return Run("train_retriever.py", RETRIEVER_CONFIG,
                    self.runs / "described" / described.world_name(*world) / init / f"{row}-seed{seed}",
@@ -256,8 +264,7 @@ class Plan:
                     f"train.seed={seed}", *extra])
 
     def table1(self, init: str, strategy: str, seed: int, extra: tuple[str, ...] = ()) -> Run:
-        model = {"random": [], "lm": [f"retriever.model={self.lm().folder()}"],
-                 "pretrained": [f"retriever.model={self.pretrain().out / 'retriever'}"]}[init]
+        model = init_model(init, self.lm, self.pretrain)
         budget = [o for o in self.budget.retriever if reads(strategy, o.split("=", 1)[0])]
         return Run("train_retriever.py", RETRIEVER_CONFIG, self.runs / "table1" / init / f"{strategy}-seed{seed}",
                    [*self.common, *budget, *model, f"strategy.name={strategy}", f"train.seed={seed}", *extra])
