@@ -18,7 +18,8 @@ from rag_train.config import load_config
 from rag_train.experiments import PROBED_VALUES, batching_setups, batching_sweep_table, probe_table
 from rag_train.train.schema import RetrieverTrainConfig, RLMConfig
 from rag_train.reproduction.budgets import FULL, QUICK
-from rag_train.reproduction.plan import RETRIEVER_CONFIG, TABLE3, Plan, Run, run_all
+from rag_train.reproduction.plan import RETRIEVER_CONFIG, TABLE3, TABLE3_LM, Plan, Run, run_all
+from rag_train.train.warm_start import stage_settings
 from rag_train.reproduction.analysis import ANALYSIS
 from rag_train.reproduction.report import write_report
 
@@ -78,6 +79,8 @@ def fake_results() -> dict:
         "table1": {"random": random, "lm": lm, "pretrained": pretrained},
         "table3": {"closed_book": [rlm_metrics(0.05)], "frozen": [rlm_metrics(0.30, gate_opened=None)],
                    "corrector": [rlm_metrics(0.40)], "exhaustive": [rlm_metrics(0.42, 9000, gate_opened=None)]},
+        "table3_lm": {"frozen": [rlm_metrics(0.10, gate_opened=None)], "corrector": [rlm_metrics(0.30)],
+                      "exhaustive": [rlm_metrics(0.35, 9000)]},
         "ablation": {64: [retriever_metrics(0.85, rate=1.8)], 256: lm["corrector"],
                      1024: [retriever_metrics(0.86, rate=1.1)]},
         "synthetic": synthetic,
@@ -121,6 +124,14 @@ def test_report_from_given_metrics(tmp_path):
             "(50.0 → 70.0), with 0 re-embedded passages.") in text
     assert "smaller is faster: **reproduces**" in text
     assert "corrector − frozen: measured +10.0 EM points" in text
+    # Table 3 from the LM init, beside the paper's T5 rows; closed book (no retriever) is the GTR-like section's run
+    lm3 = text.split("### From the LM-pretrained retriever")[1].split("## Training curves")[0]
+    assert "| closed_book | 1 | 0 | 5.0 | 7.0 | 2.5 | 4.8 | 3.00 | - | 25.4 | 26.1 | 14.5 |" in lm3
+    assert "| frozen | 1 | 0 | 10.0 | 12.0 | 5.0 | 9.0 | 3.00 | - | 13.3 | 12.2 | 13.4 |" in lm3
+    assert "| corrector | 1 | 0 | 30.0 | 32.0 | 15.0 | 25.7 | 3.00 | 30 | 48.1 | 63.7 | 22.0 |" in lm3
+    assert "| exhaustive | 1 | 9000 | 35.0 | 37.0 | 17.5 | 29.8 | 3.00 | 30 | 48.3 | 66.0 | 25.4 |" in lm3
+    assert "frozen − closed_book: measured +5.0 EM points" in lm3 and "paper -12.1" in lm3  # 10 - 5; 13.34 - 25.4
+    assert "The corrector closes 80% of the frozen → exhaustive gap; paper 99%." in lm3  # (30-10)/(35-10); 34.76/34.96
     assert "| 2 | 2.000 | 1x8 | 0.3000 | 85% | 0.6000 | 4.0x |" in text  # the best corrector at drift 2, not linear
     assert "grows with the drift" in text
     assert text.count(ANALYSIS) == 4  # Table 1's, the RLM's, and the two on the curves: no hand-written figure
@@ -183,6 +194,17 @@ def test_plan_shares_one_warm_start_and_reuses_the_default_corrector(tmp_path):
     assert all(f"warm_start.from_run={holder.out}" in run.overrides for run in table3[1:])
     assert {o for run in table3 for o in run.overrides if o.startswith("strategy.name=")} == {
         f"strategy.name={s}" for s in TABLE3}
+    # the LM-init rows: the world's toy T5 as the retriever, no retrieval warm start, the holder's reader stage (its
+    # recorded settings must match theirs, the seed aside, or check_stage refuses to reuse it)
+    lm3 = [run for run in table3 if run.out.parent.name == "table3-lm"]
+    assert sorted(run.out.name for run in lm3) == sorted(f"{s}-seed{seed}" for s in TABLE3_LM for seed in (0, 1))
+    holder_cfg = load_config(RLMConfig, holder.config, holder.overrides)
+    for run in lm3:
+        cfg = load_config(RLMConfig, run.config, run.overrides)
+        assert (cfg.retriever.model, cfg.warm_start.retriever_steps) == (str(plan.lm().folder()), 0)
+        assert cfg.warm_start.from_run == str(holder.out.resolve())
+        assert {k: v for k, v in stage_settings(cfg, "warm_start_reader").items() if k != "seed"} == \
+            {k: v for k, v in stage_settings(holder_cfg, "warm_start_reader").items() if k != "seed"}
     lm = plan.table1("lm", "stale", 1)
     assert f"retriever.model={plan.lm().folder()}" in lm.overrides
     world = load_config(RetrieverTrainConfig, RETRIEVER_CONFIG, plan.table1("random", "in_batch", 0).overrides).data

@@ -190,3 +190,18 @@ def test_cpu_towers_run_eager_attention_built_or_loaded(tokenizer, tmp_path):
         eager = model.encode_passages(passages)
         sdpa = set_t5_attention(model, "sdpa").encode_passages(passages)
     torch.testing.assert_close(eager, sdpa, rtol=0, atol=1e-5)
+
+
+def test_a_cpu_run_on_a_gpu_machine_runs_eager_attention(tokenizer, monkeypatch):
+    """Where torch sees CUDA, the towers keep transformers' SDPA unless accelerate was told to run on the CPU
+    (`accelerate launch --cpu`, every run reproduce.py launches): such a run is a CPU run and gets eager, as on a
+    machine without a GPU (the fourth GPU session's reproduce.py runs got SDPA on the GPU host's CPUs)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cfg = RetrieverConfig(model="tiny", tiny=TINY)
+    for env, kernel in ((None, "sdpa"), ("false", "sdpa"), ("true", "eager"), ("1", "eager")):
+        if env is None:
+            monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
+        else:
+            monkeypatch.setenv("ACCELERATE_USE_CPU", env)
+        model = DualEncoder.from_config(cfg, tokenizer=tokenizer)
+        assert {config._attn_implementation for config in t5_configs(model)} == {kernel}, env

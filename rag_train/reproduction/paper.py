@@ -16,4 +16,10 @@ PAPER_TABLE3 = {  # exact match, GTR-base retriever
     "corrector": {"nq": 52.3, "tqa": 66.4, "hotpotqa": 36.7},
     "exhaustive": {"nq": 52.4, "tqa": 66.5, "hotpotqa": 33.8},
 }
+PAPER_TABLE3_T5 = {  # exact match, T5-base retriever (the "No Retr." row reads no retriever: the same as GTR's)
+    "closed_book": PAPER_TABLE3["closed_book"],
+    "frozen": {"nq": 13.34, "tqa": 12.15, "hotpotqa": 13.37},
+    "corrector": {"nq": 48.1, "tqa": 63.73, "hotpotqa": 21.97},
+    "exhaustive": {"nq": 48.3, "tqa": 66.03, "hotpotqa": 25.45},
+}
 PAPER_TABLE2_STEPS_PER_SECOND = {2048: 1.83, 4096: 1.10, 8192: 0.83, "exhaustive": 0.43}

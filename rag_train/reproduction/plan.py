@@ -37,6 +37,7 @@ INIT_LABELS = {"random": "random init (no counterpart in the paper)", "lm": "LM-
                "pretrained": "retrieval-pretrained init (paper: GTR-base)"}
 TABLE1 = ("in_batch", "stale", "corrector", "exhaustive", "snm", "negative_cache", "dynnibal", "trainable_cache")
 TABLE3 = ("closed_book", "frozen", "corrector", "exhaustive")
+TABLE3_LM = ("frozen", "corrector", "exhaustive")  # from the LM init; closed book reads no retriever: TABLE3's
 CURVES = ("stale", "corrector", "exhaustive")
 RLM_CURVES = ("frozen", "corrector", "exhaustive")
 INVOCATIONS = "invocations.json"  # under --runs: every invocation that ran sections, with its wall time
@@ -283,6 +284,14 @@ class Plan:
         return Run("train_rlm.py", RLM_CONFIG, self.runs / "table3" / f"{strategy}-seed{seed}",
                    [*self.common, *budget, f"strategy.name={strategy}", f"train.seed={seed}", *shared])
 
+    def table3_lm(self, strategy: str, seed: int) -> Run:
+        """A Table 3 run whose retriever starts from the world's span-corruption toy T5 (the paper's T5-base
+        retriever) with no retrieval training, and whose reader is the GTR-like runs' warm-started one."""
+        budget = [o for o in self.budget.rlm if reads(strategy, o.split("=", 1)[0])]
+        return Run("train_rlm.py", RLM_CONFIG, self.runs / "table3-lm" / f"{strategy}-seed{seed}",
+                   [*self.common, *budget, *init_model("lm", self.lm, self.pretrain), "warm_start.retriever_steps=0",
+                    f"strategy.name={strategy}", f"train.seed={seed}", f"warm_start.from_run={self.table3_holder()}"])
+
     def table3_holder(self) -> Path:
         """The run whose warm-start stages every other Table 3 run reuses (it runs first)."""
         return self.runs / "table3" / f"{TABLE3[0]}-seed{self.seeds[0]}"
@@ -291,7 +300,8 @@ class Plan:
         if name == "table1":
             return [self.pretrain()] + [self.table1(i, s, seed) for i in INITS for s in TABLE1 for seed in self.seeds]
         if name == "table3":
-            return [self.table3(s, seed) for seed in self.seeds for s in TABLE3]  # the holder first
+            return [run for seed in self.seeds  # the holder first, then seed by seed, both inits
+                    for run in [self.table3(s, seed) for s in TABLE3] + [self.table3_lm(s, seed) for s in TABLE3_LM]]
         if name == "ablation":
             return [self.ablation(h, seed) for h in self.hidden for seed in self.seeds]
         if name == "curves":
@@ -320,7 +330,7 @@ class Plan:
             section_started = time.time()
             if section == "synthetic":
                 self.run_synthetic()
-            if section in ("table1", "curves", "large_batches"):
+            if section in ("table1", "table3", "curves", "large_batches"):
                 build_lm(self.lm(), threads)
             if section == "dynnibal":
                 build_lm(self.dynnibal_lm("world"), threads)
@@ -379,6 +389,7 @@ class Plan:
             "pretrain": self.pretrain().metrics(),
             "table1": {i: {s: found([self.table1(i, s, seed) for seed in self.seeds]) for s in TABLE1} for i in INITS},
             "table3": {s: found([self.table3(s, seed) for seed in self.seeds]) for s in TABLE3},
+            "table3_lm": {s: found([self.table3_lm(s, seed) for seed in self.seeds]) for s in TABLE3_LM},
             "ablation": {h: found([self.ablation(h, seed) for seed in self.seeds]) for h in self.hidden},
             "synthetic": read_json(synthetic) if synthetic.is_file() else None,
             "dynnibal": {"runs": {i: {r: found([self.dynnibal_run(i, r, seed) for seed in self.seeds])

@@ -4,21 +4,21 @@ so that a rerun rewrites every claim from its own runs."""
 from __future__ import annotations
 
 import os
-import statistics
 from pathlib import Path
 from typing import Optional
 
-from rag_train.experiments import cell, curve_table, gap_closed, gap_means, mean_std, recall, retrieval_curve
+from rag_train.experiments import cell, curve_table, recall, retrieval_curve
 from rag_train.io import atomic_write_text, remove_temporaries_of
-from rag_train.reproduction.analysis import (percent, rlm_analysis, rlm_curves_analysis, table1_analysis,
+from rag_train.reproduction.analysis import (rlm_analysis, rlm_curves_analysis, table1_analysis,
                                              table1_curves_analysis)
-from rag_train.reproduction.metrics import DATASET_LABELS, DATASETS, em_curve, hotpotqa_gold_recall, mean_em, mean_of
-from rag_train.reproduction.paper import PAPER_TABLE1, PAPER_TABLE2_STEPS_PER_SECOND, PAPER_TABLE3
+from rag_train.reproduction.comparison import ablation_comparison, table1_comparison, table3_comparison
+from rag_train.reproduction.metrics import DATASET_LABELS, DATASETS, em_curve, hotpotqa_gold_recall, mean_em
+from rag_train.reproduction.paper import PAPER_TABLE1, PAPER_TABLE2_STEPS_PER_SECOND, PAPER_TABLE3, PAPER_TABLE3_T5
 from rag_train.reproduction.described import described_section
 from rag_train.reproduction.dynnibal import dynnibal_section
 from rag_train.reproduction.generative import generative_section
 from rag_train.reproduction.large_batches import large_batches_section
-from rag_train.reproduction.plan import CURVES, INIT_LABELS, INITS, RLM_CURVES, TABLE1, TABLE3
+from rag_train.reproduction.plan import CURVES, INIT_LABELS, INITS, RLM_CURVES
 from rag_train.reproduction.plots import plot_ablation, plot_curves, plot_table1, plot_table3
 from rag_train.analysis.synthetic import aggregate
 
@@ -45,7 +45,7 @@ def table1_markdown(rows: dict[str, list[dict]], init: str) -> str:
     return "\n".join(lines)
 
 
-def table3_markdown(rows: dict[str, list[dict]]) -> str:
+def table3_markdown(rows: dict[str, list[dict]], paper_table: dict = PAPER_TABLE3) -> str:
     present = {s: r for s, r in rows.items() if r}
     if not present:
         return "_no finished runs_"
@@ -55,7 +55,7 @@ def table3_markdown(rows: dict[str, list[dict]]) -> str:
              "|" + "---|" * 12]
     for strategy, runs in present.items():
         ems = " | ".join(cell([m["em"].get(d) for m in runs]) for d in DATASETS)
-        ref = " | ".join(f"{PAPER_TABLE3[strategy][d]:.1f}" for d in DATASETS)
+        ref = " | ".join(f"{paper_table[strategy][d]:.1f}" for d in DATASETS)
         gate = "-" if strategy in ("closed_book", "frozen") else ", ".join(
             "never" if m.get("retriever_trained_from_step") is None else str(m["retriever_trained_from_step"])
             for m in runs)
@@ -99,154 +99,22 @@ def ablation_markdown(rows: dict[int, list[dict]], references: dict[str, list[di
     return "\n".join(lines)
 
 
-# ---- comparisons with the paper, computed ------------------------------------------------------------------------
-PAR = 1.0  # points: a paper gap this small is the claim "on par", not an ordering
-
-
-def _verdict(measured: float, paper: float, spread: Optional[float]) -> str:
-    if abs(paper) < PAR:
-        on_par = abs(measured) <= max(spread or 0.0, PAR)
-        return "reproduces (on par)" if on_par else "does not reproduce (paper: on par)"
-    if spread is None:
-        return "same sign (one seed: no spread)" if measured * paper > 0 else "does not reproduce (one seed)"
-    if measured * paper > 0 and abs(measured) > spread:
-        return "reproduces"
-    if measured * paper > 0:
-        return "same sign, within the seed spread"
-    return "does not reproduce"
-
-
-def pair_claims(rows: dict[str, list[dict]], paper: dict[str, float], pairs: list[tuple[str, str]], value,
-                unit: str = "points") -> list[str]:
-    """One line per (better, worse) pair of the paper: measured mean difference, per-seed wins, the paper's."""
-    lines = []
-    for better, worse in pairs:
-        a, b = rows.get(better) or [], rows.get(worse) or []
-        if not a or not b or better not in paper or worse not in paper:
-            continue
-        va, vb = [100 * value(m) for m in a], [100 * value(m) for m in b]
-        diff = statistics.mean(va) - statistics.mean(vb)
-        stds = [x for x in (mean_std(va)[1], mean_std(vb)[1]) if x is not None]
-        spread = max(stds) if stds else None
-        wins = sum(x > y for x, y in zip(va, vb))
-        ref = paper[better] - paper[worse]
-        std = f"; seed std up to {spread:.1f}" if spread is not None else ""
-        lines.append(f"- {better} − {worse}: measured {diff:+.1f} {unit} ({better} ahead on {wins}/"
-                     f"{min(len(va), len(vb))} seeds{std}), paper {ref:+.1f} → **{_verdict(diff, ref, spread)}**.")
-    return lines
-
-
-def ordering(rows: dict[str, list[dict]], value, names) -> str:
-    means = {s: statistics.mean(100 * value(m) for m in rows[s]) for s in names if rows.get(s)}
-    return ranked(means)
-
-
-def ranked(values: dict[str, float]) -> str:
-    """`a 1.0 < b 2.0 = c 2.0`, lowest first (equal at the printed precision: `=`)."""
-    items = sorted(values.items(), key=lambda kv: kv[1])
-    out = ""
-    for i, (name, value) in enumerate(items):
-        if i:
-            out += " = " if f"{value:.1f}" == f"{items[i - 1][1]:.1f}" else " < "
-        out += f"{name} {value:.1f}"
-    return out
-
-
-def table1_comparison(table1: dict[str, dict[str, list[dict]]]) -> list[str]:
-    lines = []
-    gaps = {}
-    for init in INITS:
-        rows = table1.get(init, {})
-        paper = {s: v["1"] for s, v in PAPER_TABLE1.get(init, {}).items()}
-        if not any(rows.values()):
-            continue
-        r1 = lambda m: recall(m, "1")  # noqa: E731
-        start = [dict(retrieval_curve(m)).get(0) for r in rows.values() for m in r]
-        start = mean_of(start)
-        start = f" The initial model's R@1 (step 0) is {100 * start:.1f}." if start is not None else ""
-        lines.append(f"**{INIT_LABELS[init]}.**{start} Measured R@1 order: {ordering(rows, r1, TABLE1)}"
-                     + (f"; paper: {ranked(paper)}." if paper else "."))
-        lines += pair_claims(rows, paper, [("stale", "in_batch"), ("corrector", "stale"), ("exhaustive", "stale"),
-                                           ("exhaustive", "corrector")], r1)
-        m = gap_means(rows)
-        if m:
-            closed = gap_closed(m["stale"], m["corrector"], m["exhaustive"])
-            gaps[init] = 100 * (m["exhaustive"] - m["stale"])
-            ref = (f"; paper {percent(gap_closed(paper['stale'], paper['corrector'], paper['exhaustive']))} "
-                   f"({paper['stale']:.1f} → {paper['exhaustive']:.1f})") if paper else ""
-            lines.append(f"- The corrector closes {percent(closed)} of the stale → exhaustive R@1 gap "
-                         f"({100 * m['stale']:.1f} → {100 * m['exhaustive']:.1f}){ref}, with 0 re-embedded passages.")
-        exhaustive = rows["exhaustive"][0]["reembedded_passages"] if rows.get("exhaustive") else "-"
-        for s in (s for s in ("snm", "negative_cache", "dynnibal", "trainable_cache") if rows.get(s)):
-            r = statistics.mean(100 * recall(m, "1") for m in rows[s])
-            lines.append(f"- {s}: R@1 {r:.1f} with {rows[s][0]['reembedded_passages']} re-embedded passages "
-                         f"(exhaustive: {exhaustive}).")
-        lines.append("")
-    if "lm" in gaps and "pretrained" in gaps:
-        paper_gap = {i: PAPER_TABLE1[i]["exhaustive"]["1"] - PAPER_TABLE1[i]["stale"]["1"] for i in PAPER_TABLE1}
-        same = (gaps["lm"] > gaps["pretrained"]) == (paper_gap["lm"] > paper_gap["pretrained"])
-        extra = f" (from random init, which the paper never ran: {gaps['random']:.1f})" if "random" in gaps else ""
-        lines.append(f"**Staleness hurts more without retrieval pretraining:** the stale → exhaustive R@1 gap is "
-                     f"{gaps['lm']:.1f} points from the LM-pretrained init and {gaps['pretrained']:.1f} from the "
-                     f"retrieval-pretrained init{extra}; paper {paper_gap['lm']:.1f} (T5) and "
-                     f"{paper_gap['pretrained']:.1f} (GTR) → **{'reproduces' if same else 'does not reproduce'}**.")
-    return lines
-
-
-def table3_comparison(table3: dict[str, list[dict]]) -> list[str]:
-    lines = []
-    trainers = [m for s in ("corrector", "exhaustive") for m in table3.get(s) or []]
-    closed = sum(m.get("retriever_trained_from_step") is None for m in trainers)
-    if closed:
-        lines += [f"**Caveat:** in {closed} of {len(trainers)} corrector / exhaustive runs the retriever never trained "
-                  "(the reader's P_a never passed `pdist_gate`): those are frozen-retriever runs, and their "
-                  "differences from the frozen row come from the reader's training alone.", ""]
-    for d in DATASETS:
-        em = lambda m, d=d: m["em"].get(d)  # noqa: E731
-        paper = {s: v[d] for s, v in PAPER_TABLE3.items()}
-        if not any(table3.get(s) for s in TABLE3):
-            return lines
-        lines.append(f"**{DATASET_LABELS[d]}.** Measured EM order: {ordering(table3, em, TABLE3)}; paper: "
-                     f"{ranked(paper)}.")
-        lines += pair_claims(table3, paper, [("frozen", "closed_book"), ("corrector", "frozen"),
-                                             ("exhaustive", "frozen"), ("exhaustive", "corrector")], em, "EM points")
-        if all(table3.get(s) for s in ("frozen", "corrector", "exhaustive")):
-            m = {s: statistics.mean(em(x) for x in table3[s]) for s in ("frozen", "corrector", "exhaustive")}
-            lines.append(f"- The corrector closes {percent(gap_closed(m['frozen'], m['corrector'], m['exhaustive']))} of "
-                         f"the frozen → exhaustive gap; paper "
-                         f"{percent(gap_closed(paper['frozen'], paper['corrector'], paper['exhaustive']))}.")
-        lines.append("")
-    rates = {s: mean_of([m.get("steps_per_second") for m in table3.get(s) or []]) for s in ("corrector", "exhaustive")}
-    if all(rates.values()):
-        lines.append(f"**Speed:** corrector {rates['corrector']:.2f} steps/s vs exhaustive {rates['exhaustive']:.2f} "
-                     f"({rates['corrector'] / rates['exhaustive']:.2f}x; the paper's Table 2: 0.83 vs 0.43 = 1.93x "
-                     "with an 8192-hidden corrector). steps/s count training steps only (evaluations excluded).")
-    return lines
-
-
-def ablation_comparison(ablation: dict[int, list[dict]], references: dict[str, list[dict]]) -> list[str]:
-    rates = {h: mean_of([m.get("steps_per_second") for m in r]) for h, r in ablation.items() if r}
-    rates = {h: v for h, v in rates.items() if v is not None}
-    lines = []
-    if len(rates) >= 2:
-        sizes = sorted(rates)
-        monotone = all(rates[a] >= rates[b] for a, b in zip(sizes, sizes[1:]))
-        lines.append("- steps/s by hidden size: " + ", ".join(f"{h}: {rates[h]:.2f}" for h in sizes)
-                     + f"; paper 2048: 1.83, 4096: 1.10, 8192: 0.83 → smaller is faster: "
-                     f"**{'reproduces' if monotone else 'does not reproduce'}** "
-                     f"(largest / smallest speed ratio {rates[sizes[0]] / rates[sizes[-1]]:.2f}x, paper 2.20x).")
-    r1 = {h: statistics.mean(100 * recall(m, "1") for m in r) for h, r in ablation.items() if r}
-    if len(r1) >= 2:
-        lines.append("- R@1 by hidden size: " + ", ".join(f"{h}: {v:.1f}" for h, v in sorted(r1.items()))
-                     + f" (spread {max(r1.values()) - min(r1.values()):.1f} points; paper: 4096 and 2048 nearly as "
-                       "good as 8192).")
-    exhaustive = mean_of([m.get("steps_per_second") for m in references.get("exhaustive") or []])
-    if exhaustive and rates:
-        slowest = min(rates.values())
-        lines.append(f"- every corrector size vs exhaustive ({exhaustive:.2f} steps/s): slowest corrector "
-                     f"{slowest / exhaustive:.2f}x its speed; paper 8192-hidden corrector 1.93x exhaustive "
-                     f"→ **{'reproduces' if slowest > exhaustive else 'does not reproduce'}**.")
-    return lines
+def table3_lm_section(table3: dict[str, list[dict]], table3_lm: dict[str, list[dict]]) -> list[str]:
+    """Table 3 from the LM-pretrained retriever (the paper's T5-base rows) beside the GTR-like rows above."""
+    rows = {"closed_book": table3.get("closed_book") or [], **table3_lm}
+    return [
+        "### From the LM-pretrained retriever (paper: T5-base retriever)", "",
+        "The same Algorithm 2 runs with the retriever starting from the world's span-corruption toy T5 "
+        "(`scripts/pretrain_toy_lm.py`, the Table 1 LM init: `retriever.model=<its folder>`) with no retrieval "
+        "training before them (`warm_start.retriever_steps=0`), and the reader of the runs above "
+        "(`warm_start.from_run`): only the retriever's init differs. Closed book reads no retriever; its row is the "
+        "one above. In the paper the frozen T5 retriever is below closed book, and the corrector and exhaustive "
+        "training lift it to within a few points of the GTR rows.", "",
+        table3_markdown(rows, PAPER_TABLE3_T5), "",
+        table3_recall_markdown(rows), "",
+        "Against the paper's T5 rows (computed):", "",
+        *table3_comparison(rows, PAPER_TABLE3_T5),
+    ]
 
 
 def synthetic_summary(results: dict) -> list[str]:
@@ -409,6 +277,7 @@ def write_report(results: dict, meta: dict, out: Path) -> Path:
         "passages; docs/rlm_toy.md).",
         "",
         *_paragraph(rlm_analysis(results["table3"])),
+        *table3_lm_section(results["table3"], results.get("table3_lm", {})),
         "## Training curves",
         "",
         "Mean over seeds (band: min-max) of R@1 during Algorithm 1 (the Table 1 runs, evaluated every "
