@@ -113,7 +113,7 @@ def table3_lm_section(table3: dict[str, list[dict]], table3_lm: dict[str, list[d
         table3_markdown(rows, PAPER_TABLE3_T5), "",
         table3_recall_markdown(rows), "",
         "Against the paper's T5 rows (computed):", "",
-        *table3_comparison(rows, PAPER_TABLE3_T5),
+        *table3_comparison(rows, PAPER_TABLE3_T5), "",
     ]
 
 
