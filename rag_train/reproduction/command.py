@@ -12,7 +12,9 @@ Sections (--only):
             retrieval-pretrained (its GTR: a tiny retriever first trained supervised, in-batch, on ANOTHER toy
             world, toy_seed=1, with other entities);
   table3    Algorithm 2 (paper Table 3): closed book, frozen retriever, corrector, exhaustive, all from one
-            shared warm start (`warm_start.from_run`); EM on the three toy datasets, steps/s;
+            shared warm start (`warm_start.from_run`); EM on the three toy datasets, steps/s; and frozen /
+            corrector / exhaustive from the paper's T5 retriever init (the world's toy T5, no retrieval warm start,
+            the same reader): 21 runs with 3 seeds, 42 min with --jobs 2 on 2 cores;
   ablation  corrector hidden size (paper Table 2): steps/s and recall, random init;
   curves    recall and EM over training steps for stale, corrector and exhaustive (the table1/table3 runs);
   synthetic the Section 5.3 grid (scripts/synthetic_corrector.py; an existing results.json is reused);
