@@ -277,19 +277,23 @@ class Plan:
         run.out = self.runs / "ablation" / f"corrector-h{hidden}-seed{seed}"
         return run
 
+    def rlm_budget(self, strategy: str) -> list[str]:
+        """The budget's Algorithm 2 overrides that `strategy` reads (load_config refuses any other strategy key)."""
+        return [o for o in self.budget.rlm if reads(strategy, o.split("=", 1)[0])]
+
     def table3(self, strategy: str, seed: int) -> Run:
         holder = self.table3_holder()
         shared = [] if (strategy, seed) == (TABLE3[0], self.seeds[0]) else [f"warm_start.from_run={holder}"]
-        budget = [o for o in self.budget.rlm if reads(strategy, o.split("=", 1)[0])]
         return Run("train_rlm.py", RLM_CONFIG, self.runs / "table3" / f"{strategy}-seed{seed}",
-                   [*self.common, *budget, f"strategy.name={strategy}", f"train.seed={seed}", *shared])
+                   [*self.common, *self.rlm_budget(strategy), f"strategy.name={strategy}", f"train.seed={seed}",
+                    *shared])
 
     def table3_lm(self, strategy: str, seed: int) -> Run:
         """A Table 3 run whose retriever starts from the world's span-corruption toy T5 (the paper's T5-base
         retriever) with no retrieval training, and whose reader is the GTR-like runs' warm-started one."""
-        budget = [o for o in self.budget.rlm if reads(strategy, o.split("=", 1)[0])]
         return Run("train_rlm.py", RLM_CONFIG, self.runs / "table3-lm" / f"{strategy}-seed{seed}",
-                   [*self.common, *budget, *init_model("lm", self.lm, self.pretrain), "warm_start.retriever_steps=0",
+                   [*self.common, *self.rlm_budget(strategy), *init_model("lm", self.lm, self.pretrain),
+                    "warm_start.retriever_steps=0",  # after the budget's: the later override wins
                     f"strategy.name={strategy}", f"train.seed={seed}", f"warm_start.from_run={self.table3_holder()}"])
 
     def table3_holder(self) -> Path:
