@@ -92,13 +92,17 @@ def parse_cli(schema: type[T], argv: Optional[list[str]] = None, description: st
 def run_recipe(schema: type[T], default_config: Path, train: Callable[[T], dict],
                report: Callable[[T, dict], None]) -> None:
     """The body of a training entry script: parse `[--config FILE] [key=value ...]`, train inside `exit_on_fault`,
-    print the summary, and end the process group (a clean exit of a multi-process run)."""
+    print the summary, and end the process group (a clean exit of a multi-process run): every rank first waits for
+    the others, since a rank that tears the group down while a peer is still saving can abort at exit ("terminate
+    called without an active exception", seen once under ZeRO-3 in CI) after finishing its work."""
     from accelerate import PartialState
 
     cfg = parse_cli(schema, sys.argv[1:], default_config=default_config)
     with exit_on_fault():
         report(cfg, train(cfg))
-    PartialState().destroy_process_group()
+    state = PartialState()
+    state.wait_for_everyone()
+    state.destroy_process_group()
 
 def _export_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run", required=True, help="run directory (holds config.yaml, metrics.json, retriever/)")
