@@ -15,7 +15,7 @@ from typing import Optional
 from rag_train.config import ConfigError
 from rag_train.io import read_json
 from rag_train.launch import launch_command, run_script
-from rag_train.strategies import reads
+from rag_train.strategies import overrides_read_by, reads
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -217,7 +217,7 @@ def compare_strategies(config: str | Path, strategies: list[str], seeds: list[in
                               f"{key}")
     rows = []
     for strategy in strategies:
-        own = [item for item in overrides if reads(strategy, item.split("=", 1)[0])]
+        own = overrides_read_by(strategy, overrides)
         results = [run_once(ROOT / "scripts" / "train_retriever.py", config, runs / f"{strategy}-seed{seed}",
                             [f"strategy.name={strategy}", f"train.seed={seed}", *own], processes)
                    for seed in seeds]

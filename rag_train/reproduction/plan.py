@@ -16,7 +16,7 @@ import torch
 
 from rag_train.config import load_config
 from rag_train.data.toy_splits import FRACTIONS, make_splits
-from rag_train.strategies import reads
+from rag_train.strategies import overrides_read_by
 from rag_train.train.lm_pretrain import LMPretrainConfig, pretrain_toy_lm
 from rag_train.train.schema import RetrieverTrainConfig
 from rag_train.experiments import compare_batching_main, run_once
@@ -180,8 +180,8 @@ class Plan:
         _, strategy, extra = dynnibal.ROWS[row]
         extra = [o.format(warm_start_steps=self.dynnibal_config.warm_start_steps) for o in extra]
         model = init_model(init, self.dynnibal_lm, self.dynnibal_pretrain)
-        budget = [o for o in (*self.budget.dynnibal, f"strategy.snm_targets={self.dynnibal_snm_targets()}")
-                  if reads(strategy, o.split("=", 1)[0])]
+        budget = overrides_read_by(strategy, (*self.budget.dynnibal,
+                                              f"strategy.snm_targets={self.dynnibal_snm_targets()}"))
         return Run("train_retriever.py", RETRIEVER_CONFIG, self.runs / "dynnibal" / init / f"{row}-seed{seed}",
                    ["train.tracker=null", *self.described_world(self.budget.dynnibal_world, "world"),
                     *model, *budget, f"strategy.name={strategy}", f"train.seed={seed}", *extra])
@@ -258,7 +258,7 @@ class Plan:
         """One row of the `described` section (rag_train/reproduction/described.py) on `world` from `init`."""
         _, strategy, extra = described.ROWS[row]
         model = init_model(init, lambda: self.described_lm(world), self.described_pretrain)
-        budget = [o for o in self.budget.described if reads(strategy, o.split("=", 1)[0])]
+        budget = overrides_read_by(strategy, self.budget.described)
         return Run("train_retriever.py", RETRIEVER_CONFIG,
                    self.runs / "described" / described.world_name(*world) / init / f"{row}-seed{seed}",
                    ["train.tracker=null", *self.described_args(world), *model, *budget, f"strategy.name={strategy}",
@@ -266,7 +266,7 @@ class Plan:
 
     def table1(self, init: str, strategy: str, seed: int, extra: tuple[str, ...] = ()) -> Run:
         model = init_model(init, self.lm, self.pretrain)
-        budget = [o for o in self.budget.retriever if reads(strategy, o.split("=", 1)[0])]
+        budget = overrides_read_by(strategy, self.budget.retriever)
         return Run("train_retriever.py", RETRIEVER_CONFIG, self.runs / "table1" / init / f"{strategy}-seed{seed}",
                    [*self.common, *budget, *model, f"strategy.name={strategy}", f"train.seed={seed}", *extra])
 
@@ -277,22 +277,19 @@ class Plan:
         run.out = self.runs / "ablation" / f"corrector-h{hidden}-seed{seed}"
         return run
 
-    def rlm_budget(self, strategy: str) -> list[str]:
-        """The budget's Algorithm 2 overrides that `strategy` reads (load_config refuses any other strategy key)."""
-        return [o for o in self.budget.rlm if reads(strategy, o.split("=", 1)[0])]
-
     def table3(self, strategy: str, seed: int) -> Run:
         holder = self.table3_holder()
         shared = [] if (strategy, seed) == (TABLE3[0], self.seeds[0]) else [f"warm_start.from_run={holder}"]
         return Run("train_rlm.py", RLM_CONFIG, self.runs / "table3" / f"{strategy}-seed{seed}",
-                   [*self.common, *self.rlm_budget(strategy), f"strategy.name={strategy}", f"train.seed={seed}",
-                    *shared])
+                   [*self.common, *overrides_read_by(strategy, self.budget.rlm), f"strategy.name={strategy}",
+                    f"train.seed={seed}", *shared])
 
     def table3_lm(self, strategy: str, seed: int) -> Run:
         """A Table 3 run whose retriever starts from the world's span-corruption toy T5 (the paper's T5-base
         retriever) with no retrieval training, and whose reader is the GTR-like runs' warm-started one."""
         return Run("train_rlm.py", RLM_CONFIG, self.runs / "table3-lm" / f"{strategy}-seed{seed}",
-                   [*self.common, *self.rlm_budget(strategy), *init_model("lm", self.lm, self.pretrain),
+                   [*self.common, *overrides_read_by(strategy, self.budget.rlm),
+                    *init_model("lm", self.lm, self.pretrain),
                     "warm_start.retriever_steps=0",  # after the budget's: the later override wins
                     f"strategy.name={strategy}", f"train.seed={seed}", f"warm_start.from_run={self.table3_holder()}"])
 

@@ -41,6 +41,11 @@ def reads(name: str, key: str) -> bool:
     return section != "strategy" or name in OWNERS.get(own.split(".")[0], (name,))
 
 
+def overrides_read_by(name: str, overrides) -> list[str]:
+    """The `key=value` overrides strategy `name` reads (`reads`), in order: what a driver passes it of a shared set."""
+    return [item for item in overrides if reads(name, item.split("=", 1)[0])]
+
+
 def require_algorithm(key: str, name: str, algorithm: int, recipe: str) -> None:
     """ConfigError naming `key` unless strategy `name` runs in `algorithm` (1: supervised retrieval, 2: the RLM)."""
     usable = tuple(name for name, cls in REGISTRY.items() if algorithm in cls.algorithms)
