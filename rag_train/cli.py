@@ -92,17 +92,13 @@ def parse_cli(schema: type[T], argv: Optional[list[str]] = None, description: st
 def run_recipe(schema: type[T], default_config: Path, train: Callable[[T], dict],
                report: Callable[[T, dict], None]) -> None:
     """The body of a training entry script: parse `[--config FILE] [key=value ...]`, train inside `exit_on_fault`,
-    print the summary, and end the process group (a clean exit of a multi-process run): every rank first waits for
-    the others, since a rank that tears the group down while a peer is still saving can abort at exit ("terminate
-    called without an active exception", seen once under ZeRO-3 in CI) after finishing its work."""
+    print the summary, and end the process group (a clean exit of a multi-process run)."""
     from accelerate import PartialState
 
     cfg = parse_cli(schema, sys.argv[1:], default_config=default_config)
     with exit_on_fault():
         report(cfg, train(cfg))
-    state = PartialState()
-    state.wait_for_everyone()
-    state.destroy_process_group()
+    PartialState().destroy_process_group()
 
 def _export_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run", required=True, help="run directory (holds config.yaml, metrics.json, retriever/)")
