@@ -4,13 +4,15 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import errno
 import json
+import logging
 import os
 import sys
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator, Optional, TypeVar
+from typing import Callable, Iterator, NoReturn, Optional, TypeVar
 
 from rag_train.config import ConfigError, load_config
 
@@ -90,15 +92,64 @@ def parse_cli(schema: type[T], argv: Optional[list[str]] = None, description: st
 
 
 def run_recipe(schema: type[T], default_config: Path, train: Callable[[T], dict],
-               report: Callable[[T, dict], None]) -> None:
+               report: Callable[[T, dict], None]) -> NoReturn:
     """The body of a training entry script: parse `[--config FILE] [key=value ...]`, train inside `exit_on_fault`,
-    print the summary, and end the process group (a clean exit of a multi-process run)."""
-    from accelerate import PartialState
-
+    print the summary, and end the process (`end_process`: a clean end of a multi-process run)."""
     cfg = parse_cli(schema, sys.argv[1:], default_config=default_config)
-    with exit_on_fault():
-        report(cfg, train(cfg))
-    PartialState().destroy_process_group()
+    try:
+        with exit_on_fault():
+            report(cfg, train(cfg))
+    except SystemExit as exc:  # a known fault: its status is kept
+        end_process(exit_status(exc))
+    end_process(0)
+
+
+def exit_status(exc: SystemExit) -> int:
+    """The status `raise SystemExit(code)` gives the shell: an int as is, None 0, anything else 1."""
+    return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+
+
+def end_process(status: int = 0) -> NoReturn:
+    """Leave an entry script without interpreter teardown.
+
+    gloo's process groups have no shutdown: `destroy_process_group()` leaves their threads alive, and DeepSpeed
+    keeps its own clones of the world group (`deepspeed.utils.groups`) that Python frees only while the
+    interpreter finalises. A gloo thread that takes the GIL then is killed with `pthread_exit`, whose unwind
+    through a `noexcept` destructor ends in `std::terminate` ("terminate called without an active exception",
+    SIGABRT) after all the work is done. So on success every rank meets every group in a barrier (no rank
+    tears down while a peer still sends), the groups are destroyed, the atexit hooks run, output and logging
+    are flushed, and the process ends with `os._exit`; on a fault (status != 0) a peer may be dead, so no
+    collective is attempted: output is flushed and the status kept."""
+    try:
+        if status == 0:
+            _end_process_groups()
+            atexit._run_exitfuncs()
+    finally:
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):  # a closed pipe or stream: nothing left to flush into
+                pass
+        os._exit(status)
+
+
+def _end_process_groups() -> None:
+    """Barrier on every process group this rank belongs to (the default one and every `new_group`, DeepSpeed's
+    included, in creation order, which is the same on every rank), then destroy them all."""
+    import gc
+
+    import torch.distributed as dist
+
+    gc.collect()  # the recipe's engine, models and optimizers are garbage by now: drop them before the groups
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    from torch.distributed.distributed_c10d import _world
+
+    for group in list(_world.pg_map):
+        if dist.get_rank(group) >= 0:
+            dist.barrier(group=group)
+    dist.destroy_process_group()
 
 def _export_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run", required=True, help="run directory (holds config.yaml, metrics.json, retriever/)")

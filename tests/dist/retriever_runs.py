@@ -6,8 +6,7 @@ launcher and two fresh interpreters). argv: CONFIG, then a JSON {name: [key=valu
 import json
 import sys
 
-from accelerate import PartialState
-
+from rag_train.cli import end_process
 from rag_train.config import load_config
 from rag_train.train.retriever import train_retriever
 from rag_train.train.schema import RetrieverTrainConfig
@@ -16,4 +15,4 @@ if __name__ == "__main__":
     config, runs = sys.argv[1], json.loads(sys.argv[2])
     for overrides in runs.values():
         train_retriever(load_config(RetrieverTrainConfig, config, [str(item) for item in overrides]))
-    PartialState().destroy_process_group()
+    end_process(0)

@@ -9,6 +9,7 @@ import torch
 from accelerate import PartialState
 
 from rag_train.buffer.distributed import shard_range
+from rag_train.cli import end_process
 from rag_train.buffer.search import search
 from tests.test_search_distributed import CASES, make_data
 
@@ -38,9 +39,8 @@ def main(out_dir: str) -> None:
     except ValueError as exc:
         results["overlap_refused"] = np.array("do not tile" in str(exc))
     np.savez(f"{out_dir}/rank{state.process_index}.npz", **results)
-    state.wait_for_everyone()
-    state.destroy_process_group()  # exiting with gloo threads alive can abort ("terminate called ...")
 
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    end_process(0)  # every rank meets the others, then leaves without interpreter teardown
