@@ -15,7 +15,7 @@ from pathlib import Path
 if importlib.util.find_spec("rag_train") is None:  # a bare GPU machine: this checkout is not pip-installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rag_train.bench.gpu_report import main  # noqa: E402
+from rag_train.bench.gpu_report.cli import main  # noqa: E402
 
 if __name__ == "__main__":
     main()

@@ -79,7 +79,7 @@ def quick_run(tmp_path_factory):
         views = {views!r}
         sys.path[:] = [views.get(os.path.realpath(p), p) for p in sys.path]
         importlib.invalidate_caches()
-        from rag_train.bench.gpu_report import main
+        from rag_train.bench.gpu_report.cli import main
         main(["--device", "cpu", "--quick", "--stage", "all", "--out", {str(out)!r}, "--work", {str(work)!r},
               "--wheels-dir", {str(tmp / "no-wheels")!r}])
         print("MODULES " + json.dumps(sorted({{m.split(".")[0] for m in sys.modules}})))

@@ -117,6 +117,42 @@ def violations(package: Path, layers=LAYERS) -> list[str]:
     return problems
 
 
+def cycles(package: Path) -> list[list[str]]:
+    """The import cycles among the package's modules (imports inside functions included), each as the sorted
+    modules of one strongly connected component of the import graph (Tarjan's algorithm)."""
+    modules = modules_of(package)
+    edges = {name: sorted({target for _, target in imports(name, path, set(modules))
+                           if target in modules and target != name}) for name, path in modules.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for target in edges[node]:
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for name in sorted(modules):
+        if name not in index:
+            visit(name)
+    return sorted(found)
+
+
 def render_table(layers=LAYERS) -> str:
     rows = ["| layer | modules | knows |", "|---|---|---|"]
     rows += [f"| {entry.name} | {entry.holds} | {entry.knows} |" for entry in layers]
@@ -144,6 +180,21 @@ def test_a_planted_upward_import_and_an_unlisted_module_fail(tmp_path):
     assert violations(package, layers) == [
         "pkg/stray.py: module pkg.stray is in no layer (add it to LAYERS)",
         "pkg/low/helper.py:2 (pkg.low.helper, layer 0) imports pkg.high (layer 1)"]
+
+
+def test_no_import_cycles():
+    assert cycles(PACKAGE) == []
+
+
+def test_a_planted_cycle_is_found(tmp_path):
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("from pkg import b\n")
+    (package / "b.py").write_text("def f():\n    from pkg.c import x\n")  # a lazy import closes the cycle
+    (package / "c.py").write_text("import pkg.a\nx = 1\n")
+    (package / "d.py").write_text("import pkg.a\n")  # imports into the cycle, not part of it
+    assert cycles(package) == [["pkg.a", "pkg.b", "pkg.c"]]
 
 
 def test_the_documented_table_is_rendered_from_the_layers():

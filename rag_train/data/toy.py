@@ -25,6 +25,10 @@ TOY_VERSION = 3  # 2: tokenizer pieces from BPE (whole-word answers); 3: hotpotq
 SECTIONS = 2  # passages per person: 0 = origins and work, 1 = music, taste and mentor
 DEV_EVERY = 10  # person e is a dev person iff e % DEV_EVERY == 0: dev facts are never asked in train
 FAMILIES = ("nq", "tqa", "hotpotqa", "mentor_bridge")
+# question families kept in modules of their own, which build on this one (`toy_described`): each registers itself
+# here ({name: module with `capacity(world, split)` and `questions(world, split, start, stop)`}) when
+# `rag_train.data` is imported, so this module never imports them
+FAMILY_MODULES: dict = {}
 RLM_FAMILIES = ("nq", "tqa", "hotpotqa")
 TOY_TRAIN_SETS = [f"{family}-train" for family in RLM_FAMILIES]  # the QA files the RLM trains / evaluates on
 TOY_DEV_SETS = [f"{family}-dev" for family in RLM_FAMILIES]
@@ -87,7 +91,7 @@ COMPARE = {3: "what instrument do {a} and {b} both play?", 4: "what favorite col
 ORDERS = list(itertools.permutations(range(3)))
 
 
-def _key(seed: int, salt: str) -> int:
+def seeded_key(seed: int, salt: str) -> int:
     return int.from_bytes(hashlib.blake2b(f"{seed}:{salt}".encode(), digest_size=8).digest(), "little")
 
 
@@ -102,11 +106,11 @@ def _hash(key: int, x: np.ndarray) -> np.ndarray:
     return z
 
 
-def _uniform(key: int, x: np.ndarray, n: int) -> np.ndarray:
+def seeded_uniform(key: int, x: np.ndarray, n: int) -> np.ndarray:
     return (_hash(key, x) % np.uint64(n)).astype(np.int64)
 
 
-def _coprime_multiplier(key: int, n: int) -> int:
+def coprime_multiplier(key: int, n: int) -> int:
     a = key % n or 1
     while math.gcd(a, n) != 1:
         a = a % n + 1
@@ -145,14 +149,14 @@ class ToyWorld:
         # family name is shared by many people (lexical hard negatives) while full names stay unique.
         self.n_first = self.n_family = math.isqrt(self.persons) + 1
         self.name_space = self.n_first * self.n_family
-        self.name_a = _coprime_multiplier(_key(seed, "name-a"), self.name_space)
-        self.name_b = _key(seed, "name-b") % self.name_space
-        self.first_names = _unique_words(_key(seed, "first"), self.n_first, lambda h: _syllables(h, 2, True))
-        self.family_names = _unique_words(_key(seed, "family"), self.n_family, lambda h: _syllables(h, 3, True))
+        self.name_a = coprime_multiplier(seeded_key(seed, "name-a"), self.name_space)
+        self.name_b = seeded_key(seed, "name-b") % self.name_space
+        self.first_names = _unique_words(seeded_key(seed, "first"), self.n_first, lambda h: _syllables(h, 2, True))
+        self.family_names = _unique_words(seeded_key(seed, "family"), self.n_family, lambda h: _syllables(h, 3, True))
         self.pools = {
-            "city": _unique_words(_key(seed, "city"), 300, lambda h: _syllables(h, 2, False)
+            "city": _unique_words(seeded_key(seed, "city"), 300, lambda h: _syllables(h, 2, False)
                                   + CITY_SUFFIXES[(h >> 40) % len(CITY_SUFFIXES)]),
-            "company": _unique_words(_key(seed, "company"), 300, lambda h: _syllables(h, 2, True) + " "
+            "company": _unique_words(seeded_key(seed, "company"), 300, lambda h: _syllables(h, 2, True) + " "
                                      + COMPANY_SUFFIXES[(h >> 48) % len(COMPANY_SUFFIXES)]),
             "year": [str(y) for y in range(1800, 2000)],
             "instrument": INSTRUMENTS,
@@ -180,11 +184,11 @@ class ToyWorld:
 
     def fact_values(self, persons: np.ndarray, fact: int) -> np.ndarray:
         """Pool index of the fact (for `mentor`: the mentor's person id, never the person itself)."""
-        key = _key(self.seed, f"fact-{fact}")
+        key = seeded_key(self.seed, f"fact-{fact}")
         if FACTS[fact].pool == "person":
-            other = _uniform(key, persons, self.persons - 1)
+            other = seeded_uniform(key, persons, self.persons - 1)
             return other + (other >= persons)
-        return _uniform(key, persons, len(self.pools[FACTS[fact].pool]))
+        return seeded_uniform(key, persons, len(self.pools[FACTS[fact].pool]))
 
     def fact_strings(self, persons: np.ndarray, fact: int) -> list[str]:
         values = self.fact_values(persons, fact)
@@ -203,10 +207,10 @@ class ToyWorld:
         per_fact = []
         for fact_id, fact in enumerate(FACTS):
             strings = self.fact_strings(persons, fact_id)
-            choice = _uniform(_key(self.seed, f"template-{fact_id}"), persons, len(fact.passage)).tolist()
+            choice = seeded_uniform(seeded_key(self.seed, f"template-{fact_id}"), persons, len(fact.passage)).tolist()
             per_fact.append((strings, choice))
-        order = _uniform(_key(self.seed, "order"), rows, len(ORDERS)).tolist()
-        filler = _uniform(_key(self.seed, "filler"), rows, len(FILLERS)).tolist()
+        order = seeded_uniform(seeded_key(self.seed, "order"), rows, len(ORDERS)).tolist()
+        filler = seeded_uniform(seeded_key(self.seed, "filler"), rows, len(FILLERS)).tolist()
         texts = []
         for i, section in enumerate(sections.tolist()):
             facts = [j for j, fact in enumerate(FACTS) if fact.section == section]
@@ -234,10 +238,8 @@ class ToyWorld:
         return self.n_dev if split == "dev" else self.n_train
 
     def capacity(self, family: str, split: str) -> int:
-        if family == "described":
-            from rag_train.data import toy_described  # it builds on this module
-
-            return toy_described.capacity(self, split)
+        if family in FAMILY_MODULES:
+            return FAMILY_MODULES[family].capacity(self, split)
         if family == "hotpotqa":
             return 3 * self._hotpot_triples(split)
         facts = len(BRIDGE_FACTS) if family == "mentor_bridge" else len(FACTS)
@@ -245,25 +247,23 @@ class ToyWorld:
 
     def questions(self, family: str, split: str, start: int, stop: int) -> list[dict]:
         """Questions start..stop of a family/split: distinct (person, fact) pairs in a seeded order."""
-        if family == "described":
-            from rag_train.data import toy_described
-
-            return toy_described.questions(self, split, start, stop)
+        if family in FAMILY_MODULES:
+            return FAMILY_MODULES[family].questions(self, split, start, stop)
         if family == "hotpotqa":
             return self._hotpot_questions(split, start, stop)
         k = np.arange(start, stop, dtype=np.int64)
         n = self.split_size(split)
         bridge = family == "mentor_bridge"
-        key = _key(self.seed, f"{'hotpotqa' if bridge else family}-{split}")  # its version-2 name: same questions
-        j = (_coprime_multiplier(key, n) * (k % n) + key % n) % n
+        key = seeded_key(self.seed, f"{'hotpotqa' if bridge else family}-{split}")  # its version-2 name: same questions
+        j = (coprime_multiplier(key, n) * (k % n) + key % n) % n
         persons = self.split_persons(split, j)
         asked = BRIDGE_FACTS if bridge else tuple(range(len(FACTS)))
-        slot = (_uniform(key, persons, len(asked)) + k // n) % len(asked)
+        slot = (seeded_uniform(key, persons, len(asked)) + k // n) % len(asked)
         facts = np.asarray(asked)[slot]
         names = self.names(persons)
         mentors = self.fact_values(persons, MENTOR)
         subjects = mentors if bridge else persons
-        wording = _uniform(key ^ 1, k, 2).tolist()
+        wording = seeded_uniform(key ^ 1, k, 2).tolist()
         out: list[dict] = [{} for _ in range(len(k))]
         for fact_id in range(len(FACTS)):
             idx = np.flatnonzero(facts == fact_id)
@@ -350,7 +350,7 @@ class ToyWorld:
         answered by that apprentice's section-1 passage, which names both (so a single retrieval from the question
         can reach it, unlike mentor_bridge's second hop; the title is another name). Comparison: "what instrument
         do X and Y both play?" for two people of the split sharing it: both section-1 passages state the answer."""
-        key = _key(self.seed, f"hotpotqa-v3-{split}")
+        key = seeded_key(self.seed, f"hotpotqa-v3-{split}")
         k = np.arange(start, stop, dtype=np.int64)
         t, r = k // 3, k % 3
         people = np.full((len(k), 2), -1, dtype=np.int64)  # [asked person, comparison partner or -1]
@@ -361,8 +361,8 @@ class ToyWorld:
         eligible = self.bridge_people(split)
         b = 2 * t[bridge] + r[bridge]
         m = len(eligible)
-        person = eligible[(_coprime_multiplier(key, m) * (b % m) + key % m) % m]
-        facts[bridge] = np.asarray(HOTPOT_FACTS)[(_uniform(key, person, 2) + b // m) % 2]
+        person = eligible[(coprime_multiplier(key, m) * (b % m) + key % m) % m]
+        facts[bridge] = np.asarray(HOTPOT_FACTS)[(seeded_uniform(key, person, 2) + b // m) % 2]
         people[bridge, 0] = person
         mentors = self.names(self.fact_values(person, MENTOR))
         firsts = [name.split(" ")[0] for name in self.names(person)]
@@ -375,7 +375,7 @@ class ToyWorld:
                 continue
             lone = self.lone_holders(split, fact)
             n = self.split_size(split) - len(lone)
-            c = (_coprime_multiplier(key ^ fact, n) * (t[idx] // len(HOTPOT_FACTS) % n) + (key ^ fact) % n) % n
+            c = (coprime_multiplier(key ^ fact, n) * (t[idx] // len(HOTPOT_FACTS) % n) + (key ^ fact) % n) % n
             j = c + np.searchsorted(lone - np.arange(len(lone)), c, side="right")  # the c-th person not lone
             pair = self.split_persons(split, np.stack([j, self._compare_partners(split, j, fact)], axis=1))
             people[idx], facts[idx] = pair, fact
@@ -413,6 +413,6 @@ class ToyWorld:
             for step in range(1, 17):
                 candidate = self.name_sharer(persons, keep_first, step)
                 found = np.where((found < 0) & (candidate >= 0), candidate, found)
-            fallback = (persons + 1 + _uniform(_key(self.seed, "neg"), persons, self.persons - 1)) % self.persons
+            fallback = (persons + 1 + seeded_uniform(seeded_key(self.seed, "neg"), persons, self.persons - 1)) % self.persons
             negatives.append(np.where(found >= 0, found, fallback) * SECTIONS + sections)
         return np.stack(negatives, axis=1)

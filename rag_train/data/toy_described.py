@@ -12,9 +12,11 @@ retriever passes: `ceiling` computes it (the mean of 1 / the number of people th
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 
-from rag_train.data.toy import FACTS, MENTOR, SECTIONS, ToyWorld, _coprime_multiplier, _key, _uniform
+from rag_train.data.toy import FACTS, FAMILY_MODULES, MENTOR, SECTIONS, ToyWorld, coprime_multiplier, seeded_key, seeded_uniform
 
 # asked fact -> the facts that may describe the person: stated in the same passage, from a large pool (a colour or
 # an instrument would fit a crowd). The mentor is never asked: only colour / instrument could describe that person.
@@ -35,10 +37,10 @@ def _plan(world: ToyWorld, split: str, start: int, stop: int) -> tuple[np.ndarra
     """(persons, asked facts, clue facts) of questions start..stop: distinct (person, fact) pairs, seeded order."""
     k = np.arange(start, stop, dtype=np.int64)
     n = world.split_size(split)
-    key = _key(world.seed, f"described-{split}")
-    persons = world.split_persons(split, (_coprime_multiplier(key, n) * (k % n) + key % n) % n)
-    facts = np.asarray(ASKED)[(_uniform(key, persons, len(ASKED)) + k // n) % len(ASKED)]
-    choice = _uniform(key ^ 2, k, 2)
+    key = seeded_key(world.seed, f"described-{split}")
+    persons = world.split_persons(split, (coprime_multiplier(key, n) * (k % n) + key % n) % n)
+    facts = np.asarray(ASKED)[(seeded_uniform(key, persons, len(ASKED)) + k // n) % len(ASKED)]
+    choice = seeded_uniform(key ^ 2, k, 2)
     clues = np.array([CLUES[f][c % len(CLUES[f])] for f, c in zip(facts.tolist(), choice.tolist())], dtype=np.int64)
     return persons, facts, clues
 
@@ -47,7 +49,7 @@ def questions(world: ToyWorld, split: str, start: int, stop: int) -> list[dict]:
     """Questions start..stop of the split, in the QA format plus `_row` (the gold passage's row)."""
     persons, facts, clues = _plan(world, split, start, stop)
     firsts = [name.split(" ")[0] for name in world.names(persons)]
-    wording = _uniform(_key(world.seed, f"described-{split}") ^ 3, np.arange(start, stop), 2).tolist()
+    wording = seeded_uniform(seeded_key(world.seed, f"described-{split}") ^ 3, np.arange(start, stop), 2).tolist()
     clue_values = {fact: world.fact_strings(persons, fact) for fact in set(clues.tolist())}
     answers = {fact: world.fact_strings(persons, fact) for fact in set(facts.tolist())}
     out = []
@@ -83,3 +85,6 @@ def ceiling(world: ToyWorld, split: str, count: int) -> float:
     """The best R@1 any retriever can reach on the first `count` questions (percent): one of the people a question
     fits is its gold, and nothing in the question tells them apart."""
     return float(100.0 * np.mean(1.0 / fitting(world, split, 0, count)))
+
+
+FAMILY_MODULES["described"] = sys.modules[__name__]

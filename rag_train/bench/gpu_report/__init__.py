@@ -19,7 +19,3 @@ One module per stage (`<name>_stage.py`: its sizes, run, check and table); `stag
 writes the fragments and the document, `wheels.py` carries what a bare GPU image lacks, `cli.py` is the command.
 No module imports at load time what the bare image lacks: every stage imports its needs after the wheels.
 """
-
-from rag_train.bench.gpu_report.cli import main
-
-__all__ = ["main"]
