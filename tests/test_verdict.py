@@ -77,3 +77,62 @@ def test_the_command_prints_one_line(capsys):
     assert capsys.readouterr().out.startswith("ContAccum beats GradCache (ContAccum 44.3 ± 3.1")
     with pytest.raises(SystemExit):
         main(["--a", "A", "x", "--b", "B", "1"])
+
+
+def test_seed_000s_pair_claims_take_their_word_from_the_rule():
+    """Each (better, worse) pair of the paper against 3 seeds made by hand: a clear win in the paper's direction, one
+    against it, a tie where the paper is on par, a win where the paper is on par, and noise."""
+    from rag_train.reproduction.comparison import pair_claims
+
+    def runs(*values):
+        return [{"r": v} for v in values]
+
+    rows = {"a": runs(0.50, 0.52, 0.55), "b": runs(0.40, 0.41, 0.43), "c": runs(0.30, 0.32, 0.34),
+            "d": runs(0.401, 0.409, 0.431), "f": runs(0.60, 0.35, 0.45)}
+    paper = {"a": 30.0, "b": 20.0, "c": 25.0, "d": 20.5, "e": 20.3, "f": 25.0}
+    rows["e"] = rows["a"]
+    lines = pair_claims(rows, paper, [("a", "b"), ("c", "b"), ("d", "b"), ("e", "b"), ("f", "b")], lambda m: m["r"])
+    assert [line.split("→ ")[1] for line in lines] == [
+        "**reproduces**.", "**does not reproduce**.", "**reproduces (on par)**.",
+        "**does not reproduce (paper: on par)**.", "**undecided**."]
+    assert lines[0].startswith("- a − b: measured +11.0 points (a ahead on 3/3 seeds; paired t 19.05, p 0.003), paper")
+
+
+def test_dynnibal_beats_snm_only_by_the_rule():
+    """Dynnibal closes 81% of the gap (over half) and its mean is above SNM's, but per seed +14 / +4 / +10 is no
+    paired win over 3 seeds (p 0.085): undecided; 14 / 14 / 13 points on every seed: reproduced."""
+    from rag_train.reproduction.dynnibal import gap_lines
+
+    def runs(*r1s, memory=None):
+        return [{"recall": {"1": r}, **({"strategy_summary": {"device_memory_pct": memory}} if memory else {})}
+                for r in r1s]
+
+    rows = {"uniform": runs(0.40, 0.45, 0.42), "exhaustive": runs(0.70, 0.68, 0.69),
+            "dynnibal": runs(0.64, 0.66, 0.62, memory=5.9), "snm": runs(0.50, 0.62, 0.52)}
+    claim = gap_lines(rows, 300, 18)[-1]
+    assert claim.startswith("Seed 001's claim (Dynnibal closes more than half of the gap at a small memory share and "
+                            "beats SNM at equal memory): **undecided** here: Dynnibal closes 81% at 5.9% device memory")
+    assert "per-seed differences +14.0 / +4.0 / +10.0; paired t 3.21, p 0.085" in claim
+    rows["snm"] = runs(0.50, 0.52, 0.49)
+    assert "**reproduced** here" in gap_lines(rows, 300, 18)[-1]
+    rows["snm"] = runs(0.80, 0.82, 0.79)
+    assert "**not reproduced** here" in gap_lines(rows, 300, 18)[-1]
+
+
+def test_np_gain_picked_from_three_variants_is_decided_with_holm():
+    """Seed 003's committed per-seed R-precision (vanilla 21.4 / 4.7 / 26.0, BASE 30.7 / 31.0 / 32.3, CONTRA 32.7 /
+    32.3 / 27.7): BASE, the best of three by its mean, +14.0 but undecided."""
+    from rag_train.reproduction.generative import np_gain
+
+    def runs(*rps):
+        return [{"datasets": {"seen": {"r_precision": r}}} for r in rps]
+
+    main = {"vanilla": runs(0.214, 0.047, 0.260), "base": runs(0.307, 0.310, 0.323),
+            "async": runs(0.20, 0.17, 0.225), "contra": runs(0.327, 0.323, 0.277)}
+    (line,) = np_gain(main)
+    assert line.startswith("- Seen people, R-precision: Np Decoding BASE 31.3 against vanilla 17.4: **+14.0 points** "
+                           "(per seed: +9.3, +26.3, +6.3); seed 003: +4.4 single-hop. A gain of at least 4 points: "
+                           "**undecided** (the verdict rule, the best of 3 variants: undecided (Np Decoding BASE")
+    assert "paired t 2.24, p 0.154 (Holm over 3: " in line
+    main["base"] = runs(0.364, 0.197, 0.410)  # +15 on every seed, the best mean
+    assert "points: **reached**" in np_gain(main)[0]

@@ -1,4 +1,4 @@
-"""The one rule that turns two rows' per-seed numbers into a verdict, so that no section decides "A beats B" its own way.
+"""The one rule that turns two rows' per-seed numbers into a verdict: no section decides "A beats B" its own way.
 
 Two rows ran on the same seeds and worlds; their values are paired by seed (position i of both lists is seed i) and
 tested on the per-seed differences d_i = a_i - b_i with a two-sided paired t-test (scipy.stats.ttest_rel). With m
@@ -86,6 +86,12 @@ class Verdict:
         return f"{text}: {self.reason}" if self.reason else text
 
 
+def ordered(verdict: Verdict, better: str) -> Optional[bool]:
+    """A claim that `better` is above the other row, under the rule: True, False (the other row wins, or the rows are
+    level), None (undecided)."""
+    return None if verdict.word == UNDECIDED else verdict.winner == better
+
+
 def holm(pvalues: Sequence[float]) -> list[float]:
     """Holm's step-down adjustment: the i-th smallest p times (m - i + 1), made monotone, capped at 1; same order."""
     m = len(pvalues)
@@ -157,7 +163,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--a", nargs="+", required=True, metavar="NAME_THEN_VALUES", help="row A: a name, then its "
                         "per-seed values in seed order")
     parser.add_argument("--b", nargs="+", required=True, metavar="NAME_THEN_VALUES", help="row B, the same seeds")
-    parser.add_argument("--m", type=int, default=1, help="comparisons in the family (variants the best was picked from)")
+    parser.add_argument("--m", type=int, default=1,
+                        help="comparisons in the family (the variants the best was picked from)")
     parser.add_argument("--alpha", type=float, default=ALPHA)
     parser.add_argument("--tolerance", type=float, default=TOLERANCE, help="the largest difference called level")
     args = parser.parse_args(argv)
