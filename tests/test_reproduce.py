@@ -124,6 +124,7 @@ def test_report_from_given_metrics(tmp_path):
             "corrector 60.0 < exhaustive 70.0.\n- The corrector closes 50% of the stale → exhaustive R@1 gap "
             "(50.0 → 70.0), with 0 re-embedded passages.") in text
     assert "smaller is faster: **undecided**" in text  # one seed per size: no paired test
+    assert "## How verdicts are decided\n\n\"A beats B\" is a verdict only if a paired test over seeds" in text
     assert "corrector − frozen: measured +10.0 EM points" in text
     # Table 3 from the LM init, beside the paper's T5 rows; closed book (no retriever) is the GTR-like section's run
     lm3 = text.split("### From the LM-pretrained retriever")[1].split("## Training curves")[0]

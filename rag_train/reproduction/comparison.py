@@ -21,8 +21,7 @@ def _verdict(rule: Verdict, better: str, paper: float) -> str:
     if abs(paper) < PAR:
         return {LEVEL: "reproduces (on par)", UNDECIDED: "undecided (paper: on par)"}.get(
             rule.word, "does not reproduce (paper: on par)")
-    above = ordered(rule, better if paper > 0 else rule.b)
-    return "undecided" if above is None else "reproduces" if above else "does not reproduce"
+    return _claim(ordered(rule, better if paper > 0 else rule.b))
 
 
 def pair_claims(rows: dict[str, list[dict]], paper: dict[str, float], pairs: list[tuple[str, str]], value,

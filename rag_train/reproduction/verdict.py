@@ -1,18 +1,5 @@
 """The one rule that turns two rows' per-seed numbers into a verdict: no section decides "A beats B" its own way.
-
-Two rows ran on the same seeds and worlds; their values are paired by seed (position i of both lists is seed i) and
-tested on the per-seed differences d_i = a_i - b_i with a two-sided paired t-test (scipy.stats.ttest_rel). With m
-comparisons in the family (the best of m variants picked against one baseline counts as m), the p-values are
-Holm-adjusted (`holm`; a single comparison of the family is adjusted by Bonferroni, m p, which Holm never exceeds)
-and the confidence interval is taken at level 1 - alpha / m. The three words:
-
-- **beats**: at least 2 paired seeds and the adjusted p is below alpha; the row with the higher mean beats the other.
-- **level**: the test does not reject and the whole confidence interval of the mean difference lies within
-  ±tolerance (the rows are shown to be within tolerance of each other; identical per-seed values are level).
-- **undecided**: fewer than 2 paired seeds, or the test does not reject while the interval reaches beyond
-  ±tolerance (the seeds cannot tell a win from a tie).
-
-Defaults: alpha 0.05, tolerance 1.0 (in the values' units: R@1 / EM points)."""
+`RULE` states it, and docs/reproduction.md prints that statement."""
 
 from __future__ import annotations
 
@@ -27,6 +14,25 @@ from scipy import stats
 ALPHA = 0.05
 TOLERANCE = 1.0
 BEATS, LEVEL, UNDECIDED = "beats", "level", "undecided"
+RULE = f"""\
+"A beats B" is a verdict only if a paired test over seeds says so. The two rows ran on the same seeds and worlds; their
+values are paired by seed and the per-seed differences A - B go through a two-sided paired t-test
+(`scipy.stats.ttest_rel`). Where the row compared was picked from m variants (the best of several), or m claims form
+one family, the p-values are Holm-adjusted over the m (one comparison of the family alone: Bonferroni, m p, which
+Holm never exceeds) and the confidence interval of the mean difference is taken at level 1 - alpha / m. Three words:
+
+- **beats**: at least 2 paired seeds and the adjusted p below alpha = {ALPHA}; the row with the higher mean beats the
+  other.
+- **level**: the test does not reject and the whole confidence interval lies within ±{TOLERANCE:g} (points of the
+  metric); identical per-seed values are level.
+- **undecided**: fewer than 2 paired seeds, or the test does not reject while the interval reaches beyond the
+  tolerance: the seeds cannot tell a win from a tie.
+
+Each verdict reports both rows' mean ± sd, the per-seed differences, t, p (and the adjusted p) and n. A paper's claim
+("reproduces", "reproduced", "reached") holds only where the rule orders the rows as the paper does; a threshold the
+claim adds (a share of a gap, a 4-point gain) is checked on the means besides. The rule is
+`rag_train/reproduction/verdict.py`; `python scripts/verdict.py --a NAME V ... --b NAME V ... [--m M]` applies it to
+per-seed numbers copied from a doc."""
 
 
 @dataclass(frozen=True)
