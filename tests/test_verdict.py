@@ -4,6 +4,7 @@ distribution has 2 degrees of freedom, whose two-sided p is 1 - |t| / sqrt(2 + t
 import math
 
 import pytest
+from scipy import stats
 
 from rag_train.reproduction.verdict import BEATS, LEVEL, UNDECIDED, compare, compare_variants, holm, main
 
@@ -21,6 +22,10 @@ def test_a_clear_win_beats_with_hand_computed_t_and_p():
     assert v.summary().startswith("ContAccum beats GradCache (ContAccum 44.3 ± 3.1 vs GradCache 38.3 ± 2.9, n 3 "
                                   "paired seeds; per-seed differences +5.0 / +6.0 / +7.0; paired t 10.39, p 0.009;")
     assert compare("GradCache", [40.0, 35.0, 40.0], "ContAccum", [45.0, 41.0, 47.0]).winner == "ContAccum"
+    a, b = [61.2, 62.0, 59.8, 64.1], [62.0, 59.6, 56.4, 60.0]
+    reference = stats.ttest_rel(a, b)
+    assert (compare("A", a, "B", b).t, compare("A", a, "B", b).p) == pytest.approx((reference.statistic,
+                                                                                     reference.pvalue))
 
 
 def test_seed_003s_np_gain_is_undecided():
@@ -95,7 +100,7 @@ def test_seed_000s_pair_claims_take_their_word_from_the_rule():
     assert [line.split("→ ")[1] for line in lines] == [
         "**reproduces**.", "**does not reproduce**.", "**reproduces (on par)**.",
         "**does not reproduce (paper: on par)**.", "**undecided**."]
-    assert lines[0].startswith("- a − b: measured +11.0 points (a ahead on 3/3 seeds; paired t 19.05, p 0.003), paper")
+    assert lines[0].startswith("- a − b: measured +11.0 points (a ahead on 3/3 seeds; paired t 19.05, p 0.003)")
 
 
 def test_dynnibal_beats_snm_only_by_the_rule():
@@ -136,3 +141,13 @@ def test_np_gain_picked_from_three_variants_is_decided_with_holm():
     assert "paired t 2.24, p 0.154 (Holm over 3: " in line
     main["base"] = runs(0.364, 0.197, 0.410)  # +15 on every seed, the best mean
     assert "points: **reached**" in np_gain(main)[0]
+
+
+def test_the_committed_report_states_the_rule_as_the_code_does():
+    """docs/reproduction.md's "How verdicts are decided" is the generator's RULE, word for word."""
+    from pathlib import Path
+
+    from rag_train.reproduction.verdict import RULE
+
+    doc = (Path(__file__).parent.parent / "docs" / "reproduction.md").read_text()
+    assert f"## How verdicts are decided\n\n{RULE}\n" in doc

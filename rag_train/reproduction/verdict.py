@@ -16,8 +16,8 @@ TOLERANCE = 1.0
 BEATS, LEVEL, UNDECIDED = "beats", "level", "undecided"
 RULE = f"""\
 "A beats B" is a verdict only if a paired test over seeds says so. The two rows ran on the same seeds and worlds; their
-values are paired by seed and the per-seed differences A - B go through a two-sided paired t-test
-(`scipy.stats.ttest_rel`). Where the row compared was picked from m variants (the best of several), or m claims form
+values are paired by seed and the per-seed differences A - B go through a two-sided paired t-test (the t and p of
+`scipy.stats.ttest_rel`). Where the row compared was picked from m variants (the best of several), or m claims form
 one family, the p-values are Holm-adjusted over the m (one comparison of the family alone: Bonferroni, m p, which
 Holm never exceeds) and the confidence interval of the mean difference is taken at level 1 - alpha / m. Three words:
 
@@ -113,9 +113,10 @@ def _test(diffs: list[float], confidence: float) -> tuple[float, float, tuple[fl
     mean, sd = statistics.mean(diffs), statistics.stdev(diffs)
     if sd == 0.0:
         return (0.0, 1.0, (mean, mean)) if mean == 0.0 else (math.copysign(math.inf, mean), 0.0, (mean, mean))
-    result = stats.ttest_rel(diffs, [0.0] * len(diffs))
-    half = stats.t.ppf(0.5 + confidence / 2, len(diffs) - 1) * sd / math.sqrt(len(diffs))
-    return float(result.statistic), float(result.pvalue), (mean - half, mean + half)
+    se, dof = sd / math.sqrt(len(diffs)), len(diffs) - 1
+    t = mean / se  # ttest_rel's statistic, without its precision warning on nearly constant differences
+    half = float(stats.t.ppf(0.5 + confidence / 2, dof)) * se
+    return t, float(2 * stats.t.sf(abs(t), dof)), (mean - half, mean + half)
 
 
 def _decide(a: str, av: tuple, b: str, bv: tuple, p_adjusted: Optional[float], t, p, ci, m: int, alpha: float,
