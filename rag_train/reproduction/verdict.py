@@ -150,13 +150,14 @@ def compare(a: str, a_values: Sequence[float], b: str, b_values: Sequence[float]
 
 def compare_variants(baseline: str, baseline_values: Sequence[float], variants: dict[str, Sequence[float]], *,
                      alpha: float = ALPHA, tolerance: float = TOLERANCE) -> dict[str, Verdict]:
-    """Every variant against one baseline, Holm-adjusted over the variants: the family when the best one is picked."""
+    """Every variant against one baseline, Holm-adjusted over all of them (the family when the best one is picked; a
+    variant with fewer than 2 paired seeds counts, with p 1, and is undecided)."""
     m = len(variants)
     pairs = {name: _paired(values, baseline_values) for name, values in variants.items()}
     tests = {name: _test([x - y for x, y in zip(av, bv)], 1 - alpha / m) if len(av) >= 2 else None
              for name, (av, bv) in pairs.items()}
-    tested = [name for name, test in tests.items() if test is not None]
-    adjusted = dict(zip(tested, holm([tests[name][1] for name in tested])))
+    holm_p = holm([1.0 if test is None else test[1] for test in tests.values()])  # an untested variant: p 1
+    adjusted = {name: q for (name, test), q in zip(tests.items(), holm_p) if test is not None}
     out = {}
     for name, (av, bv) in pairs.items():
         t, p, ci = tests[name] or (None, None, None)
