@@ -6,45 +6,40 @@ from __future__ import annotations
 import statistics
 from typing import Optional
 
-from rag_train.experiments import gap_closed, gap_means, mean_std, recall, retrieval_curve
+from rag_train.experiments import gap_closed, gap_means, recall, retrieval_curve
 from rag_train.reproduction.analysis import percent
 from rag_train.reproduction.metrics import DATASET_LABELS, DATASETS, mean_of
 from rag_train.reproduction.paper import PAPER_TABLE1, PAPER_TABLE3
 from rag_train.reproduction.plan import INIT_LABELS, INITS, TABLE1, TABLE3
+from rag_train.reproduction.verdict import LEVEL, UNDECIDED, Verdict, compare, ordered
 
 PAR = 1.0  # points: a paper gap this small is the claim "on par", not an ordering
 
 
-def _verdict(measured: float, paper: float, spread: Optional[float]) -> str:
+def _verdict(rule: Verdict, better: str, paper: float) -> str:
+    """The paper's claim (`better` ahead by `paper`, or on par) against the rule's verdict on the measured rows."""
     if abs(paper) < PAR:
-        on_par = abs(measured) <= max(spread or 0.0, PAR)
-        return "reproduces (on par)" if on_par else "does not reproduce (paper: on par)"
-    if spread is None:
-        return "same sign (one seed: no spread)" if measured * paper > 0 else "does not reproduce (one seed)"
-    if measured * paper > 0 and abs(measured) > spread:
-        return "reproduces"
-    if measured * paper > 0:
-        return "same sign, within the seed spread"
-    return "does not reproduce"
+        return {LEVEL: "reproduces (on par)", UNDECIDED: "undecided (paper: on par)"}.get(
+            rule.word, "does not reproduce (paper: on par)")
+    return _claim(ordered(rule, better if paper > 0 else rule.b))
 
 
 def pair_claims(rows: dict[str, list[dict]], paper: dict[str, float], pairs: list[tuple[str, str]], value,
                 unit: str = "points") -> list[str]:
-    """One line per (better, worse) pair of the paper: measured mean difference, per-seed wins, the paper's."""
+    """One line per (better, worse) pair of the paper: measured mean difference, per-seed wins, the paper's, and the
+    verdict by the rule (rag_train/reproduction/verdict.py, runs paired in seed order)."""
     lines = []
     for better, worse in pairs:
         a, b = rows.get(better) or [], rows.get(worse) or []
         if not a or not b or better not in paper or worse not in paper:
             continue
-        va, vb = [100 * value(m) for m in a], [100 * value(m) for m in b]
-        diff = statistics.mean(va) - statistics.mean(vb)
-        stds = [x for x in (mean_std(va)[1], mean_std(vb)[1]) if x is not None]
-        spread = max(stds) if stds else None
-        wins = sum(x > y for x, y in zip(va, vb))
+        rule = compare(better, [100 * value(m) for m in a], worse, [100 * value(m) for m in b])
+        diff = statistics.mean(100 * value(m) for m in a) - statistics.mean(100 * value(m) for m in b)
+        wins = sum(d > 0 for d in rule.diffs)
         ref = paper[better] - paper[worse]
-        std = f"; seed std up to {spread:.1f}" if spread is not None else ""
-        lines.append(f"- {better} − {worse}: measured {diff:+.1f} {unit} ({better} ahead on {wins}/"
-                     f"{min(len(va), len(vb))} seeds{std}), paper {ref:+.1f} → **{_verdict(diff, ref, spread)}**.")
+        test = "" if rule.p is None else f"; paired t {rule.t:.2f}, p {rule.p:.3f}"
+        lines.append(f"- {better} − {worse}: measured {diff:+.1f} {unit} ({better} ahead on {wins}/{rule.n} "
+                     f"seeds{test}), paper {ref:+.1f} → **{_verdict(rule, better, ref)}**.")
     return lines
 
 
@@ -83,7 +78,7 @@ def table1_comparison(table1: dict[str, dict[str, list[dict]]]) -> list[str]:
         m = gap_means(rows)
         if m:
             closed = gap_closed(m["stale"], m["corrector"], m["exhaustive"])
-            gaps[init] = 100 * (m["exhaustive"] - m["stale"])
+            gaps[init] = [100 * (recall(e) - recall(x)) for x, e in zip(rows["stale"], rows["exhaustive"])]
             ref = (f"; paper {percent(gap_closed(paper['stale'], paper['corrector'], paper['exhaustive']))} "
                    f"({paper['stale']:.1f} → {paper['exhaustive']:.1f})") if paper else ""
             lines.append(f"- The corrector closes {percent(closed)} of the stale → exhaustive R@1 gap "
@@ -96,12 +91,15 @@ def table1_comparison(table1: dict[str, dict[str, list[dict]]]) -> list[str]:
         lines.append("")
     if "lm" in gaps and "pretrained" in gaps:
         paper_gap = {i: PAPER_TABLE1[i]["exhaustive"]["1"] - PAPER_TABLE1[i]["stale"]["1"] for i in PAPER_TABLE1}
-        same = (gaps["lm"] > gaps["pretrained"]) == (paper_gap["lm"] > paper_gap["pretrained"])
-        extra = f" (from random init, which the paper never ran: {gaps['random']:.1f})" if "random" in gaps else ""
+        rule = compare("LM-pretrained", gaps["lm"], "retrieval-pretrained", gaps["pretrained"])
+        above = ordered(rule, "LM-pretrained" if paper_gap["lm"] > paper_gap["pretrained"] else "retrieval-pretrained")
+        mean = {init: statistics.mean(g) for init, g in gaps.items()}
+        extra = f" (from random init, which the paper never ran: {mean['random']:.1f})" if "random" in gaps else ""
         lines.append(f"**Staleness hurts more without retrieval pretraining:** the stale → exhaustive R@1 gap is "
-                     f"{gaps['lm']:.1f} points from the LM-pretrained init and {gaps['pretrained']:.1f} from the "
+                     f"{mean['lm']:.1f} points from the LM-pretrained init and {mean['pretrained']:.1f} from the "
                      f"retrieval-pretrained init{extra}; paper {paper_gap['lm']:.1f} (T5) and "
-                     f"{paper_gap['pretrained']:.1f} (GTR) → **{'reproduces' if same else 'does not reproduce'}**.")
+                     f"{paper_gap['pretrained']:.1f} (GTR) → **{_claim(above)}** (the gaps per seed, by the verdict "
+                     f"rule: {rule.summary()}).")
     return lines
 
 
@@ -136,26 +134,42 @@ def table3_comparison(table3: dict[str, list[dict]], paper_table: dict = PAPER_T
     return lines
 
 
+def _claim(above: Optional[bool]) -> str:
+    return "undecided" if above is None else "reproduces" if above else "does not reproduce"
+
+
+def _rates(runs: list[dict]) -> list[float]:
+    return [m["steps_per_second"] for m in runs if m.get("steps_per_second") is not None]
+
+
 def ablation_comparison(ablation: dict[int, list[dict]], references: dict[str, list[dict]]) -> list[str]:
-    rates = {h: mean_of([m.get("steps_per_second") for m in r]) for h, r in ablation.items() if r}
-    rates = {h: v for h, v in rates.items() if v is not None}
+    """Speed and R@1 by corrector size; "faster" is decided by the verdict rule on steps/s per seed (tolerance 0: only
+    identical speeds are level), over the adjacent sizes' pairs (Holm: m = the pairs)."""
+    per_seed = {h: _rates(r) for h, r in sorted(ablation.items())}
+    per_seed = {h: v for h, v in per_seed.items() if v}
+    rates = {h: statistics.mean(v) for h, v in per_seed.items()}
     lines = []
     if len(rates) >= 2:
         sizes = sorted(rates)
-        monotone = all(rates[a] >= rates[b] for a, b in zip(sizes, sizes[1:]))
+        pairs = list(zip(sizes, sizes[1:]))
+        faster = [ordered(compare(str(a), per_seed[a], str(b), per_seed[b], tolerance=0.0, m=len(pairs)), str(a))
+                  for a, b in pairs]
+        monotone = False if False in faster else None if None in faster else True
         lines.append("- steps/s by hidden size: " + ", ".join(f"{h}: {rates[h]:.2f}" for h in sizes)
-                     + f"; paper 2048: 1.83, 4096: 1.10, 8192: 0.83 → smaller is faster: "
-                     f"**{'reproduces' if monotone else 'does not reproduce'}** "
-                     f"(largest / smallest speed ratio {rates[sizes[0]] / rates[sizes[-1]]:.2f}x, paper 2.20x).")
+                     + f"; paper 2048: 1.83, 4096: 1.10, 8192: 0.83 → smaller is faster: **{_claim(monotone)}** "
+                     f"(largest / smallest speed ratio {rates[sizes[0]] / rates[sizes[-1]]:.2f}x, paper 2.20x; each "
+                     "adjacent pair by the verdict rule on steps/s per seed).")
     r1 = {h: statistics.mean(100 * recall(m, "1") for m in r) for h, r in ablation.items() if r}
     if len(r1) >= 2:
         lines.append("- R@1 by hidden size: " + ", ".join(f"{h}: {v:.1f}" for h, v in sorted(r1.items()))
                      + f" (spread {max(r1.values()) - min(r1.values()):.1f} points; paper: 4096 and 2048 nearly as "
                        "good as 8192).")
-    exhaustive = mean_of([m.get("steps_per_second") for m in references.get("exhaustive") or []])
+    exhaustive = _rates(references.get("exhaustive") or [])
     if exhaustive and rates:
-        slowest = min(rates.values())
-        lines.append(f"- every corrector size vs exhaustive ({exhaustive:.2f} steps/s): slowest corrector "
-                     f"{slowest / exhaustive:.2f}x its speed; paper 8192-hidden corrector 1.93x exhaustive "
-                     f"→ **{'reproduces' if slowest > exhaustive else 'does not reproduce'}**.")
+        slowest = min(rates, key=rates.get)
+        rule = compare(f"corrector {slowest}", per_seed[slowest], "exhaustive", exhaustive, tolerance=0.0)
+        lines.append(f"- every corrector size vs exhaustive ({statistics.mean(exhaustive):.2f} steps/s): slowest "
+                     f"corrector {rates[slowest] / statistics.mean(exhaustive):.2f}x its speed; paper 8192-hidden "
+                     f"corrector 1.93x exhaustive → **{_claim(ordered(rule, rule.a))}** (steps/s, the verdict rule: "
+                     f"{rule.summary()}).")
     return lines

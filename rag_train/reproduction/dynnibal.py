@@ -8,7 +8,7 @@ one full refresh); Dynnibal "+0" (nothing re-encoded: its trees stay over the st
 SNM holding as many full-dimension vectors on the device as Dynnibal does (3 d' + s'); exhaustive refreshes, every w
 steps and, as a control for Dynnibal's two full encodings, once every warm-start length. What is
 compared is the paper's claim: Dynnibal closes more than half of the uniform -> exhaustive R@1 gap at a small memory
-share and beats SNM at equal memory."""
+share and beats SNM at equal memory (the latter decided by rag_train/reproduction/verdict.py)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from typing import Optional
 
 from rag_train.experiments import (cell, curve_table, gap_closed, gap_share, gap_shares_line, mean_r1, recall,
                                    retrieval_curve)
+from rag_train.reproduction.verdict import compare, ordered
 
 INITS = {"lm": "LM-pretrained init (paper: RoBERTa-base; seed 000: T5-base)",
          "pretrained": "retrieval-pretrained init (GTR-like: trained in-batch on another described world)"}
@@ -72,14 +73,15 @@ def gap_lines(rows: dict[str, list[dict]], passages: int, snm_targets: int) -> l
                              {r: label for r, (label, _, _) in ROWS.items()})]
     closed = gap_closed(low, dyn, high)
     memory = device_memory_pct("dynnibal", rows["dynnibal"][0], passages, snm_targets)
-    snm = mean_r1(rows.get("snm", []))
-    above_snm = snm is not None and dyn > snm
+    versus = compare("Dynnibal", [100 * recall(m) for m in rows["dynnibal"]],
+                     "SNM", [100 * recall(m) for m in rows.get("snm") or []])
+    above = ordered(versus, "Dynnibal")
     verdict = ("undecided (exhaustive is not above uniform: no gap)" if closed is None
-               else "reproduced" if closed > 0.5 and above_snm else "not reproduced")
+               else "not reproduced" if closed <= 0.5 or above is False
+               else "undecided" if above is None else "reproduced")
     lines.append(f"Seed 001's claim (Dynnibal closes more than half of the gap at a small memory share and beats SNM "
                  f"at equal memory): **{verdict}** here: Dynnibal closes {gap_share(closed)} at {memory:.1f}% device "
-                 "memory" + ("" if snm is None else f"; R@1 {cell([recall(m) for m in rows['dynnibal']])} against "
-                                                     f"SNM's {cell([recall(m) for m in rows['snm']])}") + ".")
+                 f"memory; R@1, Dynnibal against SNM at equal memory (the verdict rule): {versus.summary()}.")
     return lines
 
 
