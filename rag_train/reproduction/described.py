@@ -14,8 +14,9 @@ from __future__ import annotations
 
 from typing import Optional
 
-from rag_train.experiments import (cell, curve_table, gap_closed, gap_share, gap_shares_line, mean_r1,
-                                   retrieval_curve)
+from rag_train.experiments import (RECALL_AT, cell, closure_table, curve_table, gap_closed, gap_share,
+                                   gap_shares_line, mean_recall, retrieval_curve)
+from rag_train.reproduction.paper import PAPER_INIT_LABELS, PAPER_TABLE1
 
 INITS = {"random": "random init (no counterpart in the paper)",
          "lm": "LM-pretrained init (paper: T5-base)",
@@ -32,7 +33,6 @@ ROWS = {
     "snm": ("SNM", "snm", ()),
     "exhaustive": ("exhaustive", "exhaustive", ()),
 }
-RECALL_AT = ("1", "5", "20", "100")
 CURVES = ("stale", "corrector", "exhaustive")
 CLOSERS = ("corrector", "corrector-mse", "dynnibal-plus0", "dynnibal", "snm")  # rows whose gap share is reported
 
@@ -52,15 +52,18 @@ def init_table(rows: dict[str, list[dict]]) -> str:
     return "\n".join(lines)
 
 
-def gap_lines(rows: dict[str, list[dict]]) -> list[str]:
+def gap_lines(rows: dict[str, list[dict]], init: str) -> list[str]:
     """The stale -> exhaustive R@1 gap and the share each row closes: of the means, and per seed (runs paired in
-    seed order); the verdict on the paper's claim (corrector >= 80% of the gap and above SNM). Nothing unless
-    stale, exhaustive and the corrector ran."""
-    low, high, fixed = (mean_r1(rows.get(name) or []) for name in ("stale", "exhaustive", "corrector"))
+    seed order); the same at every k beside the paper's from the init's counterpart; the verdict on the paper's
+    claim (corrector >= 80% of the gap and above SNM). Nothing unless stale, exhaustive and the corrector ran."""
+    low, high, fixed = (mean_recall(rows.get(name) or []) for name in ("stale", "exhaustive", "corrector"))
     if low is None or high is None or fixed is None:
         return []
-    lines = [gap_shares_line(rows, "stale", "exhaustive", CLOSERS, {r: label for r, (label, _, _) in ROWS.items()})]
-    closed, snm = gap_closed(low, fixed, high), mean_r1(rows.get("snm") or [])
+    labels = {r: label for r, (label, _, _) in ROWS.items()}
+    paper = {PAPER_INIT_LABELS[init]: PAPER_TABLE1[init]} if init in PAPER_TABLE1 else {}
+    lines = [gap_shares_line(rows, "stale", "exhaustive", CLOSERS, labels),
+             closure_table(rows, "stale", "exhaustive", CLOSERS, labels, paper)]
+    closed, snm = gap_closed(low, fixed, high), mean_recall(rows.get("snm") or [])
     verdict = ("undecided (exhaustive is not above stale: no gap)" if closed is None
                else "reproduced" if closed >= 0.8 and (snm is None or fixed > snm) else "not reproduced")
     lines.append(f"Seed 000's claim (the corrector closes at least 80% of the gap, above SNM): **{verdict}** here: "
@@ -87,5 +90,5 @@ def described_section(results: Optional[dict]) -> list[str]:
                 lines += [f"### {world}{tuned}: {INITS[init]}", "", init_table(rows), "",
                           "R@1 by training step (mean over seeds): has exhaustive stopped improving?", "",
                           curve_table({ROWS[r][0]: rows.get(r) or [] for r in CURVES}, retrieval_curve), ""]
-                lines += [line for text in gap_lines(rows) for line in (text, "")]
+                lines += [line for text in gap_lines(rows, init) for line in (text, "")]
     return lines
