@@ -1,8 +1,10 @@
-"""How closely a finished Algorithm 1 run's corrector tracked its passage encoder (issue 17).
+"""How closely a finished Algorithm 1 run's corrector tracked its passage encoder.
 
     python scripts/diagnose_retriever.py --run runs/toy-retriever [--k 4] [--questions 500] [--json out.json]
         [--fit-hidden 256 2048 [--fit-steps 1500]] [--fit-content-hidden 1024]
         [--content ROWS [--content-init MODEL ...]]
+    python scripts/diagnose_retriever.py --run runs/toy-retriever --checkpoints [STEP ...] [--fit-top 16]
+        [--fit-steps 1500] [--k 4] [--questions 500] [--json out.json]
 
 It reads the run directory: the saved retriever (`retriever/`), the stale buffer (`buffer/`), the corrector of
 the last checkpoint and — when the run recorded it (`strategy.name=corrector`) — how many times each row was in
@@ -18,11 +20,11 @@ corrected vector h(B[y]) and the fresh g(y):
    corpus with the fresh top-k (split by whether the fresh top-k row was seen or not), gold at 1 and gold in top-k,
    for v = g (fresh), h(B) (corrector), B (stale) and the lstsq map.
 
-3. With `--fit-hidden H ...`: a corrector of width H fitted offline, after the fact, on the final (B[y], g(y)) of the
-   seen rows with the run's CE loss (`fit_offline`), shown as `offline hH` in both tables: what a corrector of that
-   width could reach on this drift if it did not have to follow a moving encoder from one subset per step.
-   `--fit-content-hidden H ...` fits the same from each passage's token bag instead of B (`offline bag hH`): what a
-   corrector could reach if the buffer held the passages' tokens explicitly.
+3. With `--fit-hidden H ...`: the uniform-row probe, a corrector of width H fitted offline on the final (B[y], g(y))
+   of 512 uniform seen rows per step with the run's CE loss (`fit_offline`), shown as `uniform-row probe hH`. Its
+   rows rarely hold a question's gold or its near-duplicates, so it under-fits: it is not what a corrector of that
+   width can reach (that is `--checkpoints`' achievable fit). `--fit-content-hidden H ...` fits the same from each
+   passage's token bag instead of B (`uniform-row probe bag hH`): whether B lost content the bags keep.
 
 4. With `--content ROWS`: what each set of passage vectors keeps of the passages themselves (`content_probe`): a ridge
    map from the vectors to each passage's bag of tokens, fitted on half the rows, identifies the held-out passages
@@ -31,6 +33,14 @@ corrected vector h(B[y]) and the fresh g(y):
    it in a form no map of the corrector's size turns into g.
 
 Stale and exhaustive runs have no corrector: their rows show the drift (stale) only.
+
+`--checkpoints` instead measures what the loop feeds the corrector (`diagnose_checkpoints`), at each of the run's
+checkpoints (`checkpoints/step-*`; a run keeps its last two unless trained with `train.keep_checkpoints=0` and
+`train.save_every=N`): with that checkpoint's towers, the corpus re-embedded (fresh g), gold@1 and overlap@k with the
+fresh top-k on training and dev questions of the in-loop corrector h(B), of the achievable fit (a corrector of the
+same width fitted offline with the run's corrector loss on every training question's gold + fresh top-`--fit-top`
+rows), of fresh g and of stale B. The achievable fit far above the in-loop corrector: the loop's subsets and updates
+hold it back, not its width.
 """
 
 from __future__ import annotations
@@ -449,7 +459,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--fit-standardized", action="store_true",
                         help="with --fit-hidden: also fit each width with its input standardized by the buffer's moments")
     parser.add_argument("--fit-content-hidden", type=int, nargs="*", default=[],
-                        help="also fit a corrector of each width offline from the passages' token bags (what B could hold)")
+                        help="uniform-row probe from the passages' token bags instead of B (what B could hold)")
     parser.add_argument("--content", type=int, default=0, metavar="ROWS",
                         help="also probe what the stale, fresh and corrected vectors keep of ROWS random passages")
     parser.add_argument("--content-init", nargs="*", default=[], metavar="MODEL",
