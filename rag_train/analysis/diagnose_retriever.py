@@ -383,9 +383,8 @@ def diagnose_checkpoints(run: Path, steps: Sequence[int] = (), k: Optional[int] 
     checkpoints = checkpoint_steps(run, steps)
     buffer = Buffer.open(run / "buffer")
     stale = buffer.tensor().float()
-    fitting = question_split(question_sets(files, corpus, None), "train")
-    fitting = Questions("train", fitting.texts[: cfg.data.max_train_examples],
-                        fitting.gold[: cfg.data.max_train_examples])  # the questions the run trained on
+    trained_on, n = question_split(question_sets(files, corpus, None), "train"), cfg.data.max_train_examples
+    fitting = Questions("train", trained_on.texts[:n], trained_on.gold[:n])  # as the recipe cuts its training set
     measured = {split: question_split(question_sets(files, corpus, limit), split) for split in ("train", "dev")}
     report = {"k": k, "fit_top": fit_top, "fit_questions": len(fitting.texts), "checkpoints": []}
     for checkpoint in checkpoints:
@@ -402,12 +401,12 @@ def diagnose_checkpoints(run: Path, steps: Sequence[int] = (), k: Optional[int] 
                                  moments=moments, targets=targets, loss=cfg.strategy.corrector.loss)
         with torch.no_grad():
             searched = dict(zip(CHECKPOINT_ROWS, (corrector(stale), fitted(stale), fresh, stale)))
-        seen = seen_at(checkpoint)
-        seen = seen > 0 if seen is not None else torch.ones(len(corpus), dtype=torch.bool)
-        rows = {name: {split: {key: stats[key] for key in ("gold_at_1", "overlap")}
-                       for split in measured
-                       for stats in [ranking_stats(queries[split], vectors, fresh, measured[split].gold, seen, k)]}
-                for name, vectors in searched.items()}
+        every_row = torch.ones(len(corpus), dtype=torch.bool)  # no seen / unseen split here
+        rows = {name: {} for name in searched}
+        for name, vectors in searched.items():
+            for split, questions in measured.items():
+                stats = ranking_stats(queries[split], vectors, fresh, questions.gold, every_row, k)
+                rows[name][split] = {"gold_at_1": stats["gold_at_1"], "overlap": stats["overlap"]}
         report["checkpoints"].append({"step": checkpoint_step(checkpoint),
                                       "fit_rows": int(targets.unique().numel()), "rows": rows})
     return report
