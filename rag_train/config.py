@@ -292,6 +292,9 @@ class TrainConfig:
     log_every: int = 10
     eval_every: int = 0  # 0 = only at the end
     save_every: int = 0  # 0 = only at the end
+    # checkpoints kept, newest first (0 = every one): more than the 2 a resume needs let a diagnostic look back
+    # over training (scripts/diagnose_retriever.py --checkpoints)
+    keep_checkpoints: int = 2
     # continue the run in output_dir from its newest complete checkpoint (checksums verified); refused if the
     # config changes the computation (only train.steps, eval / log / save cadence, tracker, timeouts may change)
     resume: bool = False
@@ -316,7 +319,8 @@ class TrainConfig:
             raise ConfigError(f"train.cpu_threads={self.cpu_threads!r} must be auto or a positive number of threads")
         for key in ("steps", "batch_size", "lr", "temperature", "log_every", "max_bad_steps", "collective_timeout"):
             check_positive("train", key, getattr(self, key))
-        for key in ("warmup_steps", "eval_every", "save_every", "weight_decay", "max_grad_norm", "seed"):
+        for key in ("warmup_steps", "eval_every", "save_every", "keep_checkpoints", "weight_decay", "max_grad_norm",
+                    "seed"):
             check_positive("train", key, getattr(self, key), allow_zero=True)
         check_choice("train", "mixed_precision", self.mixed_precision, ("no", "bf16", "fp16"))
 

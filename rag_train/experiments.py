@@ -15,6 +15,7 @@ from typing import Optional
 from rag_train.config import ConfigError
 from rag_train.io import read_json
 from rag_train.launch import launch_command, run_script
+from rag_train.reproduction.paper import PAPER_INIT_LABELS, PAPER_TABLE1
 from rag_train.strategies import overrides_read_by, reads
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -108,23 +109,67 @@ def gap_share(closed: Optional[float]) -> str:
     return "n/a" if closed is None else f"{100 * closed:.0f}%"
 
 
-def mean_r1(runs: list[dict]) -> Optional[float]:
-    """Mean R@1 over a row's seeds (None for a row that did not run)."""
-    return statistics.mean(recall(m) for m in runs) if runs else None
+RECALL_AT = ("1", "5", "20", "100")  # the recall@k every Table 1 comparison reports, its gap closure included
+
+
+def mean_recall(runs: list[dict], k: str = "1") -> Optional[float]:
+    """Mean R@k over a row's seeds (None for a row that did not run or a run that did not evaluate R@k)."""
+    values = [recall(m, k) for m in runs]
+    return statistics.mean(values) if values and None not in values else None
+
+
+def closure(rows: dict[str, list[dict]], low: str, high: str, row: str, k: str = "1"
+            ) -> tuple[Optional[float], list[Optional[float]]]:
+    """The share of the low -> high R@k gap that `row` closes, (mid - low) / (high - low): of the means over seeds,
+    and per seed (runs paired in seed order); None where there is no gap or R@k was not evaluated."""
+    def share(lo: Optional[float], mid: Optional[float], hi: Optional[float]) -> Optional[float]:
+        return None if None in (lo, mid, hi) else gap_closed(lo, mid, hi)
+
+    means = share(*(mean_recall(rows[name], k) for name in (low, row, high)))
+    return means, [share(*(recall(m, k) for m in runs)) for runs in zip(rows[low], rows[row], rows[high])]
 
 
 def gap_shares_line(rows: dict[str, list[dict]], low: str, high: str, closers, labels: dict[str, str]) -> str:
     """`R@1 of the means: LOW a, HIGH b (a gap of c points). Share of it closed: ...`: each of `closers` that ran, of
     the means and per seed (runs paired in seed order). `low` and `high` must have run."""
-    lo, hi = mean_r1(rows[low]), mean_r1(rows[high])
+    lo, hi = mean_recall(rows[low]), mean_recall(rows[high])
     parts = []
     for row in closers:
         if rows.get(row):
-            per_seed = [gap_closed(recall(a), recall(r), recall(b)) for a, r, b in zip(rows[low], rows[row], rows[high])]
-            parts.append(f"{labels[row]} {gap_share(gap_closed(lo, mean_r1(rows[row]), hi))} (per seed: "
-                         f"{', '.join(gap_share(x) for x in per_seed)})")
+            means, per_seed = closure(rows, low, high, row)
+            parts.append(f"{labels[row]} {gap_share(means)} (per seed: {', '.join(map(gap_share, per_seed))})")
     return (f"R@1 of the means: {low} {100 * lo:.1f}, {high} {100 * hi:.1f} (a gap of {100 * (hi - lo):.1f} points). "
             "Share of it closed: " + "; ".join(parts) + ".")
+
+
+def closure_table(rows: dict[str, list[dict]], low: str, high: str, closers, labels: dict[str, str],
+                  paper: dict[str, dict[str, dict[str, float]]]) -> Optional[str]:
+    """Markdown: the low -> high gap of the means at every k of RECALL_AT, the share of it each of `closers` that ran
+    closes (of the means, and per seed) and, for each of `paper`'s tables ({label: {row: {k: recall}}}) that has the
+    row, the paper's share at the same k; `n/a` where there is no gap, `-` where R@k was not evaluated. R@1 alone
+    hides a corrector that ranks the top better and the tail worse. None unless low and high ran."""
+    if not rows.get(low) or not rows.get(high):
+        return None
+
+    def points(k: str) -> str:
+        lo, hi = mean_recall(rows[low], k), mean_recall(rows[high], k)
+        return "-" if lo is None or hi is None else f"{100 * lo:.1f} → {100 * hi:.1f}"
+
+    lines = [f"| {low} → {high} closure | " + " | ".join(f"R@{k}" for k in RECALL_AT) + " |",
+             "|---|" + "---|" * len(RECALL_AT),
+             f"| {low} → {high}, means | " + " | ".join(map(points, RECALL_AT)) + " |"]
+    for row in (r for r in closers if rows.get(r)):
+        evaluated = [all(recall(m, k) is not None for name in (low, row, high) for m in rows[name]) for k in RECALL_AT]
+        shares = [closure(rows, low, high, row, k) for k in RECALL_AT]
+        lines.append(f"| {labels[row]}: of the means | " + " | ".join(
+            gap_share(means) if ok else "-" for ok, (means, _) in zip(evaluated, shares)) + " |")
+        lines.append(f"| {labels[row]}: per seed | " + " | ".join(
+            ", ".join(map(gap_share, seeds)) if ok else "-" for ok, (_, seeds) in zip(evaluated, shares)) + " |")
+        for label, table in paper.items():
+            if row in table:
+                lines.append(f"| {labels[row]}: paper, {label} | " + " | ".join(
+                    gap_share(gap_closed(table[low][k], table[row][k], table[high][k])) for k in RECALL_AT) + " |")
+    return "\n".join(lines)
 
 
 GAP = ("stale", "corrector", "exhaustive")  # the gap the corrector closes: its low end, the corrector, its high end
@@ -207,9 +252,11 @@ def compare_strategies(config: str | Path, strategies: list[str], seeds: list[in
                        processes: int = 1) -> str:
     """Algorithm 1 once per (strategy, seed), same config and steps, each run in `runs/<strategy>-seed<seed>`
     (finished ones reused): a markdown table of recall@k, MRR@10 (mean ± std over seeds) and wall time, then R@1 at
-    every evaluated step (mean over seeds: has the curve flattened?) and, with stale, corrector and exhaustive among
-    the strategies, the share of the gap the corrector closes. Each strategy gets the overrides it reads (a
-    strategy refuses another's key); one that no strategy compared reads is refused before any run."""
+    every evaluated step (mean over seeds: has the curve flattened?) and, with stale and exhaustive among the
+    strategies, the share of their gap every other one closes at R@1, R@5, R@20 and R@100 beside the paper's (both
+    of its inits), then the corrector's R@1 share at the last step and over the last evaluations. Each strategy gets
+    the overrides it reads (a strategy refuses another's key); one that no strategy compared reads is refused before
+    any run."""
     for item in overrides:
         key = item.split("=", 1)[0]
         if not any(reads(strategy, key) for strategy in strategies):
@@ -231,8 +278,11 @@ def compare_strategies(config: str | Path, strategies: list[str], seeds: list[in
                      f"{cell([r['mrr@10'] for r in results])} | {statistics.mean(r['wall_seconds'] for r in results):.0f} |")
     by_strategy = dict(rows)
     lines += ["", "R@1 by training step (mean over seeds):", "", curve_table(by_strategy, retrieval_curve)]
+    closers = [s for s in strategies if s not in ("stale", "exhaustive")]
+    paper = {PAPER_INIT_LABELS[init]: table for init, table in PAPER_TABLE1.items()}
+    closures = closure_table(by_strategy, "stale", "exhaustive", closers, {s: s for s in strategies}, paper)
     gap = gap_report(by_strategy)
-    return "\n".join(lines + ([] if gap is None else ["", gap]))
+    return "\n".join(lines + [part for text in (closures, gap) if text is not None for part in ("", text)])
 
 
 def _comparison_parser(description: str, runs: str) -> argparse.ArgumentParser:

@@ -1,8 +1,13 @@
-"""How closely a finished Algorithm 1 run's corrector tracked its passage encoder (rag_train/analysis/diagnose_retriever.py):
-cosine / relative error of h(B) and B against fresh g(y) on the rows the corrector saw and never saw, and the
-overlap of their top-k with the fresh top-k.
+"""How closely a finished Algorithm 1 run's corrector tracked its passage encoder
+(rag_train/analysis/diagnose_retriever.py): cosine / relative error of h(B) and B against fresh g(y) on the rows the
+corrector saw and never saw, and the overlap of their top-k with the fresh top-k; with --checkpoints, what the loop
+feeds the corrector at each checkpoint (in-loop corrector, achievable fit, fresh g, stale on training and dev
+questions).
 
-    python scripts/diagnose_retriever.py --run runs/toy-retriever [--k 4[--k 4] [--questions 500] [--json out.json] [--fit-hidden 256 2048]
+    python scripts/diagnose_retriever.py --run runs/toy-retriever [--k 4] [--questions 500] [--json out.json] \
+        [--fit-hidden 256 2048]
+    python scripts/diagnose_retriever.py --run runs/toy-retriever --checkpoints [STEP ...] [--fit-top 16] \
+        [--json out.json]
 """
 
 from rag_train.analysis.diagnose_retriever import main

@@ -13,7 +13,9 @@ from safetensors.torch import load_file
 
 from rag_train.buffer.store import Buffer
 from rag_train.data.corpus import Corpus
-from rag_train.analysis.diagnose_retriever import diagnose, latest_checkpoint, main
+from rag_train.analysis.diagnose_retriever import (checkpoint_retriever, diagnose, diagnose_checkpoints, fit_offline,
+                                                  fit_targets, latest_checkpoint, main)
+from rag_train.data.supervised import load_retrieval
 from rag_train.eval.retrieval import load_eval_set
 from rag_train.models.retriever import DualEncoder
 from rag_train.strategies.corrector import CorrectorStrategy
@@ -25,7 +27,8 @@ K, QUESTIONS = 3, 20
 
 @pytest.fixture(scope="module")
 def corrector_run(recipe_toy_dir, tmp_path_factory):
-    """A 6-step corrector run, with every row set the corrector loss was computed on."""
+    """A 6-step corrector run that keeps a checkpoint every 2 steps, with every row set the corrector loss was
+    computed on."""
     out = tmp_path_factory.mktemp("diagnose") / "run"
     subsets = []
     original = CorrectorStrategy.auxiliary_loss
@@ -49,7 +52,8 @@ def corrector_run(recipe_toy_dir, tmp_path_factory):
         patch.setattr(CorrectorStrategy, "auxiliary_loss", recording)
         patch.setattr(CorrectorStrategy, "retrieve_global", searching)
         patch.setattr(CorrectorStrategy, "after_step", stepping)
-        train_retriever(config(recipe_toy_dir, out, "corrector", **{"strategy.corrector.lr": 1e-2}))
+        train_retriever(config(recipe_toy_dir, out, "corrector", **{"strategy.corrector.lr": 1e-2,
+                                                                     "train.save_every": 2, "train.keep_checkpoints": 0}))
     CORRECTOR_WEIGHTS[out] = (searched, stepped)
     return out, subsets
 
@@ -133,8 +137,8 @@ def test_numbers_match_a_brute_force_computation(corrector_run, recipe_toy_dir, 
           "--fit-content-hidden", "8"])
     printed = capsys.readouterr().out
     assert "| unseen |" in printed and "| retrieval (dev) | corrector |" in printed
-    assert "| retrieval (dev) | offline h8 |" in printed and "cos(offline h8, g)" in printed
-    assert "| retrieval (dev) | offline bag h8 |" in printed and "cos(offline bag h8, g)" in printed
+    assert "| retrieval (dev) | uniform-row probe h8 |" in printed and "cos(uniform-row probe h8, g)" in printed
+    assert "| retrieval (dev) | uniform-row probe bag h8 |" in printed
 
 
 def test_the_corrector_logs_its_tracking_per_step(corrector_run):
@@ -155,8 +159,6 @@ def test_the_corrector_logs_its_tracking_per_step(corrector_run):
 
 def test_offline_fit_learns_a_drift_the_stale_vectors_miss():
     """fit_offline on a synthetic drift (g = normalised B rotated): its top-1 agrees with g far more often than B's."""
-    from rag_train.analysis.diagnose_retriever import fit_offline
-
     torch.manual_seed(0)
     stale = torch.nn.functional.normalize(torch.randn(400, 8), dim=1)
     rotation = torch.linalg.qr(torch.randn(8, 8)).Q
@@ -173,8 +175,6 @@ def test_offline_fit_learns_a_drift_the_stale_vectors_miss():
 def test_offline_fit_from_a_wider_source_learns_from_its_content_only():
     """fit_offline from a source of another width (token bags -> g = bags @ R): its top-1 agrees with g's far more
     often than from a constant source of the same width, which holds nothing and can only rank every query alike."""
-    from rag_train.analysis.diagnose_retriever import fit_offline
-
     torch.manual_seed(0)
     bags = (torch.rand(400, 60) < 0.2).float()
     fresh = torch.nn.functional.normalize(bags @ torch.randn(60, 8), dim=1)
@@ -251,3 +251,90 @@ def test_too_large_a_bag_matrix_is_refused_before_the_corpus_pass(corrector_run,
     asked = {"content_rows": 50} if option == "--content" else {"fit_content_hidden": (8,)}
     with pytest.raises(ConfigError, match=f"{option} needs a dense"):
         module.diagnose(corrector_run[0], K, QUESTIONS, **asked)
+
+
+def brute_force(queries: np.ndarray, vectors: np.ndarray, fresh: np.ndarray, gold, k: int) -> dict[str, float]:
+    """gold@1 by argmax over the full score matrix; overlap@k by set intersection with the fresh top-k."""
+    scores, reference = queries @ vectors.T, queries @ fresh.T
+    top = [set(np.argsort(-row, kind="stable")[:k]) for row in scores]
+    fresh_top = [set(np.argsort(-row, kind="stable")[:k]) for row in reference]
+    return {"gold_at_1": float(np.mean(scores.argmax(axis=1) == np.asarray(gold))),
+            "overlap": float(np.mean([len(a & b) / k for a, b in zip(top, fresh_top)]))}
+
+
+def test_what_the_loop_feeds_at_every_checkpoint_against_a_brute_force_computation(corrector_run, recipe_toy_dir,
+                                                                                    capsys):
+    """`--checkpoints`: one entry per kept checkpoint (train.keep_checkpoints=0 kept steps 2, 4, 6), each with the
+    checkpoint's own towers and corrector: the last one's towers are the saved retriever's; at every step, gold@1 and
+    overlap@k of h(B) (by its formula), fresh g and stale B on train and dev questions equal numpy's argmax over the
+    full score matrix; the achievable fit is a corrector of the run's width."""
+    run, _ = corrector_run
+    torch.set_num_threads(1)
+    assert sorted(p.name for p in (run / "checkpoints").glob("step-*")) == [f"step-{s:08d}" for s in (2, 4, 6)]
+    report = diagnose_checkpoints(run, k=K, limit=QUESTIONS, fit_top=4, fit_steps=30)
+    assert [entry["step"] for entry in report["checkpoints"]] == [2, 4, 6]
+    assert report["fit_questions"] == 200  # data.max_train_examples: every question the run trained on
+
+    corpus = Corpus.open(recipe_toy_dir / "passages.jsonl")
+    stale = np.asarray(Buffer.open(run / "buffer").array(), dtype=np.float64)
+    dev = load_eval_set(recipe_toy_dir / "retrieval-dev.jsonl", corpus, limit=QUESTIONS)
+    train = load_retrieval(recipe_toy_dir / "retrieval-train.jsonl", corpus=corpus, limit=QUESTIONS)
+    questions = {"dev": (dev.questions, corpus.rows([next(iter(q)) for q in dev.qrels])),
+                 "train": ([ex.question for ex in train], corpus.rows([ex.positive_ids[0] for ex in train]))}
+    final = DualEncoder.load(run / "retriever").state_dict()
+    for entry, step in zip(report["checkpoints"], (2, 4, 6)):
+        checkpoint = run / "checkpoints" / f"step-{step:08d}"
+        saved = load_file(str(checkpoint / "model.safetensors"))
+        retriever = checkpoint_retriever(run, checkpoint)
+        for name, tensor in retriever.state_dict().items():
+            if f"retriever.{name}" in saved:
+                assert torch.equal(tensor, saved[f"retriever.{name}"]), name
+        moved = any(not torch.equal(final[name], tensor) for name, tensor in retriever.state_dict().items())
+        assert moved == (step != 6)
+        w = {key: value.double().numpy() for key, value in saved.items() if key.startswith("corrector.")}
+        corrected = (stale + np.maximum(stale @ w["corrector.first.weight"].T + w["corrector.first.bias"], 0)
+                     @ w["corrector.second.weight"].T + w["corrector.second.bias"])
+        with torch.no_grad():
+            fresh = np.concatenate([retriever.encode_passages(corpus.passages(range(s, min(s + 64, len(corpus)))))
+                                    .double().numpy() for s in range(0, len(corpus), 64)])
+            for split, (texts, gold) in questions.items():
+                queries = retriever.encode_queries(texts).double().numpy()
+                for name, vectors in {"in-loop": corrected, "fresh g": fresh, "stale": stale}.items():
+                    expected = brute_force(queries, vectors, fresh, gold, K)
+                    found = entry["rows"][name][split]
+                    assert found["gold_at_1"] == pytest.approx(expected["gold_at_1"], abs=1 / QUESTIONS + 1e-9), \
+                        (step, split, name)  # one near-tie may break differently in float32
+                    assert found["overlap"] == pytest.approx(expected["overlap"], abs=1 / (K * QUESTIONS) + 1e-9)
+        assert entry["rows"]["fresh g"]["dev"]["overlap"] == 1.0
+        assert 0 <= entry["rows"]["achievable fit"]["train"]["gold_at_1"] <= 1
+
+    main(["--run", str(run), "--k", str(K), "--questions", str(QUESTIONS), "--checkpoints", "4", "--fit-top", "2",
+          "--fit-steps", "5"])
+    printed = capsys.readouterr().out
+    assert f"| step | vectors | train gold@1 | train overlap@{K} | dev gold@1 | dev overlap@{K} |" in printed
+    for name in ("in-loop", "achievable fit", "fresh g", "stale"):
+        assert f"| 4 | {name} | " in printed
+    assert "| 2 |" not in printed and "gold + fresh top-2 rows of 200 training questions" in printed
+
+
+@pytest.mark.parametrize("loss", ["ce", "mse"])
+def test_the_achievable_fit_learns_a_linear_drift_from_gold_and_fresh_top_k_rows(loss):
+    """fresh = a known linear map of stale: the fit on each question's gold + fresh top-8 rows (the loop's own kind
+    of rows) ranks like fresh g, far above stale B, on questions it never trained on."""
+    generator = torch.Generator().manual_seed(0)
+    stale = torch.nn.functional.normalize(torch.randn(600, 8, generator=generator), dim=1)
+    drift = torch.eye(8) + 0.8 * torch.randn(8, 8, generator=generator)
+    fresh = stale @ drift
+    queries = torch.nn.functional.normalize(torch.randn(400, 8, generator=generator), dim=1)
+    trained, held = queries[:300], queries[300:]
+    gold = (trained @ fresh.T).argmax(dim=1)
+    fitted = fit_offline(stale, fresh, trained, hidden=64, steps=400, temperature=0.1,
+                         targets=fit_targets(trained, fresh, gold, 8), loss=loss)
+    with torch.no_grad():
+        truth, after = (held @ fresh.T).topk(4).indices, (held @ fitted(stale).T).topk(4).indices
+        before = (held @ stale.T).topk(4).indices
+
+    def overlap(top):
+        return (truth.unsqueeze(2) == top.unsqueeze(1)).any(dim=2).float().mean().item()
+
+    assert overlap(before) < 0.5 and overlap(after) > 0.8, (overlap(before), overlap(after))

@@ -111,6 +111,9 @@ def test_report_from_given_metrics(tmp_path):
     assert "corrector − stale: measured +24.0 points (corrector ahead on 2/2 seeds" in text
     assert "stale − in_batch: measured +0.0 points (stale ahead on 0/1 seeds), paper +8.8 → **undecided**" in text
     assert "closes 69% of the stale → exhaustive R@1 gap" in text  # (85 - 61) / (96 - 61)
+    assert "| corrector: of the means | 69% | 83% | n/a | n/a |" in text  # R@5: (95 - 71) / (100 - 71); R@20: 100
+    assert "| corrector: paper, T5-base init | 93% | 89% | 87% | 94% |" in text
+    assert "| corrector: paper, GTR-base init | 109% | 81% | 92% | 82% |" in text
     assert "exhaustive − corrector: measured +11.0 points" in text
     assert "| trainable_cache | 2 | 0 | 87.0 ± 1.4 |" in text  # rows without a paper value
     assert "- trainable_cache: R@1 87.0 with 0 re-embedded passages (exhaustive: 18000)." in text
@@ -287,6 +290,9 @@ def test_described_report_gives_each_rows_share_of_the_gap_per_seed_and_the_verd
     assert "corrector (CE, Eq. 6) 83% (per seed: 80%, 90%); SNM 50% (per seed: 50%, 50%)" in tuned_part
     assert ("**undecided** here: 83%; R@1, the corrector against SNM (the verdict rule): undecided (corrector 70.0 ± 2.8 "
             "vs SNM 60.0 ± 0.0, n 2 paired seeds; per-seed differences +12.0 / +8.0; paired t 5.00, p 0.126;") in tuned_part
+    # at every k (retriever_metrics: R@5 = R@1 + 10, R@20 = R@100 = 100: no gap), beside the paper's T5-base row
+    assert "| corrector (CE, Eq. 6): per seed | 80%, 90% | 80%, 90% | n/a, n/a | n/a, n/a |" in tuned_part
+    assert "| corrector (CE, Eq. 6): paper, T5-base init | 93% | 89% | 87% | 94% |" in tuned_part
     assert " (not tuned on): LM-pretrained init" in untuned_part and "**not reproduced** here: 50%" in untuned_part
     assert "**reproduced** here: 86%; R@1, the corrector against SNM (the verdict rule): corrector beats SNM" in third_part
     assert "| 20 | 22.5 | 35.0 | 37.5 |" in tuned_part  # the curve at step 20: R@1 / 2 (retriever_metrics' history)

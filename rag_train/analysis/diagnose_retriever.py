@@ -1,8 +1,10 @@
-"""How closely a finished Algorithm 1 run's corrector tracked its passage encoder (issue 17).
+"""How closely a finished Algorithm 1 run's corrector tracked its passage encoder.
 
     python scripts/diagnose_retriever.py --run runs/toy-retriever [--k 4] [--questions 500] [--json out.json]
         [--fit-hidden 256 2048 [--fit-steps 1500]] [--fit-content-hidden 1024]
         [--content ROWS [--content-init MODEL ...]]
+    python scripts/diagnose_retriever.py --run runs/toy-retriever --checkpoints [STEP ...] [--fit-top 16]
+        [--fit-steps 1500] [--k 4] [--questions 500] [--json out.json]
 
 It reads the run directory: the saved retriever (`retriever/`), the stale buffer (`buffer/`), the corrector of
 the last checkpoint and — when the run recorded it (`strategy.name=corrector`) — how many times each row was in
@@ -18,11 +20,11 @@ corrected vector h(B[y]) and the fresh g(y):
    corpus with the fresh top-k (split by whether the fresh top-k row was seen or not), gold at 1 and gold in top-k,
    for v = g (fresh), h(B) (corrector), B (stale) and the lstsq map.
 
-3. With `--fit-hidden H ...`: a corrector of width H fitted offline, after the fact, on the final (B[y], g(y)) of the
-   seen rows with the run's CE loss (`fit_offline`), shown as `offline hH` in both tables: what a corrector of that
-   width could reach on this drift if it did not have to follow a moving encoder from one subset per step.
-   `--fit-content-hidden H ...` fits the same from each passage's token bag instead of B (`offline bag hH`): what a
-   corrector could reach if the buffer held the passages' tokens explicitly.
+3. With `--fit-hidden H ...`: the uniform-row probe, a corrector of width H fitted offline on the final (B[y], g(y))
+   of 512 uniform seen rows per step with the run's CE loss (`fit_offline`), shown as `uniform-row probe hH`. Its
+   rows rarely hold a question's gold or its near-duplicates, so it under-fits: it is not what a corrector of that
+   width can reach (that is `--checkpoints`' achievable fit). `--fit-content-hidden H ...` fits the same from each
+   passage's token bag instead of B (`uniform-row probe bag hH`): whether B lost content the bags keep.
 
 4. With `--content ROWS`: what each set of passage vectors keeps of the passages themselves (`content_probe`): a ridge
    map from the vectors to each passage's bag of tokens, fitted on half the rows, identifies the held-out passages
@@ -31,6 +33,14 @@ corrected vector h(B[y]) and the fresh g(y):
    it in a form no map of the corrector's size turns into g.
 
 Stale and exhaustive runs have no corrector: their rows show the drift (stale) only.
+
+`--checkpoints` instead measures what the loop feeds the corrector (`diagnose_checkpoints`), at each of the run's
+checkpoints (`checkpoints/step-*`; a run keeps its last two unless trained with `train.keep_checkpoints=0` and
+`train.save_every=N`): with that checkpoint's towers, the corpus re-embedded (fresh g), gold@1 and overlap@k with the
+fresh top-k on training and dev questions of the in-loop corrector h(B), of the achievable fit (a corrector of the
+same width fitted offline with the run's corrector loss on every training question's gold + fresh top-`--fit-top`
+rows), of fresh g and of stale B. The achievable fit far above the in-loop corrector: the loop's subsets and updates
+hold it back, not its width.
 """
 
 from __future__ import annotations
@@ -52,9 +62,10 @@ from rag_train.data.corpus import Corpus
 from rag_train.data.sources import dataset_name, resolve_data
 from rag_train.data.supervised import load_retrieval
 from rag_train.eval.retrieval import load_eval_set
-from rag_train.losses import corrector_ce
+from rag_train.losses import corrector_ce, corrector_mse
 from rag_train.models.corrector import Corrector
 from rag_train.models.retriever import DualEncoder, format_passage
+from rag_train.train.run import STEP_FILE
 from rag_train.train.schema import RetrieverTrainConfig
 
 
@@ -62,9 +73,9 @@ def latest_checkpoint(run: Path) -> Path:
     return run / "checkpoints" / json.loads((run / "checkpoints" / "latest.json").read_text())["name"]
 
 
-def final_corrector(run: Path, dim: int) -> Corrector | None:
-    """The corrector of the run's last checkpoint (a part of the one prepared module), if it has one."""
-    state = {k.removeprefix("corrector."): v for k, v in load_file(str(latest_checkpoint(run) / "model.safetensors")).items()
+def checkpoint_corrector(checkpoint: Path, dim: int) -> Corrector | None:
+    """The corrector a checkpoint holds (a part of the one prepared module), if the run had one."""
+    state = {k.removeprefix("corrector."): v for k, v in load_file(str(checkpoint / "model.safetensors")).items()
              if k.startswith("corrector.")}
     if not state:
         return None
@@ -73,13 +84,32 @@ def final_corrector(run: Path, dim: int) -> Corrector | None:
     return corrector
 
 
-def seen_counts(run: Path) -> Optional[torch.Tensor]:
-    """Times each corpus row was in the corrector's training subset (saturating at 255), from the last checkpoint's
+def final_corrector(run: Path, dim: int) -> Corrector | None:
+    """The corrector of the run's last checkpoint, if it has one."""
+    return checkpoint_corrector(latest_checkpoint(run), dim)
+
+
+def checkpoint_retriever(run: Path, checkpoint: Path) -> DualEncoder:
+    """The retriever as `checkpoint` holds it: the run's saved towers (architecture, tokenizer) with the checkpoint's
+    weights. A checkpoint keeps one name per tied tensor; the other names follow through the tie."""
+    retriever = DualEncoder.load(run / "retriever")
+    weights = {k.removeprefix("retriever."): v for k, v in load_file(str(checkpoint / "model.safetensors")).items()
+               if k.startswith("retriever.")}
+    missing, unexpected = retriever.load_state_dict(weights, strict=False)
+    own = retriever.state_dict()
+    loaded = {own[name].untyped_storage().data_ptr() for name in weights}
+    untied = [name for name in missing if own[name].untyped_storage().data_ptr() not in loaded]
+    if unexpected or untied:
+        raise ConfigError(f"{checkpoint / 'model.safetensors'}: its retriever does not match {run / 'retriever'} "
+                          f"(missing {untied[:3]}, unexpected {unexpected[:3]})")
+    return retriever.eval()
+
+
+def seen_at(checkpoint: Path) -> Optional[torch.Tensor]:
+    """Times each corpus row was in the corrector's training subset up to `checkpoint` (saturating at 255), from its
     strategy state (rank 0: the subset is shared by every process); None when the run did not record it."""
-    path = latest_checkpoint(run) / "strategy-rank0.safetensors"
-    if not path.is_file():
-        return None
-    return load_file(str(path)).get("seen")
+    path = checkpoint / "strategy-rank0.safetensors"
+    return load_file(str(path)).get("seen") if path.is_file() else None
 
 
 def embed_corpus(retriever: DualEncoder, corpus: Corpus, batch: int = 256,
@@ -127,12 +157,18 @@ def ranking_stats(queries: torch.Tensor, candidate: torch.Tensor, fresh: torch.T
             "gold_in_top_k": (top == gold.unsqueeze(1)).any(dim=1).float().mean().item()}
 
 
+UNIFORM_PROBE_ROWS = 512  # the uniform-row probe's rows per Adam step
+PROBE = "uniform-row probe"  # how its fits are labelled: not the achievable fit (`diagnose_checkpoints`)
+
+
 def fit_offline(stale: torch.Tensor, fresh: torch.Tensor, queries: torch.Tensor, hidden: int, steps: int,
-                temperature: float, seed: int = 0, moments: Optional[tuple[torch.Tensor, torch.Tensor]] = None
-                ) -> torch.nn.Module:
-    """A corrector trained after the fact on the final (B[y], g(y)) pairs of the given rows — the target no longer
-    moves and every row is available — with the run's loss, CE(P~ || P~_h) at the run's temperature, over 64
-    training questions x 512 uniform rows per Adam step (lr 1e-3): how far a corrector of this width can get at all.
+                temperature: float, seed: int = 0, moments: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+                targets: Optional[torch.Tensor] = None, loss: str = "ce") -> torch.nn.Module:
+    """A corrector trained after the fact on final (B[y], g(y)) pairs — the target no longer moves — with the run's
+    loss (CE(P~ || P~_h) at the run's temperature, or MSE), 64 training questions per Adam step (lr 1e-3).
+    `targets` [Q, r]: each question's rows (its gold and fresh top-k: the achievable fit), the union over the step's
+    questions shared by them, as the strategy's subset is; None: 512 uniform rows per step (the uniform-row probe,
+    which rarely holds a question's gold or its near-duplicates).
     A source of another width than g (the passages' token bags) gets the corrector's two layers without its identity.
     `moments` (the whole buffer's mean and sd): the corrector standardizes its input (strategy.corrector.standardize)."""
     generator = torch.Generator().manual_seed(seed)
@@ -146,13 +182,23 @@ def fit_offline(stale: torch.Tensor, fresh: torch.Tensor, queries: torch.Tensor,
                                         torch.nn.Linear(hidden, fresh.shape[1]))
     optimizer = torch.optim.Adam(corrector.parameters(), lr=1e-3)
     for _ in range(steps):
-        picked = queries[torch.randint(len(queries), (64,), generator=generator)]
-        rows = torch.randint(len(stale), (512,), generator=generator).unique()
-        loss = corrector_ce(picked @ fresh[rows].T, picked @ corrector(stale[rows]).T, temperature)
+        picked = torch.randint(len(queries), (64,), generator=generator)
+        rows = (torch.randint(len(stale), (UNIFORM_PROBE_ROWS,), generator=generator) if targets is None
+                else targets[picked].flatten()).unique()
+        corrected = corrector(stale[rows])
+        if loss == "mse":
+            value = corrector_mse(fresh[rows], corrected)
+        else:
+            value = corrector_ce(queries[picked] @ fresh[rows].T, queries[picked] @ corrected.T, temperature)
         optimizer.zero_grad()
-        loss.backward()
+        value.backward()
         optimizer.step()
     return corrector.eval()
+
+
+def fit_targets(queries: torch.Tensor, fresh: torch.Tensor, gold: torch.Tensor, top: int) -> torch.Tensor:
+    """[Q, top + 1]: each question's gold row and its top rows under the fresh g (the achievable fit's rows)."""
+    return torch.cat([gold.unsqueeze(1), (queries @ fresh.T).topk(min(top, len(fresh))).indices], dim=1)
 
 
 MAX_BAG_CELLS = 200_000_000  # 800 MB of float32 bags
@@ -193,7 +239,7 @@ class Questions:
     gold: torch.Tensor  # [Q] corpus row of each question's first positive
 
 
-def question_sets(files, corpus: Corpus, limit: int) -> list[Questions]:
+def question_sets(files, corpus: Corpus, limit: Optional[int]) -> list[Questions]:
     found = []
     for path in files.dev:
         dev = load_eval_set(path, corpus, limit=limit)
@@ -214,8 +260,9 @@ def diagnose(run: Path, k: Optional[int] = None, limit: int = 500, fit_hidden: t
     "rankings": [{"questions", "searched", ...}], "k", "seen_rows"} and, with `content_rows` > 0, "content":
     {vectors: content_probe} over that many rows drawn at random (the bags are dense [rows, vocabulary]), also for
     the stale buffer each of `content_inits` would give (a `retriever.model` value; `tiny`: the run's random init).
-    `fit_content_hidden`: offline fits as `fit_hidden`, from every passage's token bag instead of B ("offline bag hH").
-    `fit_standardized`: each `fit_hidden` width also fitted with its input standardized ("offline std hH").
+    `fit_hidden`: uniform-row probes of those widths ("uniform-row probe hH"); `fit_content_hidden`: the same from
+    every passage's token bag instead of B ("... bag hH"); `fit_standardized`: each `fit_hidden` width also fitted
+    with its input standardized ("... std hH").
     """
     cfg = load_config(RetrieverTrainConfig, run / "config.yaml", [])
     k = k or cfg.strategy.top_k
@@ -233,7 +280,7 @@ def diagnose(run: Path, k: Optional[int] = None, limit: int = 500, fit_hidden: t
     with torch.no_grad():
         fresh = embed_corpus(retriever, corpus)
     corrector = final_corrector(run, stale.shape[1])
-    counts = seen_counts(run)
+    counts = seen_at(latest_checkpoint(run))
     seen = counts > 0 if counts is not None else torch.ones(len(corpus), dtype=torch.bool)
     searched = {"fresh": fresh, "stale": stale}
     if corrector is not None:
@@ -252,13 +299,13 @@ def diagnose(run: Path, k: Optional[int] = None, limit: int = 500, fit_hidden: t
         with torch.enable_grad():
             fitted = fit_offline(stale[seen], fresh[seen], training, hidden, fit_steps, cfg.train.temperature)
         with torch.no_grad():
-            searched[f"offline h{hidden}"] = fitted(stale)
+            searched[f"{PROBE} h{hidden}"] = fitted(stale)
         if fit_standardized:
             with torch.enable_grad():
                 fitted = fit_offline(stale[seen], fresh[seen], training, hidden, fit_steps, cfg.train.temperature,
                                      moments=moments)
             with torch.no_grad():
-                searched[f"offline std h{hidden}"] = fitted(stale)
+                searched[f"{PROBE} std h{hidden}"] = fitted(stale)
 
     def bags_of(rows: Sequence[int]) -> torch.Tensor:
         texts = [format_passage(p) for p in corpus.passages(rows)]
@@ -270,7 +317,7 @@ def diagnose(run: Path, k: Optional[int] = None, limit: int = 500, fit_hidden: t
             with torch.enable_grad():
                 fitted = fit_offline(bags[seen], fresh[seen], training, hidden, fit_steps, cfg.train.temperature)
             with torch.no_grad():
-                searched[f"offline bag h{hidden}"] = fitted(bags)
+                searched[f"{PROBE} bag h{hidden}"] = fitted(bags)
     groups = {"seen": seen, "unseen": ~seen, "all": torch.ones_like(seen)}
     rows = {group: {"n": int(mask.sum()), **{name: vector_stats(v[mask], fresh[mask]) for name, v in searched.items()
                                              if name != "fresh"}}
@@ -294,6 +341,88 @@ def diagnose(run: Path, k: Optional[int] = None, limit: int = 500, fit_hidden: t
                 vectors = embed_corpus(init, corpus, rows=picked.tolist())
             report["content"][f"init {model}"] = content_probe(vectors, bags)
     return report
+
+
+CHECKPOINT_ROWS = ("in-loop", "achievable fit", "fresh g", "stale")
+
+
+def question_split(sets: list[Questions], split: str) -> Questions:
+    """Every set of one split (`train` / `dev`) as one."""
+    chosen = [q for q in sets if q.name.endswith(f"({split})")]
+    return Questions(split, [t for q in chosen for t in q.texts], torch.cat([q.gold for q in chosen]))
+
+
+def checkpoint_step(checkpoint: Path) -> int:
+    return int(json.loads((checkpoint / STEP_FILE).read_text())["step"])
+
+
+def checkpoint_steps(run: Path, steps: Sequence[int] = ()) -> list[Path]:
+    """The run's checkpoints (`checkpoints/step-*`), oldest first, or those of `steps`."""
+    found = {checkpoint_step(c): c for c in (run / "checkpoints").glob("step-*") if (c / STEP_FILE).is_file()}
+    missing = sorted(set(steps) - set(found))
+    if missing:
+        raise ConfigError(f"{run / 'checkpoints'}: no checkpoint of step {missing} (there are {sorted(found)}; "
+                          "train.keep_checkpoints=0 keeps every one train.save_every writes)")
+    return [found[s] for s in sorted(steps or found)]
+
+
+def diagnose_checkpoints(run: Path, steps: Sequence[int] = (), k: Optional[int] = None, limit: int = 500,
+                         fit_top: int = 16, fit_steps: int = 1500) -> dict:
+    """What the loop feeds the corrector, at each checkpoint: with the checkpoint's towers (the corpus re-embedded:
+    fresh g), gold@1 and overlap@k with the fresh top-k of the in-loop corrector h(B), of the achievable fit (a
+    corrector of the in-loop one's width and input standardization, fitted offline with the run's corrector loss on
+    (B[y], g(y)) of every training question's gold and fresh top-`fit_top` rows), of fresh g and of stale B, on
+    `limit` training and dev questions. An achievable fit far above the in-loop corrector says the loop's subsets and
+    updates, not the corrector's width, hold it back."""
+    cfg = load_config(RetrieverTrainConfig, run / "config.yaml", [])
+    if cfg.strategy.name != "corrector":
+        raise ConfigError(f"{run}: strategy.name={cfg.strategy.name!r}; the in-loop corrector needs a corrector run")
+    k = k or cfg.strategy.top_k
+    files = resolve_data(cfg.data, Accelerator(cpu=True), ["retrieval-train"], ["retrieval-dev"])
+    corpus = Corpus.open(files.passages)
+    checkpoints = checkpoint_steps(run, steps)
+    buffer = Buffer.open(run / "buffer")
+    stale = buffer.tensor().float()
+    trained_on, n = question_split(question_sets(files, corpus, None), "train"), cfg.data.max_train_examples
+    fitting = Questions("train", trained_on.texts[:n], trained_on.gold[:n])  # as the recipe cuts its training set
+    measured = {split: question_split(question_sets(files, corpus, limit), split) for split in ("train", "dev")}
+    report = {"k": k, "fit_top": fit_top, "fit_questions": len(fitting.texts), "checkpoints": []}
+    for checkpoint in checkpoints:
+        retriever = checkpoint_retriever(run, checkpoint)
+        corrector = checkpoint_corrector(checkpoint, stale.shape[1])
+        with torch.no_grad():
+            fresh = embed_corpus(retriever, corpus)
+            queries = {split: retriever.encode_queries(q.texts).float() for split, q in measured.items()}
+            training = retriever.encode_queries(fitting.texts).float()
+            targets = fit_targets(training, fresh, fitting.gold, fit_top)
+        moments = (corrector.input_mean, corrector.input_std) if corrector.standardize else None
+        with torch.enable_grad():
+            fitted = fit_offline(stale, fresh, training, corrector.hidden, fit_steps, cfg.train.temperature,
+                                 moments=moments, targets=targets, loss=cfg.strategy.corrector.loss)
+        with torch.no_grad():
+            searched = dict(zip(CHECKPOINT_ROWS, (corrector(stale), fitted(stale), fresh, stale)))
+        every_row = torch.ones(len(corpus), dtype=torch.bool)  # no seen / unseen split here
+        rows = {name: {} for name in searched}
+        for name, vectors in searched.items():
+            for split, questions in measured.items():
+                stats = ranking_stats(queries[split], vectors, fresh, questions.gold, every_row, k)
+                rows[name][split] = {"gold_at_1": stats["gold_at_1"], "overlap": stats["overlap"]}
+        report["checkpoints"].append({"step": checkpoint_step(checkpoint),
+                                      "fit_rows": int(targets.unique().numel()), "rows": rows})
+    return report
+
+
+def print_checkpoint_table(report: dict) -> None:
+    k = report["k"]
+    print(f"| step | vectors | train gold@1 | train overlap@{k} | dev gold@1 | dev overlap@{k} |")
+    print("|---|---|---|---|---|---|")
+    for entry in report["checkpoints"]:
+        for name, at in entry["rows"].items():
+            print(f"| {entry['step']} | {name} | {at['train']['gold_at_1']:.3f} | {at['train']['overlap']:.3f} | "
+                  f"{at['dev']['gold_at_1']:.3f} | {at['dev']['overlap']:.3f} |")
+    print(f"\nachievable fit: a corrector of the in-loop width fitted on the gold + fresh top-{report['fit_top']} rows "
+          f"of {report['fit_questions']} training questions (" + ", ".join(
+              f"step {e['step']}: {e['fit_rows']} rows" for e in report["checkpoints"]) + ")")
 
 
 def print_tables(report: dict) -> None:
@@ -323,21 +452,33 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--questions", type=int, default=500, help="dev and training questions per set")
     parser.add_argument("--json", type=Path, default=None, help="also write the numbers here")
     parser.add_argument("--fit-hidden", type=int, nargs="*", default=[],
-                        help="also fit a corrector of each width offline on the final (B, g) of the seen rows (a ceiling)")
-    parser.add_argument("--fit-steps", type=int, default=1500)
+                        help="uniform-row probe: also fit a corrector of each width offline on the final (B, g) of "
+                             "512 uniform seen rows per step (rarely a question's gold: not the achievable fit)")
+    parser.add_argument("--fit-steps", type=int, default=1500, help="Adam steps of each offline fit")
     parser.add_argument("--fit-standardized", action="store_true",
                         help="with --fit-hidden: also fit each width with its input standardized by the buffer's moments")
     parser.add_argument("--fit-content-hidden", type=int, nargs="*", default=[],
-                        help="also fit a corrector of each width offline from the passages' token bags (what B could hold)")
+                        help="uniform-row probe from the passages' token bags instead of B (what B could hold)")
     parser.add_argument("--content", type=int, default=0, metavar="ROWS",
                         help="also probe what the stale, fresh and corrected vectors keep of ROWS random passages")
     parser.add_argument("--content-init", nargs="*", default=[], metavar="MODEL",
                         help="with --content: also the stale vectors each retriever.model value would give (tiny: the run's random init)")
+    parser.add_argument("--checkpoints", type=int, nargs="*", default=None, metavar="STEP",
+                        help="instead: what the loop feeds, at each checkpoint (every checkpoints/step-*, or these "
+                             "steps): gold@1 and overlap@k with the fresh top-k of the in-loop corrector, the "
+                             "achievable fit, fresh g and stale, on training and dev questions")
+    parser.add_argument("--fit-top", type=int, default=16,
+                        help="with --checkpoints: the achievable fit trains on each training question's gold + fresh "
+                             "top-N rows (--fit-steps Adam steps)")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    report = diagnose(args.run, args.k, args.questions, tuple(args.fit_hidden), args.fit_steps, args.content,
-                      tuple(args.content_init), tuple(args.fit_content_hidden), args.fit_standardized)
-    print_tables(report)
+    if args.checkpoints is not None:
+        report = diagnose_checkpoints(args.run, args.checkpoints, args.k, args.questions, args.fit_top, args.fit_steps)
+        print_checkpoint_table(report)
+    else:
+        report = diagnose(args.run, args.k, args.questions, tuple(args.fit_hidden), args.fit_steps, args.content,
+                          tuple(args.content_init), tuple(args.fit_content_hidden), args.fit_standardized)
+        print_tables(report)
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from rag_train.experiments import (cell, curve_table, gap_closed, gap_share, gap_shares_line, mean_r1, recall,
-                                   retrieval_curve)
+from rag_train.experiments import (RECALL_AT, cell, curve_table, gap_closed, gap_share, gap_shares_line, mean_recall,
+                                   recall, retrieval_curve)
 from rag_train.reproduction.verdict import compare, ordered
 
 INITS = {"lm": "LM-pretrained init (paper: RoBERTa-base; seed 000: T5-base)",
@@ -32,7 +32,6 @@ ROWS = {
     "exhaustive-rare": ("exhaustive, refreshed once per warm start's length", "exhaustive",
                         ("strategy.refresh_every={warm_start_steps}",)),
 }
-RECALL_AT = ("1", "5", "20", "100")
 
 
 def equal_memory_targets(landmarks: int, nystrom_samples: int) -> int:
@@ -66,7 +65,7 @@ def init_table(rows: dict[str, list[dict]], passages: int, snm_targets: int) -> 
 def gap_lines(rows: dict[str, list[dict]], passages: int, snm_targets: int) -> list[str]:
     """The share of the uniform -> exhaustive R@1 gap each row closes (of the means, and per seed in seed order),
     and the verdict on seed 001's claim; nothing unless uniform, Dynnibal and exhaustive ran."""
-    low, high, dyn = (mean_r1(rows.get(name, [])) for name in ("uniform", "exhaustive", "dynnibal"))
+    low, high, dyn = (mean_recall(rows.get(name, [])) for name in ("uniform", "exhaustive", "dynnibal"))
     if low is None or high is None or dyn is None:
         return []
     lines = [gap_shares_line(rows, "uniform", "exhaustive", ("dynnibal", "dynnibal-plus0", "snm"),

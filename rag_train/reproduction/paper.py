@@ -10,6 +10,7 @@ PAPER_TABLE1 = {  # NQ test recall@k, by the toy init that stands in for the pap
                "corrector": {"1": 36.65, "5": 59.25, "10": 68.06, "20": 73.71, "100": 83.13},
                "exhaustive": {"1": 37.34, "5": 60.42, "10": 68.70, "20": 74.76, "100": 83.41}},
 }
+PAPER_INIT_LABELS = {"pretrained": "GTR-base init", "lm": "T5-base init"}  # the paper's init behind each Table 1 key
 PAPER_TABLE3 = {  # exact match, GTR-base retriever
     "closed_book": {"nq": 25.4, "tqa": 26.1, "hotpotqa": 14.5},
     "frozen": {"nq": 48.4, "tqa": 55.1, "hotpotqa": 28.0},

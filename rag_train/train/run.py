@@ -191,7 +191,7 @@ class TrainingRun:
         found = self.checkpoints()
         return found[-1] if found else None
 
-    def save(self, step: int, extra: Optional[Callable[[Path], None]] = None, keep: int = 2) -> Path:
+    def save(self, step: int, extra: Optional[Callable[[Path], None]] = None) -> Path:
         """accelerator.save_state (+ `extra(folder)` on every process, e.g. the strategy's state, + the fault
         counters) into a temporary folder; the main process then writes `checksums.json` (sha256 and size of
         every file), fsyncs, and renames the folder into place. A kill at any moment leaves the previous
@@ -223,7 +223,8 @@ class TrainingRun:
             os.replace(tmp, final)
             shutil.rmtree(old, ignore_errors=True)
             atomic_write_json(root / LATEST, {"name": final.name, "step": step})
-            for stale in self.checkpoints()[:-keep]:
+            keep = self.cfg.train.keep_checkpoints  # 0: every one
+            for stale in self.checkpoints()[:-keep] if keep else []:
                 shutil.rmtree(stale, ignore_errors=True)
         self.accelerator.wait_for_everyone()
         return final

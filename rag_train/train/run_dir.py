@@ -22,8 +22,8 @@ RUN_OUTPUTS = (CONFIG_FILE, "metrics.json", CHECKPOINTS, "retriever", "reader", 
 # evaluation cadence, and train.steps, which continues the same schedule: data order is a function of (seed, step);
 # the CPU thread count changes only the order of float reductions).
 RESUME_SAFE_KEYS = ("train.resume", "train.overwrite", "train.output_dir", "train.steps", "train.eval_every",
-                    "train.log_every", "train.save_every", "train.tracker", "train.collective_timeout",
-                    "train.cpu_threads", "train.max_bad_steps", "buffer.verify")
+                    "train.log_every", "train.save_every", "train.keep_checkpoints", "train.tracker",
+                    "train.collective_timeout", "train.cpu_threads", "train.max_bad_steps", "buffer.verify")
 
 
 def claim_directory(cfg: Any, directory: Path) -> None:
