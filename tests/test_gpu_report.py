@@ -19,9 +19,8 @@ import numpy as np
 import pytest
 import torch
 
-from rag_train.bench import gpu_report
-from rag_train.bench.gpu_report import (common, document, embed_stage, forward_stage, scale_stage, search_stage, stages,
-                                        step_stage, wheels)
+from rag_train.bench.gpu_report import (cli, common, document, embed_stage, forward_stage, scale_stage, search_stage,
+                                        stages, step_stage, wheels)
 
 # one xdist worker runs the whole file: its stages run once, in the module fixture
 pytestmark = pytest.mark.xdist_group("test_gpu_report")
@@ -224,7 +223,7 @@ def test_stages_ran_without_what_the_gpu_image_lacks(quick_run):
 
 def test_assemble_lists_exactly_the_stages_present(quick_run, tmp_path):
     doc = tmp_path / "all.md"
-    gpu_report.main(["--assemble", "--out", str(quick_run["out"]), "--doc", str(doc)])
+    cli.main(["--assemble", "--out", str(quick_run["out"]), "--doc", str(doc)])
     text = doc.read_text()
     for name in stages.STAGES:
         assert f"\n## {name}:" in text
@@ -236,7 +235,7 @@ def test_assemble_lists_exactly_the_stages_present(quick_run, tmp_path):
     for name in ("embed", "search"):
         for suffix in (".json", ".md"):
             shutil.copy(quick_run["out"] / f"{name}{suffix}", partial)
-    gpu_report.main(["--assemble", "--out", str(partial), "--doc", str(doc)])
+    cli.main(["--assemble", "--out", str(partial), "--doc", str(doc)])
     text = doc.read_text()
     assert "\n## embed:" in text and "\n## search:" in text
     assert "\n## step:" not in text and "\n## scale:" not in text
@@ -244,31 +243,31 @@ def test_assemble_lists_exactly_the_stages_present(quick_run, tmp_path):
     assert "| step | **missing** |" in text and "| scale | **missing** |" in text
     assert "## Findings" not in text
     (partial / document.NOTES).write_text("## Findings\n\nwhy the figures are what they are\n")
-    gpu_report.main(["--assemble", "--out", str(partial), "--doc", str(doc)])
+    cli.main(["--assemble", "--out", str(partial), "--doc", str(doc)])
     text = doc.read_text()  # the hand-written findings right after the summary table, before the first stage
     assert text.index("Missing stages:") < text.index("## Findings\n\nwhy the figures") < text.index("\n## embed:")
 
 
 def test_list_and_bad_input(capsys, tmp_path, monkeypatch):
-    gpu_report.main(["--stage", "list"])
+    cli.main(["--stage", "list"])
     listed = capsys.readouterr().out.splitlines()
     assert [line.split()[0] for line in listed] == [*stages.STAGES, "all"]
     assert listed[-1].split()[1] == f"~{sum(s.minutes for s in stages.STAGES.values()):g}"
 
     with pytest.raises(SystemExit) as exit_info:
-        gpu_report.main(["--assemble", "--out", str(tmp_path)])
+        cli.main(["--assemble", "--out", str(tmp_path)])
     assert exit_info.value.code == common.INPUT_FAULT_EXIT
     assert capsys.readouterr().err.strip() == f"error: {tmp_path}: no stage fragments (<stage>.json) to assemble"
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit) as exit_info:
-        gpu_report.main(["--stage", "search", "--device", "cuda", "--out", str(tmp_path),
+        cli.main(["--stage", "search", "--device", "cuda", "--out", str(tmp_path),
                          "--wheels-dir", str(tmp_path / "none")])
     assert exit_info.value.code == common.INPUT_FAULT_EXIT
     assert capsys.readouterr().err.strip().startswith("error: --device cuda, but torch sees no CUDA device")
 
     with pytest.raises(SystemExit) as exit_info:  # GPU sizes on a CPU: refused before any work
-        gpu_report.main(["--stage", "search", "--device", "cpu", "--out", str(tmp_path),
+        cli.main(["--stage", "search", "--device", "cpu", "--out", str(tmp_path),
                          "--wheels-dir", str(tmp_path / "none")])
     assert exit_info.value.code == common.INPUT_FAULT_EXIT
     assert capsys.readouterr().err.strip().startswith("error: --device cpu runs only with --quick")
