@@ -18,7 +18,6 @@ from rag_train.losses import corrector_ce, corrector_mse, retrieval_scores
 from rag_train.models.corrector import Corrector
 from rag_train.strategies.base import IndexedConfig, StrategyContext, register
 from rag_train.strategies.stale import Stale, search_device
-from rag_train.train.trainable import deepspeed_stage
 
 
 @dataclass
@@ -110,7 +109,7 @@ class CorrectorStrategy(Stale):
     def __init__(self, cfg: CorrectorStrategyConfig, ctx: StrategyContext):
         super().__init__(cfg, ctx)
         own = cfg.corrector
-        if deepspeed_stage(ctx.accelerator) is not None and (own.updates > 1 or own.refresh_below > 0):
+        if ctx.accelerator.state.deepspeed_plugin is not None and (own.updates > 1 or own.refresh_below > 0):
             raise ConfigError("strategy.corrector.updates > 1 and strategy.corrector.refresh_below change h outside "
                               "the recipe's optimizer step, which DeepSpeed's engine (it holds h's master weights) "
                               "cannot take; leave them at 1 and 0 under DeepSpeed")

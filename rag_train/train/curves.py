@@ -11,19 +11,22 @@ STRATEGY_PLOT = "plots/strategy_log.png"  # relative to the run directory
 
 
 def plot_strategy_log(log: dict[str, list], path: Path) -> None:
-    """One curve per logged value against the logged steps."""
+    """The values within [-1, 1] (cosines, overlaps) in one panel, so they compare; any other value in its own."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.4, 3.8))
-    for key, values in log.items():
-        if key != "step":
-            ax.plot(log["step"], values, label=key)
-    ax.set_xlabel("training step")
-    ax.set_ylabel("on the step's subset")
-    ax.legend(fontsize=7)
+    keys = [key for key in log if key != "step"]
+    unit = [key for key in keys if all(-1 <= v <= 1 for v in log[key])]
+    panels = ([unit] if unit else []) + [[key] for key in keys if key not in unit]
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.4 * len(panels), 3.8), squeeze=False)
+    for ax, panel in zip(axes[0], panels):
+        for key in panel:
+            ax.plot(log["step"], log[key], label=key)
+        ax.set_xlabel("training step")
+        ax.set_ylabel("on the step's subset")
+        ax.legend(fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
