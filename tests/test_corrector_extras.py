@@ -107,6 +107,27 @@ def test_extra_updates_and_replay_move_only_the_corrector(world, loss):
         perturb(model, seed=step)  # the encoders move between steps (the recipe's optimizer)
 
 
+def test_replay_on_per_question_rows_is_the_mean_over_the_kept_steps(world):
+    """Algorithm 2's rows [B, k]: the loss with a replay of 1 step is the weighted mean of this step's loss and the
+    kept step's (h's loss on that step's pair, recomputed with h as it is now); the extra update moves h."""
+    own = CorrectorConfig(hidden=12, updates=2, replay_steps=1, weight=3.0)
+    strategy, _ = make(world, "corrector", corrector=own)
+    perturb(strategy.corrector, scale=0.2, seed=52)  # W2 != 0: every parameter of h has a gradient
+    gen = torch.Generator().manual_seed(5)
+    dim = strategy.buffer.dim
+    pairs = [(torch.randn(4, dim, generator=gen), torch.randint(ROWS, (4, 3), generator=gen),
+              torch.randn(4, 3, dim, generator=gen)) for _ in range(3)]
+    for step, (queries, rows, fresh) in enumerate(pairs, 1):
+        aux = strategy.auxiliary_loss(queries, rows, fresh, torch.einsum("bd,bsd->bs", queries, fresh))
+        with torch.no_grad():
+            alone = [strategy.pair_loss(Pair(*pairs[i]))[0] for i in range(max(0, step - 2), step)]
+        torch.testing.assert_close(aux.detach(), 3.0 * torch.stack(alone).mean())
+        before = [p.detach().clone() for p in strategy.corrector.parameters()]
+        strategy.after_step(step)
+        assert all(not torch.equal(a, p) for a, p in zip(before, strategy.corrector.parameters()))
+        assert [s for s, _ in strategy.replay] == [step]
+
+
 def test_tracking_values_match_a_hand_computation():
     """cos(B[y], g(y)) and cos(h(B[y]), g(y)) averaged over rows, and each question's top-4 overlap of
     <f(x), h(B[y])> with <f(x), g(y)>, for Algorithm 1's shared subset [S, D] and Algorithm 2's per question [B, k, D]."""
@@ -136,13 +157,12 @@ def test_refresh_policy_re_embeds_when_the_windowed_overlap_falls_below(world, t
     own = CorrectorConfig(hidden=12, refresh_below=0.5, refresh_window=2, standardize=True)
     strategy, model = make(world, "corrector", corrector=own)
     perturb(strategy.corrector, scale=0.5, seed=44)
-    dim = strategy.buffer.dim
     overlaps = [0.9, 0.8, 0.4, 0.3, 0.9, 0.2, 0.1, 0.6]
     stale, vectors = stale_matrix(world), strategy.vectors.clone()
     for step, value in enumerate(overlaps, 1):
         perturb(model, seed=100 + step)
         strategy.tracked = {DRIFT_KEY: torch.tensor(value)}
-        strategy.pending = [Pair(torch.zeros(1, dim), torch.zeros(1, dtype=torch.long), torch.zeros(1, dim))]
+        strategy.trained = True  # as `auxiliary_loss` leaves it
         strategy.after_step(step)
         if step not in (4, 7):
             assert torch.equal(strategy.vectors, vectors)

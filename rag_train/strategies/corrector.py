@@ -123,7 +123,9 @@ class CorrectorStrategy(Stale):
         # rows h has seen, for scripts/diagnose_retriever.py (checkpointed with the strategy's state)
         self.seen = torch.zeros(len(ctx.corpus), dtype=torch.uint8)
         self.tracked: dict[str, torch.Tensor] = {}  # the last step's `tracking_values`
-        self.pending: list[Pair] = []  # this step's pairs (one per `auxiliary_loss` call)
+        self.pending: list[Pair] = []  # this step's pairs (one per `auxiliary_loss` call), kept for updates / replay
+        self.keeps_pairs = own.updates > 1 or own.replay_steps > 0
+        self.trained = False  # a corrector loss ran since the last `after_step`
         self.replay: list[tuple[int, Pair]] = []  # (step, pair) of the last `replay_steps` steps
         # h's own optimizer for the updates after the first (its moments are checkpointed with the strategy)
         self.optimizer = (torch.optim.AdamW(self.corrector.parameters(), lr=own.lr, weight_decay=0.0)
@@ -177,7 +179,9 @@ class CorrectorStrategy(Stale):
         pair = Pair(queries.detach(), rows, fresh_vectors.detach())
         loss, stale, corrected, corrected_scores = self.pair_loss(pair, fresh_scores)
         self.tracked = tracking_values(stale, corrected.detach(), fresh_vectors, corrected_scores.detach(), fresh_scores)
-        self.pending.append(pair)
+        self.trained = True
+        if self.keeps_pairs:
+            self.pending.append(pair)
         if self.replay:
             loss = torch.stack([loss] + [self.pair_loss(old)[0] for _, old in self.replay]).mean()
         return self.cfg.corrector.weight * loss
@@ -192,8 +196,8 @@ class CorrectorStrategy(Stale):
 
     def after_step(self, step: int) -> None:
         super().after_step(step)
-        pairs, self.pending = self.pending, []
-        if not pairs:  # no corrector loss this step (Algorithm 2 before its gate opens)
+        pairs, self.pending, trained, self.trained = self.pending, [], self.trained, False
+        if not trained:  # no corrector loss this step (Algorithm 2 before its gate opens)
             return
         if self.optimizer is not None:
             self.extra_updates(pairs + [old for _, old in self.replay])
