@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from rag_train.config import ConfigError
+from rag_train.losses import retrieval_scores
 from rag_train.strategies.corrector import DRIFT_KEY, CorrectorConfig, Pair, tracking_values
 from rag_train.train.batching.base import StepParts, my_passages, subset_losses
 from rag_train.train.curves import STRATEGY_PLOT
@@ -130,7 +131,8 @@ def test_replay_on_per_question_rows_is_the_mean_over_the_kept_steps(world):
 
 def test_tracking_values_match_a_hand_computation():
     """cos(B[y], g(y)) and cos(h(B[y]), g(y)) averaged over rows, and each question's top-4 overlap of
-    <f(x), h(B[y])> with <f(x), g(y)>, for Algorithm 1's shared subset [S, D] and Algorithm 2's per question [B, k, D]."""
+    <f(x), h(B[y])> with <f(x), g(y)>, for Algorithm 1's shared subset [S, D] and Algorithm 2's per question
+    [B, k, D]."""
     gen = torch.Generator().manual_seed(0)
     queries = torch.randn(3, 8, generator=gen)
 
@@ -140,8 +142,7 @@ def test_tracking_values_match_a_hand_computation():
 
     for shape in [(10, 8), (3, 10, 8)]:
         stale, corrected, fresh = (torch.randn(*shape, generator=gen) for _ in range(3))
-        fresh_scores = (queries @ fresh.T if len(shape) == 2 else torch.einsum("bd,bsd->bs", queries, fresh))
-        corrected_scores = (queries @ corrected.T if len(shape) == 2 else torch.einsum("bd,bsd->bs", queries, corrected))
+        fresh_scores, corrected_scores = (retrieval_scores(queries, vectors) for vectors in (fresh, corrected))
         values = tracking_values(stale, corrected, fresh, corrected_scores, fresh_scores)
         overlap = np.mean([len(set(np.argsort(-f)[:4]) & set(np.argsort(-c)[:4])) / 4
                            for f, c in zip(fresh_scores.numpy(), corrected_scores.numpy())])

@@ -45,7 +45,8 @@ class CorrectorConfig:
     standardize: bool = False
     # optimizer updates of h per training step on the step's (rows, fresh g(y)) pairs (and the replay): the first
     # is the recipe's optimizer step, the other updates - 1 run right after it with h's own AdamW (lr above), from
-    # detached vectors, so they move h alone and the towers' gradients stay as they are. Not under DeepSpeed.
+    # detached vectors, so they move h alone and the towers' gradients stay as they are. Not under DeepSpeed. What
+    # these keys cost per step: docs/retriever_strategies.md, "The corrector beyond the paper".
     updates: int = 1
     # keep the last N steps' (rows, fresh g(y), query vectors), all detached, and add them to every update of h: the
     # loss is the mean over this step's pairs and theirs. No extra embedding: B[rows] is read again, g(y) reused.
