@@ -207,6 +207,7 @@ def scripted(recipe_toy_dir, tmp_path_factory) -> tuple[Path, dict]:
         return out, train_retriever(config(recipe_toy_dir, out, **SETTINGS))
 
 
+@pytest.mark.xdist_group("corrector_drift")  # one `scripted` run for both tests
 def test_scripted_drift_re_embeds_at_its_crossings_and_counts_them(scripted):
     out, metrics = scripted
     assert metrics["strategy_summary"]["refresh_steps"] == drift.REFRESH_STEPS
@@ -218,6 +219,7 @@ def test_scripted_drift_re_embeds_at_its_crossings_and_counts_them(scripted):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("corrector_drift")
 def test_killed_with_the_refresh_resumes_bit_for_bit(recipe_toy_dir, tmp_path, scripted, zygote):
     """SIGKILL after step 5 (the last checkpoint, step 4, holds the buffer re-embedded after step 3, a half-full
     window, the replay and h's own optimizer); the resumed run re-embeds after step 5 as the straight one did."""
