@@ -52,7 +52,8 @@ LAYERS = [
           "`step.py`: data order, the optimizer step and its fault guard; `run_corpus.py`: the corpus a run trained on, checked by export / evaluate / resume; "
           "`retriever.py`: Algorithm 1, with `batching/` (one module per large-batch option); `rlm.py`: Algorithm 2; "
           "`generative.py`; `lm_pretrain.py`; `warm_start.py`; `passages.py`; `trainable.py`; `memory.py`; "
-          "`summary.py`), `experiments.py`", "strategies, eval, generative"),
+          "`summary.py`; `curves.py`: the strategy's per-step values as a figure), `experiments.py`",
+          "strategies, eval, generative"),
     Layer("7 serving and analysis", ("rag_train.serving", "rag_train.analysis", "rag_train.reproduction"),
           "`serving/` (`embed_corpus.py`: a corpus embedded with a run's passage tower; `export.py`: "
           "sentence-transformers / FAISS / ONNX folders; `serve.py`: the HTTP search server), `analysis/` (read a "

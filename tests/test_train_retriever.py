@@ -15,7 +15,9 @@ import torch
 from rag_train.config import load_config
 from rag_train.models.retriever import DualEncoder
 from rag_train.strategies import REGISTRY
+from rag_train.strategies import corrector as corrector_module
 from rag_train.strategies.base import Strategy
+from rag_train.train.curves import STRATEGY_PLOT
 from rag_train.train.retriever import train_retriever
 from rag_train.train.schema import RetrieverTrainConfig
 from rag_train.launch import launch_command
@@ -72,9 +74,22 @@ def test_every_strategy_trains_and_writes_metrics(recipe_toy_dir, tmp_path, monk
         return loss, logged
 
     monkeypatch.setattr(Strategy, "task_loss", recording)
+    tracked, tracking = [], corrector_module.tracking_values
+
+    def tracking_recorded(*args):
+        values = tracking(*args)
+        tracked.append({key: value.item() for key, value in values.items()})
+        return values
+
+    monkeypatch.setattr(corrector_module, "tracking_values", tracking_recorded)
     cfg = config(recipe_toy_dir, tmp_path / "run", name)
     returned = train_retriever(cfg)
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    # the in-loop drift as curves (train.log_every=1: every step) and their figure
+    log = metrics["strategy_log"]
+    if name == "corrector":
+        assert log == {"step": list(range(1, STEPS + 1)), **{key: [t[key] for t in tracked] for key in tracked[0]}}
+    assert (tmp_path / "run" / STRATEGY_PLOT).is_file() == bool(log)
     assert set(metrics["recall"]) == {"1", "5", "10", "20", "100"}
     recall = [metrics["recall"][k] for k in ("1", "5", "10", "20", "100")]
     assert all(0 <= r <= 1 for r in recall) and recall == sorted(recall)

@@ -20,6 +20,7 @@ from rag_train.config import TinyModelConfig, load_config
 from rag_train.losses import perplexity_distillation
 from rag_train.models.retriever import DualEncoder
 from rag_train.launch import launch_command
+from rag_train.train.curves import STRATEGY_PLOT
 from conftest import read_by
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -118,6 +119,12 @@ def test_strategies_train_and_write_metrics(recipe_toy_dir, tmp_path, monkeypatc
     assert metrics["steps"] == STEPS and metrics["wall_seconds"] > 0 and metrics["strategy"] == name
     assert metrics["reembedded_passages"] == (300 * STEPS // 2 if name == "exhaustive" else 0)
     assert result["em"] == metrics["em"]
+    log = metrics["strategy_log"]  # the corrector's in-loop drift per logged step (every step), and its figure
+    if name == "corrector":
+        assert log["step"] == list(range(1, STEPS + 1))
+        assert {key: len(values) for key, values in log.items()} == dict.fromkeys(
+            ["step", "corrector/cos_stale", "corrector/cos_corrected", "corrector/subset_overlap@4"], STEPS)
+    assert (tmp_path / "run" / STRATEGY_PLOT).is_file() == bool(log)
     if name in ("corrector", "stale", "exhaustive"):  # retriever trained by PDist every step (gate = 1)
         assert len(calls) == STEPS
         assert all(scores_grad and not loglik_grad and shape == (4, TOP_K) for scores_grad, loglik_grad, shape in calls)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from rag_train.config import check_positive
@@ -31,10 +30,7 @@ class Exhaustive(Stale):
     def after_step(self, step: int) -> None:
         super().after_step(step)
         if step % self.cfg.refresh_every == 0:
-            start, end = self.row_offset, self.row_offset + len(self.vectors)
-            fresh = self.embed(np.arange(start, end))
-            self.vectors = fresh.to(self.vectors.device, self.vectors.dtype)
-            self.embedded += self.buffer.rows
+            self.reembed()
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return dict(super().state_tensors(), vectors=self.vectors)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+import numpy as np
+
 from rag_train.buffer.search import build_faiss_index
 from rag_train.buffer.store import Buffer
 from rag_train.strategies.base import IndexedConfig, IndexedStrategy, StrategyContext, read_rows, register
@@ -44,6 +46,14 @@ class Stale(IndexedStrategy):
         device = search_device(self.ctx)
         rows = self.buffer.tensor(start, end)
         self.vectors = rows.to(device, torch.float32 if device.type == "cpu" else rows.dtype)
+
+    def reembed(self) -> None:
+        """Exhaustive refresh: this process's rows of the buffer re-embedded with the current passage encoder (the
+        cost is split across processes); every row counts in `embedded`."""
+        start, end = self.row_offset, self.row_offset + len(self.vectors)
+        fresh = self.embed(np.arange(start, end))
+        self.vectors = fresh.to(self.vectors.device, self.vectors.dtype)
+        self.embedded += self.buffer.rows
 
     def stale_vectors(self, rows: torch.Tensor) -> torch.Tensor:
         """B[rows] for arbitrary global rows, fp32 (read from the memmapped buffer, not the local shard)."""

@@ -153,10 +153,8 @@ def train_retriever(cfg: RetrieverTrainConfig, final_eval: bool = True) -> dict:
             if out.aux is not None:
                 values["corrector_loss"] = out.aux.item()
             strategy_values = strategy.logged_values()
-            if strategy_values:  # checkpointed with the run's totals: a resumed run keeps the earlier steps
-                for key, value in {"step": step, **strategy_values}.items():
-                    run.totals.setdefault(f"strategy_log/{key}", []).append(value)
-                values.update(strategy_values)
+            run.record_strategy_values(step, strategy_values)
+            values.update(strategy_values)
             run.log(values, step)
             bar.set_postfix(loss=f"{values['loss']:.3f}")
         if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < cfg.train.steps:
@@ -190,7 +188,7 @@ def train_retriever(cfg: RetrieverTrainConfig, final_eval: bool = True) -> dict:
         "by_step": {k.removeprefix("by_step/"): v for k, v in run.totals.items() if k.startswith("by_step/")},
         "history": history,
         # per logged step (train.log_every): the strategy's own values, e.g. the corrector's tracking on its subset
-        "strategy_log": {k.removeprefix("strategy_log/"): v for k, v in run.totals.items() if k.startswith("strategy_log/")},
+        "strategy_log": run.strategy_log(),
     }
     run.log(flat_metrics({"step": step, **final}), step)
     run.write_metrics(metrics)

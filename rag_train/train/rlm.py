@@ -276,7 +276,10 @@ class RLMRecipe:
             bar.update(1)
             step = self.step
             if step % cfg.train.log_every == 0 or step == cfg.train.steps:
-                self.run.log({**logged, "embedded": self.strategy.embedded, "skipped_steps": guard.skipped}, step)
+                strategy_values = self.strategy.logged_values()
+                self.run.record_strategy_values(step, strategy_values)
+                self.run.log({**logged, **strategy_values, "embedded": self.strategy.embedded,
+                              "skipped_steps": guard.skipped}, step)
                 bar.set_postfix(reader=f"{logged['reader_loss']:.3f}", gate=int(self.gate.open))
             if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < cfg.train.steps:
                 eval_seconds += self.record_eval()
@@ -333,6 +336,9 @@ class RLMRecipe:
             "strategy": self.cfg.strategy.name,
             "history": self.history,
             "warm_start_retriever": self.warm_recall,
+            "strategy_summary": self.strategy.summary(),  # the strategy's own values (the refresh steps, ...)
+            # per logged step (train.log_every): the strategy's own values, e.g. the corrector's drift on its subset
+            "strategy_log": self.run.strategy_log(),
         }
         run.write_metrics(result)
         run.end()

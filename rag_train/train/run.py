@@ -26,6 +26,7 @@ from rag_train.io import (CorruptFileError, StorageError, atomic_write_json, err
 from rag_train.launch import make_accelerator
 from rag_train.train.run_dir import (CHECKPOINTS, CONFIG_FILE, CORPUS_RECORD, LOGS, RUN_OUTPUTS, claim_directory,
                                     remove_previous_run)
+from rag_train.train.curves import STRATEGY_PLOT, plot_strategy_log
 from rag_train.train.step import NonFiniteGuard
 from rag_train.train.trainable import check_deepspeed_config
 
@@ -302,12 +303,26 @@ class TrainingRun:
         if self.cfg.train.tracker:
             self.accelerator.log(values, step=step)
 
+    def record_strategy_values(self, step: int, values: dict[str, float]) -> None:
+        """The strategy's values at a logged step (`Strategy.logged_values`, e.g. the corrector's drift), kept for
+        metrics.json's `strategy_log`; checkpointed with the totals, so a resumed run keeps the earlier steps."""
+        if values:
+            for key, value in {"step": step, **values}.items():
+                self.totals.setdefault(f"strategy_log/{key}", []).append(value)
+
+    def strategy_log(self) -> dict[str, list]:
+        """{value: [one per logged step], "step": [...]}: the curves of `record_strategy_values`."""
+        return {k.removeprefix("strategy_log/"): v for k, v in self.totals.items() if k.startswith("strategy_log/")}
+
     def write_metrics(self, metrics: dict) -> None:
-        """metrics.json (atomically), the marker of a finished run. Adds the fault counters and the wall time to
-        `metrics` (in place, so the recipe returns what was written)."""
+        """metrics.json (atomically), the marker of a finished run, after the figure of its `strategy_log` (when the
+        strategy logged values). Adds the fault counters and the wall time to `metrics` (in place, so the recipe
+        returns what was written)."""
         metrics.update(self.guard.counts(), wall_seconds=round(time.time() - self.started, 2),
                        corpus_passes=self.passes.records)
         if self.accelerator.is_main_process:
+            if metrics.get("strategy_log"):
+                plot_strategy_log(metrics["strategy_log"], self.dir / STRATEGY_PLOT)
             atomic_write_json(self.dir / "metrics.json", metrics)
 
     def end(self) -> None:

@@ -16,7 +16,7 @@ CORPUS_RECORD = "corpus.json"  # rag_train.train.run_corpus.RECORD
 LOGS = "logs"  # tracker output (<run>/logs/<recipe>/): never inside a folder that a saved model replaces
 # What a run leaves in its directory: any of them marks it as a run (finished or partial) that a new run must
 # not write into without train.resume=true (continue it) or train.overwrite=true (replace it).
-RUN_OUTPUTS = (CONFIG_FILE, "metrics.json", CHECKPOINTS, "retriever", "reader", "predictions", "eval",
+RUN_OUTPUTS = (CONFIG_FILE, "metrics.json", CHECKPOINTS, "retriever", "reader", "predictions", "eval", "plots",
                "warm_start_retriever", "warm_start_reader")
 # Config keys a resumed run may change: they do not alter what is computed (where the run lives, bookkeeping,
 # evaluation cadence, and train.steps, which continues the same schedule: data order is a function of (seed, step);
