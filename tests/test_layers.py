@@ -59,7 +59,7 @@ LAYERS = [
           "sentence-transformers / FAISS / ONNX folders; `serve.py`: the HTTP search server), `analysis/` (read a "
           "finished run or run a whole experiment to explain a result: `diagnose_retriever`, `diagnose_rlm`, "
           "`probe_reader`, `generative_compare`, `synthetic` + `synthetic_report`), `reproduction/` (the paper "
-          "tables, `scripts/reproduce.py`)", "recipes"),
+          "tables, `scripts/reproduce.py`; `verdict.py`: the one rule that decides \"A beats B\", `scripts/verdict.py`)", "recipes"),
     Layer("8 command line", ("rag_train.cli", "rag_train.bench"),
           "`cli.py`: `parse_cli`, `exit_on_fault`, `run_recipe` and the exit statuses (2 bad input, 3 numerical "
           "stop, 4 dead or hung peer, 5 a write failed: no space left or read-only), the `rag-train` console script; "
