@@ -27,6 +27,7 @@ from rag_train.config import ConfigError
 from rag_train.io import StorageError
 from rag_train.train.retriever import train_retriever
 from test_faults import ROOT, assert_unfinished, config, env, results, weights
+from test_train_retriever import STEPS
 
 import torch
 
@@ -120,6 +121,60 @@ def test_resume_refuses_a_config_that_changes_the_computation(recipe_toy_dir, tm
     assert (out / "config.yaml").read_bytes() == saved
     metrics = train_retriever(config(recipe_toy_dir, out, **{"train.resume": "true", "train.log_every": 3,
                                                               "train.save_every": 3, "buffer.verify": "false"}))
+    same_as(out, metrics, finished)
+
+
+@pytest.mark.parametrize("schema, override, key", [
+    ("retriever", "eval.recall_at=[]", "eval.recall_at"), ("rlm", "eval.recall_at=[]", "eval.recall_at"),
+    ("generative", "eval.recall_at=[]", "eval.recall_at"), ("rlm", "eval.num_passages=-1", "eval.num_passages"),
+    ("generative", "data.toy=false", "data.dev")])
+def test_a_value_only_the_final_stage_reads_is_refused_before_any_work(schema, override, key, tmp_path):
+    """Values that the final evaluation or summary reads, which used to fail only after training (an empty
+    eval.recall_at: `max() arg is an empty sequence`, exit 1, nothing saved), are refused by the config check."""
+    from rag_train.config import load_config
+    from rag_train.generative.config import GenerativeConfig
+    from rag_train.train.schema import RLMConfig, RetrieverTrainConfig
+
+    schemas = {"retriever": RetrieverTrainConfig, "rlm": RLMConfig, "generative": GenerativeConfig}
+    data = [f"data.passages={tmp_path / 'p.jsonl'}", f"data.train={tmp_path / 't.jsonl'}"]
+    with pytest.raises(ConfigError, match=re.escape(key)):
+        load_config(schemas[schema], None, [override, *(data if override == "data.toy=false" else [])])
+
+
+def test_the_empty_recall_at_of_the_report_exits_2_before_training(recipe_toy_dir, tmp_path):
+    """The reported command: exit 2 naming the key, and no run directory."""
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, ROOT / "scripts" / "train_retriever.py", f"data.toy_dir={recipe_toy_dir}",
+                           "data.toy_passages=300", "train.steps=2", "train.eval_every=0", f"train.output_dir={out}",
+                           "eval.recall_at=[]"], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 2 and "error: eval.recall_at=[] is empty" in proc.stderr, proc.stderr[-3000:]
+    assert not out.exists()
+
+
+def test_a_run_whose_final_evaluation_failed_is_finished_by_resuming_with_eval_keys_changed(
+        recipe_toy_dir, tmp_path, finished, monkeypatch, capsys):
+    """The final evaluation fails after training (here: out of memory): the checkpoint of the last step is already
+    written, and train.resume=true with an eval.* key changed (they never change the trained weights) evaluates and
+    saves without training again, ending as the uninterrupted run."""
+    import rag_train.train.retriever as recipe
+
+    evaluate = recipe.evaluate_retrieval
+
+    def out_of_memory_at_the_end(*args, out_dir=None, **kwargs):
+        if out_dir is not None and out_dir.name == f"step-{STEPS}":
+            raise RuntimeError("CPU out of memory (a test fault)")
+        return evaluate(*args, out_dir=out_dir, **kwargs)
+
+    out = tmp_path / "run"
+    monkeypatch.setattr(recipe, "evaluate_retrieval", out_of_memory_at_the_end)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        train_retriever(config(recipe_toy_dir, out))
+    assert (out / "checkpoints" / f"step-{STEPS:08d}" / "checksums.json").is_file()
+    assert not (out / "metrics.json").exists() and not (out / "retriever").exists()
+    monkeypatch.setattr(recipe, "evaluate_retrieval", evaluate)
+    capsys.readouterr()
+    metrics = train_retriever(config(recipe_toy_dir, out, **{"train.resume": "true", "eval.fresh_rows": 500}))
+    assert f"resumed from {out / 'checkpoints' / f'step-{STEPS:08d}'} at step {STEPS}" in capsys.readouterr().out
     same_as(out, metrics, finished)
 
 
