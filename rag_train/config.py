@@ -302,7 +302,8 @@ class TrainConfig:
     eval_every: int = 0  # 0 = only at the end
     save_every: int = 0  # 0 = only at the end
     # continue the run in output_dir from its newest complete checkpoint (checksums verified); refused if the
-    # config changes the computation (only train.steps, eval / log / save cadence, tracker, timeouts may change)
+    # config changes the computation (only train.steps, eval / log / save cadence, tracker, timeouts and the eval.*
+    # keys may change). SIGTERM / SIGUSR1 stop a run after its current step with a checkpoint (exit status 6)
     resume: bool = False
     # replace a finished or partial run in output_dir (its config, checkpoints, metrics, saved models, logs and
     # warm-start stages are deleted first; its buffer is reused only if it matches). Without resume or overwrite,

@@ -132,22 +132,24 @@ class RunLock:
                     f"{self.subject} is in use: {_holder_text(_read_holder(self.path))} writes there (lock file "
                     f"{self.path}); wait for it to end, or choose another directory. Nothing was written.") from None
             try:
-                current = os.stat(self.path).st_ino
-            except FileNotFoundError:
-                current = None
-            if current == os.fstat(fd).st_ino:
-                break
+                previous = _holder(os.pread(fd, 4096, 0))
+                record = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "purpose": self.purpose,
+                                     "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}).encode()
+                with write_step(f"taking the lock of {self.subject}", self.path):
+                    os.pwrite(fd, record, 0)
+                    os.ftruncate(fd, len(record))
+                    os.fsync(fd)
+                if _same_file(fd, self.path):
+                    break
+            except BaseException:
+                os.close(fd)
+                raise
             os.close(fd)  # its holder removed the file between our open and our lock: lock the new one
-        previous = _read_holder(self.path)
         if previous and previous.get("pid") != os.getpid():
             same_host = previous.get("host") == socket.gethostname()
             print(f"warning: taking over the stale lock {self.path} of {_holder_text(previous)}, "
                   f"{'which is no longer running' if same_host else 'which no longer holds it'}",
                   file=sys.stderr, flush=True)
-        os.ftruncate(fd, 0)
-        os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "purpose": self.purpose,
-                                 "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}).encode())
-        os.fsync(fd)
         self.fd = fd
         return self
 
@@ -155,11 +157,8 @@ class RunLock:
         """Remove the lock file (while still holding it, so no other writer holds a removed file), then unlock."""
         if self.fd is None:
             return
-        try:
-            if os.stat(self.path).st_ino == os.fstat(self.fd).st_ino:
-                self.path.unlink()
-        except FileNotFoundError:
-            pass
+        if _same_file(self.fd, self.path):
+            self.path.unlink(missing_ok=True)
         os.close(self.fd)
         self.fd = None
 
@@ -170,10 +169,25 @@ class RunLock:
         self.release()
 
 
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        return os.stat(path).st_ino == os.fstat(fd).st_ino
+    except FileNotFoundError:
+        return False
+
+
 def _read_holder(path: Path) -> dict:
     try:
-        holder = json.loads(path.read_text() or "{}")
-    except (OSError, ValueError):
+        return _holder(path.read_bytes())
+    except OSError:
+        return {}
+
+
+def _holder(text: bytes) -> dict:
+    """The holder a lock file names; {} for an empty or unreadable one."""
+    try:
+        holder = json.loads(text or b"{}")
+    except ValueError:
         return {}
     return holder if isinstance(holder, dict) else {}
 
