@@ -214,6 +214,20 @@ def test_a_second_writer_is_refused_naming_the_holder_and_a_dead_holders_lock_is
     assert not (out / ".lock").exists()  # given back at the end
 
 
+def test_a_lock_this_process_left_behind_passes_to_its_next_writer(tmp_path):
+    """A run object never closed (a notebook, a test) does not lock its own process out; the later writer's lock
+    file is not removed by the earlier one."""
+    from rag_train.train.run_dir import RunLock
+
+    first = RunLock(tmp_path, "first").acquire()
+    second = RunLock(tmp_path, "second").acquire()
+    assert json.loads((tmp_path / ".lock").read_text())["purpose"] == "second"
+    first.release()
+    assert json.loads((tmp_path / ".lock").read_text())["purpose"] == "second"
+    second.release()
+    assert not (tmp_path / ".lock").exists()
+
+
 def test_export_and_evaluate_take_the_lock_of_what_they_write(tmp_path, finished):
     """An export into a folder another export is writing, and an evaluation of a run another process writes
     into, are refused naming the holder (exit 2 in the scripts), before anything is written."""

@@ -46,7 +46,8 @@ class Preempted(Exception):
 
 class StopSignal:
     """While a run trains, SIGTERM and SIGUSR1 only take note: the loop finishes its step, writes a checkpoint and
-    stops (`TrainingRun.stop_if_signalled`) instead of dying with up to `train.save_every` steps lost."""
+    stops (`TrainingRun.stop_if_signalled`) instead of dying with up to `train.save_every` steps lost. A second
+    one gets the signal's usual effect at once (a user who means it, or a run outside its training steps)."""
 
     def __init__(self) -> None:
         self.received: Optional[str] = None
@@ -56,6 +57,10 @@ class StopSignal:
                 self.previous[number] = signal.signal(number, self._note)
 
     def _note(self, number: int, frame: Any) -> None:
+        if self.received is not None:
+            self.restore()
+            signal.raise_signal(number)
+            return
         self.received = signal.Signals(number).name
 
     def restore(self) -> None:

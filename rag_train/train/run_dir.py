@@ -119,7 +119,11 @@ class RunLock:
         self.fd: Optional[int] = None
 
     def acquire(self) -> "RunLock":
-        """RunLockedError naming the holder when another process holds the lock."""
+        """RunLockedError naming the holder when another process holds the lock. A lock this process took for an
+        earlier writer it never closed (a run object left behind in a notebook or test) passes to this one."""
+        earlier = _HELD.get(self.path.resolve())
+        if earlier is not None:
+            earlier.release()
         while True:
             with write_step(f"taking the lock of {self.subject}", self.subject):  # a read-only folder: exit 5
                 self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -151,6 +155,7 @@ class RunLock:
                   f"{'which is no longer running' if same_host else 'which no longer holds it'}",
                   file=sys.stderr, flush=True)
         self.fd = fd
+        _HELD[self.path.resolve()] = self
         return self
 
     def release(self) -> None:
@@ -160,6 +165,8 @@ class RunLock:
         if _same_file(self.fd, self.path):
             self.path.unlink(missing_ok=True)
         os.close(self.fd)
+        if _HELD.get(self.path.resolve()) is self:
+            del _HELD[self.path.resolve()]
         self.fd = None
 
     def __enter__(self) -> "RunLock":
@@ -167,6 +174,9 @@ class RunLock:
 
     def __exit__(self, *exc: Any) -> None:
         self.release()
+
+
+_HELD: dict[Path, RunLock] = {}  # the locks this process holds, by lock file
 
 
 def _same_file(fd: int, path: Path) -> bool:
