@@ -814,7 +814,8 @@ class Matrix:
         root = self.root_of(cell_dir)
         root.mkdir()
         code = ("import sys, time; from pathlib import Path; from rag_train.train.run_dir import RunLock; "
-                "RunLock(Path(sys.argv[1]), 'the first writer').acquire(); print('locked', flush=True); time.sleep(600)")
+                "RunLock(Path(sys.argv[1]), 'the first writer').acquire(); print('locked', flush=True); "
+                "time.sleep(600)")
         holder = subprocess.Popen([sys.executable, "-c", code, str(root)], cwd=ROOT, text=True, stdout=subprocess.PIPE,
                                   env={**os.environ, "PYTHONPATH": str(ROOT)})
         try:

@@ -451,7 +451,7 @@ def test_a_killed_export_is_cleaned_up_and_saved_folders_get_the_usual_modes(tmp
                           text=True, timeout=240)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     left = sorted(p.name for p in out.parent.iterdir())
-    assert len(left) == 2 and left[0] == ".export.lock" and left[1].startswith(".export."), left  # the kill's lock, folder
+    assert len(left) == 2 and left[0] == ".export.lock" and left[1].startswith(".export."), left  # what the kill left
     export_retriever(run, out)
     assert [p.name for p in out.parent.iterdir()] == ["export"]
 

@@ -228,7 +228,8 @@ class TrainingRun:
             asked = self.accelerator.reduce(asked, reduction="sum")
         if not asked.item():
             return
-        path = self.saved if self.saved is not None and self.saved.name == f"step-{step:08d}" else self.save(step, extra)
+        just_saved = self.saved is not None and self.saved.name == f"step-{step:08d}"
+        path = self.saved if just_saved else self.save(step, extra)
         raise Preempted(f"stopped by {self.stop_signal.received or 'a stop signal sent to another process'} after "
                         f"step {step}: checkpoint {path} written; train.resume=true continues from it")
 

@@ -60,9 +60,9 @@ def claim_directory(cfg: Any, directory: Path) -> None:
 
 def check_resumed_config(cfg: Any, directory: Path) -> None:
     """ConfigError naming every key whose value differs from the run's saved config.yaml, unless it is in
-    RESUME_SAFE_KEYS / RESUME_SAFE_SECTIONS: a resumed run must compute what the uninterrupted one would have (an edited lr,
-    seed, batch size or shape is refused before config.yaml is rewritten). Keys the saved config does not
-    have (written by an older version) count as their defaults."""
+    RESUME_SAFE_KEYS / RESUME_SAFE_SECTIONS: a resumed run must compute what the uninterrupted one would have
+    (an edited lr, seed, batch size or shape is refused before config.yaml is rewritten). Keys the saved config
+    does not have (written by an older version) count as their defaults."""
     from omegaconf import OmegaConf
 
     saved_path = directory / CONFIG_FILE
