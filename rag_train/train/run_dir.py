@@ -136,7 +136,7 @@ class RunLock:
                     f"{self.subject} is in use: {_holder_text(_read_holder(self.path))} writes there (lock file "
                     f"{self.path}); wait for it to end, or choose another directory. Nothing was written.") from None
             try:
-                previous = _holder(os.pread(fd, 4096, 0))
+                previous = _read_holder(self.path)
                 record = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "purpose": self.purpose,
                                      "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}).encode()
                 with write_step(f"taking the lock of {self.subject}", self.path):
@@ -187,17 +187,10 @@ def _same_file(fd: int, path: Path) -> bool:
 
 
 def _read_holder(path: Path) -> dict:
-    try:
-        return _holder(path.read_bytes())
-    except OSError:
-        return {}
-
-
-def _holder(text: bytes) -> dict:
     """The holder a lock file names; {} for an empty or unreadable one."""
     try:
-        holder = json.loads(text or b"{}")
-    except ValueError:
+        holder = json.loads(path.read_bytes() or b"{}")
+    except (OSError, ValueError):
         return {}
     return holder if isinstance(holder, dict) else {}
 
