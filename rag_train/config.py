@@ -48,6 +48,15 @@ def check_positive(section: str, key: str, value: Any, allow_zero: bool = False)
         raise ConfigError(f"{section}.{key}={value!r} must be {'>= 0' if allow_zero else '> 0'}")
 
 
+def check_recall_at(section: str, ks: list[int]) -> None:
+    """The depths the final evaluation reports: checked here, since a bad one would only fail after training."""
+    if not ks:
+        raise ConfigError(f"{section}.recall_at=[] is empty: the final evaluation reports recall at these depths; "
+                          "give at least one, e.g. [1, 5, 10]")
+    for k in ks:
+        check_positive(section, "recall_at", k)
+
+
 def _field_default(spec: dataclasses.Field) -> Any:
     return spec.default_factory() if spec.default_factory is not dataclasses.MISSING else spec.default
 
@@ -296,7 +305,8 @@ class TrainConfig:
     # over training (scripts/diagnose_retriever.py --checkpoints)
     keep_checkpoints: int = 2
     # continue the run in output_dir from its newest complete checkpoint (checksums verified); refused if the
-    # config changes the computation (only train.steps, eval / log / save cadence, tracker, timeouts may change)
+    # config changes the computation (only train.steps, eval / log / save cadence, tracker, timeouts and the eval.*
+    # keys may change). SIGTERM / SIGUSR1 stop a run after its current step with a checkpoint (exit status 6)
     resume: bool = False
     # replace a finished or partial run in output_dir (its config, checkpoints, metrics, saved models, logs and
     # warm-start stages are deleted first; its buffer is reused only if it matches). Without resume or overwrite,
@@ -355,8 +365,8 @@ class EvalConfig:
     def __post_init__(self) -> None:
         check_positive("eval", "batch_size", self.batch_size)
         check_positive("eval", "fresh_rows", self.fresh_rows, allow_zero=True)
-        for k in self.recall_at:
-            check_positive("eval", "recall_at", k)
+        check_positive("eval", "num_passages", self.num_passages)
+        check_recall_at("eval", self.recall_at)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -15,7 +15,8 @@ At the chosen event (`at`: its index, or `site`: the first event of that site) t
     file) raises the SafetensorError it raises on a full disk;
   * `kill`: SIGKILLs the cell's whole process group once that file is open (or, for library writers, written);
   * `readonly`: (at every event) raises what a read-only filesystem gives (EROFS), for where a real read-only
-    folder cannot be made.
+    folder cannot be made;
+  * `term`: sends the writing process SIGTERM (a scheduler preempting it) and lets the write go on.
 """
 
 from __future__ import annotations
@@ -80,6 +81,9 @@ class Injector:
             self.fired = True
             with _REAL_OPEN(self.log + ".fired", "w") as handle:
                 handle.write(json.dumps({"index": index, "kind": kind, "site": site, "path": path}))
+            if self.mode == "term":
+                os.kill(os.getpid(), signal.SIGTERM)
+                return None
             return self.mode
         return None
 

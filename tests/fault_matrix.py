@@ -11,6 +11,9 @@ after torch has computed can hang, so the zygote computes nothing). Faults are i
     and the resume (rag_train/cli.py);
   * one line `error: ...` on stderr naming the path at fault (the file or folder being written, the damaged
     input), and no traceback;
+  * for the training entry points also: a SIGTERM while the first checkpoint is written (exit 6, one line naming
+    it, then the resume), the same command while another process holds the output folder's lock (2, naming the
+    holder) and a value only the final evaluation reads (`eval.recall_at=[]`: 2, naming the key, before any work);
   * nothing already written lost or left half-written: no temporary leftovers, every checksummed file (checkpoints,
     buffer shards, saved models, exports) intact; and the same command run again (resumed) after the fault
     finishes with the uninterrupted run's results (metrics, weights, buffer, export files).
@@ -533,6 +536,9 @@ QUICK_SITES = {
     "export": ["export/faiss.index"],
     "reproduce": ["report/reproduction.md"],
 }
+FAULT_KINDS = ("kill", "full", "readonly", "damaged", "writers")
+WRITER_FAULTS = ("SIGTERM (preemption), then resume", "second writer", "bad value of a final-stage key")
+TRAINING_ENTRIES = ("train_retriever", "train_rlm", "train_generative")  # also tried preempted and beside a writer
 QUICK_ENTRIES = tuple(QUICK_SITES)  # "reproduce (launching a run)" is full-only: one run is ~50 s
 
 
@@ -777,6 +783,69 @@ class Matrix:
             cell.problems.append(f"files lost or changed: {changed[:3]}" if changed else f"leftovers: {left[:3]}")
         return self._done(cell)
 
+    def preempted(self, entry: Entry) -> Cell:
+        """SIGTERM while the first checkpoint is written (after step 1, which it saves): exit 6 and one line naming
+        the checkpoint, nothing half-written; the resume equals the uninterrupted run."""
+        site = next(e["site"] for e in self.events[entry.name] if e["site"].startswith("checkpoints/step-N/"))
+        cell = Cell(entry.name, "SIGTERM (preemption), then resume", "the first checkpoint",
+                    "6, one line naming the checkpoint, then 0 and the uninterrupted result", detail=site)
+        cell_dir = self.new_cell_dir(entry.name, "sigterm")
+        root = self.root_of(cell_dir)
+        root.mkdir()
+        log = str(cell_dir / "events.log")
+        status, stderr, seconds = self.execute(cell_dir, entry.command(self, root),
+                                               {"root": str(root), "log": log, "mode": "term", "site": site})
+        cell.status, cell.seconds = status, seconds
+        lines = [line for line in stderr.splitlines() if line.startswith("stopped by SIGTERM after step ")]
+        cell.message = lines[-1] if lines else None
+        if status != 6 or not lines or str(root / "checkpoints") not in lines[-1] or "Traceback" in stderr:
+            cell.problems.append(f"exit {status}, stopped line {cell.message!r}: {stderr.strip().splitlines()[-1:]}")
+        cell.problems += integrity(root)
+        if not cell.problems:
+            self.resume_and_compare(entry, cell_dir, root, cell)
+        return self._done(cell)
+
+    def second_writer(self, entry: Entry) -> Cell:
+        """The same command while another process holds the output folder's lock: exit 2 naming the folder and
+        the holder, nothing written."""
+        cell = Cell(entry.name, "second writer", "the output folder, locked by a live process",
+                    "2, one line naming the folder and the holder")
+        cell_dir = self.new_cell_dir(entry.name, "second-writer")
+        root = self.root_of(cell_dir)
+        root.mkdir()
+        code = ("import sys, time; from pathlib import Path; from rag_train.train.run_dir import RunLock; "
+                "RunLock(Path(sys.argv[1]), 'the first writer').acquire(); print('locked', flush=True); "
+                "time.sleep(600)")
+        holder = subprocess.Popen([sys.executable, "-c", code, str(root)], cwd=ROOT, text=True, stdout=subprocess.PIPE,
+                                  env={**os.environ, "PYTHONPATH": str(ROOT)})
+        try:
+            holder.stdout.readline()
+            before = snapshot(root)
+            status, stderr, seconds = self.execute(cell_dir, entry.command(self, root))
+        finally:
+            holder.kill()
+            holder.wait()
+        cell.status, cell.seconds = status, seconds
+        self._failed_as(cell, status, 2, stderr, [str(root)], None)
+        if cell.message is not None and f"pid {holder.pid}" not in cell.message:
+            cell.problems.append("the message does not name the holder's pid")
+        if snapshot(root) != before:
+            cell.problems.append("something was written into the locked folder")
+        return self._done(cell)
+
+    def final_stage_key(self, entry: Entry) -> Cell:
+        """A value only the final evaluation reads (an empty eval.recall_at): exit 2 naming the key before any
+        work (it used to fail after training)."""
+        cell = Cell(entry.name, "bad value of a final-stage key", "eval.recall_at=[]", "2, one line naming the key")
+        cell_dir = self.new_cell_dir(entry.name, "final-stage-key")
+        root = self.root_of(cell_dir)
+        status, stderr, seconds = self.execute(cell_dir, entry.command(self, root, ("eval.recall_at=[]",)))
+        cell.status, cell.seconds = status, seconds
+        self._failed_as(cell, status, 2, stderr, ["eval.recall_at"], None)
+        if root.exists():
+            cell.problems.append(f"{root} was created")
+        return self._done(cell)
+
     def _failed_as(self, cell: Cell, status, expected: int, stderr: str, paths: list[str],
                    root: Optional[Path]) -> None:
         line, problems = error_line(stderr, ENTRIES[cell.entry].launches)
@@ -820,6 +889,10 @@ class Matrix:
                 self.read_only(entry)
             for kind in entry.damaged if "damaged" in kinds else []:
                 self.damaged(entry, kind)
+            if name in TRAINING_ENTRIES and "writers" in kinds:
+                self.preempted(entry)
+                self.second_writer(entry)
+                self.final_stage_key(entry)
         return self.cells
 
 
@@ -931,7 +1004,7 @@ def write_results(cells: list[Cell], quick_keys: set[str], seconds: float, quick
 
 
 def quick_key(cell: Cell) -> Optional[str]:
-    if cell.entry not in QUICK_ENTRIES:
+    if cell.entry not in QUICK_ENTRIES or cell.fault in WRITER_FAULTS:  # tests/test_run_safety.py, test_faults.py
         return None
     if cell.fault.startswith("disk full") and cell.where not in QUICK_SITES[cell.entry]:
         return None
@@ -944,8 +1017,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--full", action="store_true", help="every cell; writes docs/fault_matrix.json and the table")
     parser.add_argument("--quick", action="store_true", help="the CI subset (prints, writes nothing)")
     parser.add_argument("--only", nargs="+", choices=sorted(ENTRIES), help="these entry points only (nothing written)")
-    parser.add_argument("--faults", nargs="+", choices=["kill", "full", "readonly", "damaged"],
-                        default=["kill", "full", "readonly", "damaged"], help="these kinds of cell only")
+    parser.add_argument("--faults", nargs="+", choices=list(FAULT_KINDS), default=list(FAULT_KINDS),
+                        help="these kinds of cell only (writers: SIGTERM, a second writer, a bad final-stage key)")
     parser.add_argument("--work", type=Path, default=Path("/tmp/fault-matrix"))
     args = parser.parse_args(argv)
     if args.zygote:
@@ -961,14 +1034,15 @@ def main(argv: Optional[list[str]] = None) -> None:
     try:
         matrix = Matrix(args.work, toy, zyg, random.Random(SEED))
         entries = args.only or (list(QUICK_ENTRIES) if args.quick else list(ENTRIES))
-        cells = matrix.run(entries, quick=args.quick, kinds=tuple(args.faults))
+        kinds = tuple(kind for kind in args.faults if not (args.quick and kind == "writers"))  # CI: full-only cells
+        cells = matrix.run(entries, quick=args.quick, kinds=kinds)
     finally:
         zyg.close()
     seconds = time.monotonic() - started
     quick_keys = {k for k in map(quick_key, cells) if k}
     quick_seconds = sum(c.seconds for c in cells if c.key() in quick_keys)
     print(f"{sum(c.ok for c in cells)} of {len(cells)} cells as documented in {seconds:.0f} s")
-    if args.full and not args.only and len(args.faults) == 4:
+    if args.full and not args.only and len(args.faults) == len(FAULT_KINDS):
         write_results(cells, quick_keys, seconds, quick_seconds, args.work,
                       "python tests/fault_matrix.py --full")
         print(f"wrote {RESULTS} and the table in {DOC}")

@@ -9,6 +9,7 @@ docs/reliability.md.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -22,6 +23,7 @@ import pytest
 import torch
 
 from rag_train.buffer.store import BufferError
+from rag_train.cli import PREEMPTED_EXIT
 from rag_train.config import ConfigError, load_config
 from rag_train.data.errors import DataError
 from rag_train.io import CorruptFileError, StorageError
@@ -146,6 +148,36 @@ def test_killed_again_and_again_resumes_to_the_uninterrupted_run(recipe_toy_dir,
 
     metrics = train_retriever(config(recipe_toy_dir, out, **{"train.resume": "true"}))
     assert_same_run(out, metrics, reference)
+
+
+@pytest.mark.parametrize("signal_name, step", [("TERM", 3), ("USR1", 4)])
+def test_a_stop_signal_checkpoints_its_step_and_resumes_to_the_uninterrupted_run(recipe_toy_dir, tmp_path, reference,
+                                                                                  zygote, signal_name, step):
+    """SIGTERM after step 3 (between checkpoints: step 3 is saved) or SIGUSR1 after step 4 (just saved: not saved
+    again): the step finishes, one line says where its checkpoint is, the exit status is 6; the resume ends with
+    the uninterrupted run's metrics and bitwise weights."""
+    out = tmp_path / "run"
+    proc = faulty(zygote, recipe_toy_dir, out, f"signal:step:{step}:{signal_name}")
+    assert proc.returncode == PREEMPTED_EXIT, proc.stderr[-3000:]
+    checkpoint = out / "checkpoints" / f"step-{step:08d}"
+    assert f"\nstopped by SIG{signal_name} after step {step}: checkpoint {checkpoint} written; train.resume=true " \
+           "continues from it\n" in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and (checkpoint / "checksums.json").is_file()
+    assert sorted(p.name for p in checkpoint.parent.glob("step-*")) == ["step-00000002", checkpoint.name]
+    assert_unfinished(out)
+    metrics = train_retriever(config(recipe_toy_dir, out, **{"train.resume": "true"}))
+    assert_same_run(out, metrics, reference)
+
+
+def test_a_second_stop_signal_has_its_usual_effect():
+    """The first SIGTERM is noted for the loop; a second one ends the process as SIGTERM does (a user who means
+    it, or a process whose run is past its training steps)."""
+    code = ("import os, signal; from rag_train.train.run import StopSignal; stop = StopSignal(); "
+            "os.kill(os.getpid(), signal.SIGTERM); print(stop.received, flush=True); "
+            "os.kill(os.getpid(), signal.SIGTERM); print('still running', flush=True)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env(), capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == -signal.SIGTERM and proc.stdout == "SIGTERM\n", (proc.returncode, proc.stderr[-3000:])
 
 
 KILL_POINTS = ([f"kill:step:{k}" for k in range(1, STEPS + 1)] + ["kill:buffer"]
@@ -577,3 +609,57 @@ def test_processes_that_disagree_stop_before_training(recipe_toy_dir, tmp_path, 
     assert f"error: processes disagree on the {what} (rank(s) [1] differ from rank 0" in proc.stderr, proc.stderr[-3000:]
     assert not (tmp_path / "run" / "buffer").exists()
     assert_unfinished(tmp_path / "run")
+
+
+@pytest.mark.slow
+def test_a_stop_signal_to_one_of_two_processes_stops_both_after_its_step_and_resumes(recipe_toy_dir, tmp_path):
+    """SIGTERM to rank 1 only, after step 3: both ranks stop after step 3 (the signal is agreed on each step), the
+    checkpoint of step 3 is written, each rank exits 6; the resumed two-process run ends bitwise as the
+    uninterrupted two-process run."""
+    straight = tmp_path / "straight"
+    proc = two_processes(recipe_toy_dir, straight, "")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = tmp_path / "run"
+    proc = two_processes(recipe_toy_dir, out, "signal:step:3:TERM", rank=1)
+    assert proc.returncode != 0, proc.stderr[-3000:]
+    checkpoint = out / "checkpoints" / "step-00000003"
+    assert f"[rank 1] stopped by SIGTERM after step 3: checkpoint {checkpoint} written" in proc.stderr
+    assert (f"[rank 0] stopped by a stop signal sent to another process after step 3: checkpoint {checkpoint} written"
+            in proc.stderr), proc.stderr[-3000:]
+    assert "exitcode  : 6" in proc.stderr.split("Root Cause (first observed failure):")[1], proc.stderr[-3000:]
+    assert (checkpoint / "checksums.json").is_file()
+    assert_unfinished(out)
+    proc = two_processes(recipe_toy_dir, out, "", **{"train.resume": "true"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed from" in proc.stdout + proc.stderr
+    assert_same_run(out, json.loads((out / "metrics.json").read_text()),
+                    (straight, json.loads((straight / "metrics.json").read_text())))
+
+
+@pytest.mark.slow
+def test_two_processes_into_a_locked_run_directory_both_stop_naming_the_holder(recipe_toy_dir, tmp_path):
+    """The main process takes the lock and tells the other: both ranks stop with exit 2 before writing."""
+    out = tmp_path / "run"
+    with hold_lock(out) as holder:
+        proc = two_processes(recipe_toy_dir, out, "")
+    assert proc.returncode != 0, proc.stderr[-3000:]
+    for rank in (0, 1):
+        assert f"[rank {rank}] error: {out} is in use: pid {holder}" in proc.stderr, proc.stderr[-3000:]
+    assert "exitcode  : 2" in proc.stderr.split("Root Cause (first observed failure):")[1], proc.stderr[-3000:]
+    assert [p.name for p in out.iterdir()] == [".lock"]  # the holder's: nothing was written beside it
+
+
+@contextlib.contextmanager
+def hold_lock(directory: Path, beside: bool = False):
+    """Another process holding `directory`'s lock (a writer there) while the block runs; yields its pid."""
+    code = ("import sys, time; from pathlib import Path; from rag_train.train.run_dir import RunLock; "
+            f"RunLock(Path(sys.argv[1]), 'a test writer', beside={beside}).acquire(); print('locked', flush=True); "
+            "time.sleep(600)")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(directory)], cwd=ROOT, env=env(), text=True,
+                            stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout.readline() == "locked\n"
+        yield proc.pid
+    finally:
+        proc.kill()
+        proc.wait()

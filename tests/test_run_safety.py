@@ -25,8 +25,10 @@ import pytest
 from rag_train.buffer.store import BufferError
 from rag_train.config import ConfigError
 from rag_train.io import StorageError
+from rag_train.train.run_dir import RunLockedError
 from rag_train.train.retriever import train_retriever
-from test_faults import ROOT, assert_unfinished, config, env, results, weights
+from test_faults import EXTRA, ROOT, assert_unfinished, config, env, results, weights
+from test_train_retriever import CONFIG, STEPS, overrides
 
 import torch
 
@@ -121,6 +123,131 @@ def test_resume_refuses_a_config_that_changes_the_computation(recipe_toy_dir, tm
     metrics = train_retriever(config(recipe_toy_dir, out, **{"train.resume": "true", "train.log_every": 3,
                                                               "train.save_every": 3, "buffer.verify": "false"}))
     same_as(out, metrics, finished)
+
+
+@pytest.mark.parametrize("schema, override, key", [
+    ("retriever", "eval.recall_at=[]", "eval.recall_at"), ("rlm", "eval.recall_at=[]", "eval.recall_at"),
+    ("generative", "eval.recall_at=[]", "eval.recall_at"), ("rlm", "eval.num_passages=-1", "eval.num_passages"),
+    ("generative", "data.toy=false", "data.dev")])
+def test_a_value_only_the_final_stage_reads_is_refused_before_any_work(schema, override, key, tmp_path):
+    """Values that the final evaluation or summary reads, which used to fail only after training (an empty
+    eval.recall_at: `max() arg is an empty sequence`, exit 1, nothing saved), are refused by the config check."""
+    from rag_train.config import load_config
+    from rag_train.generative.config import GenerativeConfig
+    from rag_train.train.schema import RLMConfig, RetrieverTrainConfig
+
+    schemas = {"retriever": RetrieverTrainConfig, "rlm": RLMConfig, "generative": GenerativeConfig}
+    data = [f"data.passages={tmp_path / 'p.jsonl'}", f"data.train={tmp_path / 't.jsonl'}"]
+    with pytest.raises(ConfigError, match=re.escape(key)):
+        load_config(schemas[schema], None, [override, *(data if override == "data.toy=false" else [])])
+
+
+def test_the_empty_recall_at_of_the_report_exits_2_before_training(recipe_toy_dir, tmp_path):
+    """The reported command: exit 2 naming the key, and no run directory."""
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, ROOT / "scripts" / "train_retriever.py", f"data.toy_dir={recipe_toy_dir}",
+                           "data.toy_passages=300", "train.steps=2", "train.eval_every=0", f"train.output_dir={out}",
+                           "eval.recall_at=[]"], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 2 and "error: eval.recall_at=[] is empty" in proc.stderr, proc.stderr[-3000:]
+    assert not out.exists()
+
+
+def test_a_run_whose_final_evaluation_failed_is_finished_by_resuming_with_eval_keys_changed(
+        recipe_toy_dir, tmp_path, finished, monkeypatch, capsys):
+    """The final evaluation fails after training (here: out of memory): the checkpoint of the last step is already
+    written, and train.resume=true with an eval.* key changed (they never change the trained weights) evaluates and
+    saves without training again, ending as the uninterrupted run."""
+    import rag_train.train.retriever as recipe
+
+    evaluate = recipe.evaluate_retrieval
+
+    def out_of_memory_at_the_end(*args, out_dir=None, **kwargs):
+        if out_dir is not None and out_dir.name == f"step-{STEPS}":
+            raise RuntimeError("CPU out of memory (a test fault)")
+        return evaluate(*args, out_dir=out_dir, **kwargs)
+
+    out = tmp_path / "run"
+    monkeypatch.setattr(recipe, "evaluate_retrieval", out_of_memory_at_the_end)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        train_retriever(config(recipe_toy_dir, out))
+    assert (out / "checkpoints" / f"step-{STEPS:08d}" / "checksums.json").is_file()
+    assert not (out / "metrics.json").exists() and not (out / "retriever").exists()
+    monkeypatch.setattr(recipe, "evaluate_retrieval", evaluate)
+    capsys.readouterr()
+    metrics = train_retriever(config(recipe_toy_dir, out, **{"train.resume": "true", "eval.fresh_rows": 500}))
+    assert f"resumed from {out / 'checkpoints' / f'step-{STEPS:08d}'} at step {STEPS}" in capsys.readouterr().out
+    same_as(out, metrics, finished)
+
+
+def test_a_second_writer_is_refused_naming_the_holder_and_a_dead_holders_lock_is_taken_over(
+        recipe_toy_dir, tmp_path, finished, capsys):
+    """While a run trains (here: hung after step 1), the same command with train.resume=true (a scheduler's retry)
+    or train.overwrite=true is refused naming the holder's pid and host, and nothing is written; once the holder
+    is dead its lock is taken over with a warning and the resume ends as the uninterrupted run."""
+    import socket
+
+    out = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, ROOT / "tests" / "dist" / "train_faulty.py", "--config", CONFIG,
+                               *overrides(recipe_toy_dir, out, "corrector", **EXTRA)],
+                              cwd=ROOT, env=env(FAULT="hang:step:1"), text=True, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        for line in holder.stderr:
+            if "hanging after step 1" in line:
+                break
+        else:
+            pytest.fail(f"the holder ended ({holder.wait()}) before step 1")
+        before = snapshot(out)
+        for flag in ("resume", "overwrite"):
+            with pytest.raises(RunLockedError, match=re.escape(f"{out} is in use: pid {holder.pid} on host "
+                                                               f"{socket.gethostname()} (training (retriever)")):
+                train_retriever(config(recipe_toy_dir, out, **{f"train.{flag}": "true"}))
+            assert snapshot(out) == before
+    finally:
+        os.killpg(holder.pid, signal.SIGKILL)
+        holder.wait()
+    capsys.readouterr()
+    metrics = train_retriever(config(recipe_toy_dir, out, **{"train.resume": "true"}))
+    assert (f"warning: taking over the stale lock {out / '.lock'} of pid {holder.pid} on host {socket.gethostname()}"
+            in capsys.readouterr().err)
+    same_as(out, metrics, finished)
+    assert not (out / ".lock").exists()  # given back at the end
+
+
+def test_a_lock_this_process_left_behind_passes_to_its_next_writer(tmp_path):
+    """A run object never closed (a notebook, a test) does not lock its own process out; the later writer's lock
+    file is not removed by the earlier one."""
+    from rag_train.train.run_dir import RunLock
+
+    first = RunLock(tmp_path, "first").acquire()
+    second = RunLock(tmp_path, "second").acquire()
+    assert json.loads((tmp_path / ".lock").read_text())["purpose"] == "second"
+    first.release()
+    assert json.loads((tmp_path / ".lock").read_text())["purpose"] == "second"
+    second.release()
+    assert not (tmp_path / ".lock").exists()
+
+
+def test_export_and_evaluate_take_the_lock_of_what_they_write(tmp_path, finished):
+    """An export into a folder another export is writing, and an evaluation of a run another process writes
+    into, are refused naming the holder (exit 2 in the scripts), before anything is written."""
+    from rag_train.serving.export import export_retriever
+    from rag_train.train.evaluate_run import main as evaluate
+    from test_faults import hold_lock
+
+    out = tmp_path / "export"
+    with hold_lock(out, beside=True) as pid:
+        with pytest.raises(RunLockedError, match=re.escape(f"{out} is in use: pid {pid} on host")):
+            export_retriever(finished[0], out)
+    assert not out.exists()
+    run = tmp_path / "run"  # an RLM run as far as evaluate looks before taking the lock
+    for folder in ("retriever", "reader"):
+        (run / folder).mkdir(parents=True)
+    (run / "config.yaml").write_text(f"train:\n  output_dir: {run}\n")
+    with hold_lock(run) as pid:
+        with pytest.raises(RunLockedError, match=re.escape(f"{run} is in use: pid {pid} on host")):
+            evaluate(["--run", str(run)])
+    assert sorted(p.name for p in run.iterdir()) == [".lock", "config.yaml", "reader", "retriever"]
 
 
 def test_resuming_keeps_the_evaluation_history(recipe_toy_dir, tmp_path, finished):
@@ -323,8 +450,8 @@ def test_a_killed_export_is_cleaned_up_and_saved_folders_get_the_usual_modes(tmp
     proc = subprocess.run([sys.executable, "-c", killer, str(run), str(out)], env=env(), capture_output=True,
                           text=True, timeout=240)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
-    left = [p.name for p in out.parent.iterdir()]
-    assert len(left) == 1 and left[0].startswith(".export."), left  # what the kill left
+    left = sorted(p.name for p in out.parent.iterdir())
+    assert len(left) == 2 and left[0] == ".export.lock" and left[1].startswith(".export."), left  # what the kill left
     export_retriever(run, out)
     assert [p.name for p in out.parent.iterdir()] == ["export"]
 

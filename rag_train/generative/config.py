@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from rag_train.config import ConfigError, DataConfig, TinyModelConfig, TrainConfig, check_choice, check_positive
+from rag_train.config import (ConfigError, DataConfig, TinyModelConfig, TrainConfig, check_choice, check_positive,
+                              check_recall_at)
 
 VARIANTS = ("base", "async", "contra")
 
@@ -88,8 +89,7 @@ class GenerativeEvalConfig:
     def __post_init__(self) -> None:
         check_positive("eval", "num_beams", self.num_beams)
         check_positive("eval", "batch_size", self.batch_size)
-        for k in self.recall_at:
-            check_positive("eval", "recall_at", k)
+        check_recall_at("eval", self.recall_at)
         if max(self.recall_at, default=0) > self.num_beams:
             raise ConfigError(f"eval.recall_at={self.recall_at} asks for more targets than eval.num_beams="
                               f"{self.num_beams} beams return")
@@ -109,5 +109,7 @@ class GenerativeConfig:
 
     def __post_init__(self) -> None:
         check_choice("", "optimizer", self.optimizer, ("adafactor", "adamw"))
+        if not self.data.toy and not self.data.dev:  # the final evaluation reports on the first dev set
+            raise ConfigError("data.toy=false needs data.dev: the final evaluation ranks at least one dev set")
         if not self.np.enabled and (self.np.variant != "base" or self.np.contrastive_steps):
             raise ConfigError(f"np.variant={self.np.variant!r} needs np.enabled=true (vanilla decoding has no CE)")

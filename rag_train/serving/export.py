@@ -33,6 +33,7 @@ from rag_train.io import (CorruptFileError, atomic_directory, atomic_open, atomi
                           folder_checksums, read_json, state_bytes, verify_checksums)
 from rag_train.models.retriever import META_FILE, DualEncoder
 from rag_train.train.run_corpus import check_run_corpus, recorded_corpus
+from rag_train.train.run_dir import RunLock
 
 EXPORT_FORMAT_VERSION = 1
 MANIFEST = "export.json"
@@ -255,6 +256,12 @@ def export_retriever(run_dir: str | Path, out_dir: str | Path, faiss_factory: Op
                      nprobe: int = 32, batch_size: int = 256, overwrite: bool = False) -> dict:
     """Export the run's retriever to `out_dir`; returns the manifest (also written as export.json)."""
     run_dir, out_dir = Path(run_dir), Path(out_dir)
+    with RunLock(out_dir, "export", beside=True):  # one writer per export folder
+        return _export(run_dir, out_dir, faiss_factory, onnx, corpus, copy_corpus, nprobe, batch_size, overwrite)
+
+
+def _export(run_dir: Path, out_dir: Path, faiss_factory: Optional[str], onnx: bool, corpus: Optional[str],
+            copy_corpus: bool, nprobe: int, batch_size: int, overwrite: bool) -> dict:
     config, metrics = _load_run(run_dir)
     if out_dir.exists() and any(out_dir.iterdir()) and not (overwrite and (out_dir / MANIFEST).is_file()):
         raise ExportError(f"{out_dir}: exists and is not empty" + ("" if overwrite else "; pass --overwrite to "

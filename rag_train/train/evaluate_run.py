@@ -27,6 +27,7 @@ from rag_train.models.retriever import DualEncoder
 from rag_train.data.tokenizer import load_tokenizer
 from rag_train.data.toy import TOY_DEV_SETS, TOY_TRAIN_SETS
 from rag_train.train.run_corpus import check_run_corpus
+from rag_train.train.run_dir import lock_run_directory
 from rag_train.strategies import strategy_class
 from rag_train.train.rlm import write_predictions
 from rag_train.train.schema import RLMConfig
@@ -47,6 +48,16 @@ def main(argv: Optional[list[str]] = None) -> None:
         raise DataError(f"{run} is not a finished RLM run: missing {', '.join(missing)}")
     cfg = load_config(RLMConfig, run / "config.yaml")
     accelerator = make_accelerator()
+    lock = lock_run_directory(run, "evaluation", accelerator)  # it writes <run>/eval/: no training may write beside it
+    try:
+        evaluate_run(run, cfg, args, accelerator)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def evaluate_run(run: Path, cfg: RLMConfig, args: argparse.Namespace, accelerator) -> None:
+    """The evaluation itself, under the run's lock."""
     files = resolve_data(cfg.data, accelerator, TOY_TRAIN_SETS, TOY_DEV_SETS)
     corpus = Corpus.open(files.passages)
     # the corpus the retriever was trained (and its buffer built) on, not another toy world

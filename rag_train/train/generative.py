@@ -212,11 +212,12 @@ def train_generative(cfg: GenerativeConfig) -> dict:
             run.log(flat_metrics(history[-1]), step)
         if cfg.train.save_every and step % cfg.train.save_every == 0 and step < total:
             run.save(step, extra=save_pointer)
+        run.stop_if_signalled(step, extra=save_pointer)
     bar.close()
     train_seconds = time.time() - started
 
+    run.save(step, extra=save_pointer)  # first: a final evaluation that fails is redone by resuming from here
     final = evaluate()
-    run.save(step, extra=save_pointer)
     if acc.is_main_process:
         save_pretrained_atomic(run.dir / "generator", generator, tokenizer)
         save_pointer(run.dir / "generator")

@@ -161,11 +161,12 @@ def train_retriever(cfg: RetrieverTrainConfig, final_eval: bool = True) -> dict:
             eval_seconds += record_eval()
         if cfg.train.save_every and step % cfg.train.save_every == 0 and step < cfg.train.steps:
             run.save(step, extra=save_state)
+        run.stop_if_signalled(step, extra=save_state)
     bar.close()
     train_seconds = time.time() - started - eval_seconds  # training steps only: evaluations left out
 
+    run.save(step, extra=save_state)  # first: a final evaluation that fails is redone by resuming from here
     final = evaluate(final=True) if final_eval else {}
-    run.save(step, extra=save_state)
     save_parts(acc, trainable, {"retriever": lambda m: m.save(run.dir / "retriever")})
     main_set = next(iter(final.values()), {})
     metrics = {

@@ -285,6 +285,7 @@ class RLMRecipe:
                 eval_seconds += self.record_eval()
             if cfg.train.save_every and step % cfg.train.save_every == 0 and step < cfg.train.steps:
                 self.run.save(step, extra=self.strategy.save)
+            self.run.stop_if_signalled(step, extra=self.strategy.save)
         bar.close()
         self.train_seconds = time.time() - started - eval_seconds  # training steps only: evaluations left out
 

@@ -10,6 +10,8 @@ import functools
 import hashlib
 import os
 import shutil
+import signal
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,7 +27,7 @@ from rag_train.io import (CorruptFileError, StorageError, atomic_write_json, err
                           tree_size, usual_modes, verify_checksums, write_fault, write_step)
 from rag_train.launch import make_accelerator
 from rag_train.train.run_dir import (CHECKPOINTS, CONFIG_FILE, CORPUS_RECORD, LOGS, RUN_OUTPUTS, claim_directory,
-                                    remove_previous_run)
+                                    lock_run_directory, remove_previous_run)
 from rag_train.train.curves import STRATEGY_PLOT, plot_strategy_log
 from rag_train.train.step import NonFiniteGuard
 from rag_train.train.trainable import check_deepspeed_config
@@ -34,6 +36,39 @@ LATEST = "latest.json"  # informative pointer; the newest complete step-* folder
 STEP_FILE = "step.json"
 CHECKSUMS = "checksums.json"  # sha256 + size of every other file of a checkpoint, written last
 TRAINER_STATE = "trainer_state.json"  # fault counters (NonFiniteGuard) and the evaluation history
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # what schedulers and spot instances send before a kill
+
+
+class Preempted(Exception):
+    """The run stopped on a stop signal after a step, with a checkpoint of it (the entry scripts' exit status 6)."""
+
+
+class StopSignal:
+    """While a run trains, SIGTERM and SIGUSR1 only take note: the loop finishes its step, writes a checkpoint and
+    stops (`TrainingRun.stop_if_signalled`) instead of dying with up to `train.save_every` steps lost. A second
+    one gets the signal's usual effect at once (a user who means it, or a run outside its training steps)."""
+
+    def __init__(self) -> None:
+        self.received: Optional[str] = None
+        self.previous: dict = {}
+        if threading.current_thread() is threading.main_thread():  # handlers can only be set there
+            for number in STOP_SIGNALS:
+                self.previous[number] = signal.signal(number, self._note)
+
+    def _note(self, number: int, frame: Any) -> None:
+        if self.received is not None:
+            self.restore()
+            signal.raise_signal(number)
+            return
+        self.received = signal.Signals(number).name
+
+    def restore(self) -> None:
+        for number, handler in self.previous.items():
+            if handler is not None:  # None: a handler set outside Python, which cannot be put back
+                signal.signal(number, handler)
+        self.previous = {}
 
 
 class TrainingRun:
@@ -65,6 +100,10 @@ class TrainingRun:
         # what was there before this run, so that a run stopped by bad input can take back what it wrote (`release`)
         self.fresh = cfg.train.overwrite or not any((self.dir / name).exists() for name in RUN_OUTPUTS)
         self.made = {name: not (self.dir / name).exists() for name in (".", LOGS, CORPUS_RECORD)}
+        self.accelerator.wait_for_everyone()  # every process has looked before the lock may create the directory
+        self.lock = lock_run_directory(self.dir, f"training ({project})", self.accelerator)
+        self.stop_signal = StopSignal()
+        self.saved: Optional[Path] = None  # the checkpoint this process last wrote
         _OPENED.append(self)
         self.accelerator.wait_for_everyone()
         if self.accelerator.is_main_process:
@@ -83,6 +122,7 @@ class TrainingRun:
         and wrote nothing worth keeping (its only run output is the config.yaml it wrote) takes back config.yaml,
         corpus.json and logs/, and the directory if it made it, so the corrected command runs in the same folder
         instead of being refused as another run. Anything else (a buffer, checkpoints, warm starts) is kept."""
+        self.close()
         if not self.fresh or not self.accelerator.is_main_process or not self.dir.is_dir():
             return
         if [name for name in RUN_OUTPUTS if (self.dir / name).exists()] != [CONFIG_FILE]:
@@ -181,6 +221,19 @@ class TrainingRun:
             shutil.rmtree(tmp, ignore_errors=True)
         remove_stale_temporaries(self.dir, recursive=True)  # e.g. `.latest.json.*.tmp` of a write a kill interrupted
 
+    def stop_if_signalled(self, step: int, extra: Optional[Callable[[Path], None]] = None) -> None:
+        """After each training step: did any process get a stop signal? (One small all-reduce, so every process
+        stops after the same step.) If so, checkpoint this step (unless it was just saved) and raise Preempted."""
+        asked = torch.tensor([float(self.stop_signal.received is not None)], device=self.accelerator.device)
+        if self.accelerator.num_processes > 1:
+            asked = self.accelerator.reduce(asked, reduction="sum")
+        if not asked.item():
+            return
+        just_saved = self.saved is not None and self.saved.name == f"step-{step:08d}"
+        path = self.saved if just_saved else self.save(step, extra)
+        raise Preempted(f"stopped by {self.stop_signal.received or 'a stop signal sent to another process'} after "
+                        f"step {step}: checkpoint {path} written; train.resume=true continues from it")
+
     def checkpoints(self) -> list[Path]:
         """Finished checkpoints, oldest first. A folder only gets its `step-*` name once complete (it is
         written as `.tmp-step-*` and renamed), so the names alone are enough: `latest.json` is informative."""
@@ -228,6 +281,7 @@ class TrainingRun:
             for stale in self.checkpoints()[:-keep] if keep else []:
                 shutil.rmtree(stale, ignore_errors=True)
         self.accelerator.wait_for_everyone()
+        self.saved = final
         return final
 
     @contextmanager
@@ -326,10 +380,18 @@ class TrainingRun:
             atomic_write_json(self.dir / "metrics.json", metrics)
 
     def end(self) -> None:
-        """Finish the trackers. Not `accelerator.end_training()`: that also destroys the process group, and a
-        recipe may run inside another (the RLM's retriever warm start); entry scripts destroy it at exit."""
+        """Finish the trackers and give the directory back (`close`). Not `accelerator.end_training()`: that also
+        destroys the process group, and a recipe may run inside another (the RLM's retriever warm start); entry
+        scripts destroy it at exit."""
         for tracker in self.accelerator.trackers:
             tracker.finish()
+        self.close()
+
+    def close(self) -> None:
+        """Release the directory's lock and the stop signals; safe to call again."""
+        self.stop_signal.restore()
+        if self.lock is not None:
+            self.lock.release()
 
 
 def drop_tied_aliases(models: list, weights: list[dict], output_dir: str) -> None:
@@ -368,6 +430,8 @@ def releases_on_input_fault(recipe: Callable) -> Callable:
                     run.release()
             raise
         finally:
+            for run in reversed(_OPENED[mark:]):
+                run.close()
             del _OPENED[mark:]
 
     return wrapped

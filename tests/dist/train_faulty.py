@@ -7,6 +7,7 @@
     FAULT="kill:after_rename:K"  SIGKILL after the checkpoint of step K was renamed into place, before the
                                  `latest.json` pointer moved
     FAULT="hang:step:K"          sleep forever right after optimizer step K (a hung process)
+    FAULT="signal:step:K:NAME"   send this process signal NAME (TERM, USR1) right after optimizer step K (preemption)
     FAULT="fingerprint"          this process reports another corpus fingerprint (a different corpus file)
     FAULT="override:KEY=VALUE"   this process gets one more config override (a different config)
     FAULT_RANK=R                 inject only on rank R (default: every rank)
@@ -15,6 +16,7 @@ usage: [accelerate launch ...] python train_faulty.py --config FILE key=value ..
 """
 
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -34,7 +36,18 @@ rank = int(os.environ.get("RANK", "0"))
 targeted = os.environ.get("FAULT_RANK") in (None, str(rank))
 
 
-if targeted and fault[0] in ("kill", "hang"):
+if targeted and fault[0] == "signal":
+    step_once, done = retriever.optimizer_step, [0]
+
+    def step_then_signal(*args, **kwargs):
+        stepped = step_once(*args, **kwargs)
+        done[0] += 1
+        if done[0] == int(fault[2]):
+            os.kill(os.getpid(), getattr(signal, f"SIG{fault[3]}"))
+        return stepped
+
+    retriever.optimizer_step = step_then_signal
+elif targeted and fault[0] in ("kill", "hang"):
     where = fault[1]
     at = int(fault[2]) if len(fault) > 2 else None
     if where == "buffer":
@@ -79,7 +92,7 @@ elif targeted and fault[0] == "fingerprint":
     corpus_module.Corpus.fingerprint = property(lambda self: "0" * 64)
 elif targeted and fault[0] == "override":
     sys.argv.append(os.environ["FAULT"].split(":", 1)[1])
-elif fault[0] not in ("", "kill", "hang", "fingerprint", "override"):
+elif fault[0] not in ("", "kill", "hang", "signal", "fingerprint", "override"):
     raise SystemExit(f"unknown FAULT {os.environ['FAULT']!r}")
 
 if __name__ == "__main__":
