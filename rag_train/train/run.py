@@ -389,10 +389,12 @@ def _flat_config(cfg: Any) -> dict[str, Any]:
 
 
 def save_pretrained_atomic(directory: Path, *objects: Any) -> None:
-    """`save_pretrained` of each object (model, tokenizer) into one folder, written beside and swapped in."""
-    from rag_train.io import atomic_directory, state_bytes
+    """`save_pretrained` of each object (model, tokenizer) into one folder, written beside and swapped in, with the
+    checksums of its files (`checksums.json`), which every loader checks (`verify_model_files`)."""
+    from rag_train.io import atomic_directory, record_model_files, state_bytes
 
     needed = state_bytes(*(obj for obj in objects if isinstance(obj, torch.nn.Module))) + 2**20
     with atomic_directory(directory, "saving", needed=needed) as tmp:
         for obj in objects:
             obj.save_pretrained(str(tmp))
+        record_model_files(tmp)
