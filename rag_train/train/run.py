@@ -57,6 +57,7 @@ class TrainingRun:
         self.history: list[dict] = []  # evaluations during training; checkpointed, so resuming keeps it
         self.totals: dict[str, list] = {}  # per-step values / records a recipe reports at the end; checkpointed too
         self.model: Optional[torch.nn.Module] = None  # the prepared module (`prepare`)
+        self.resumed_from: Optional[Path] = None  # the checkpoint `resume` loaded: saving its step again is a no-op
         self.passes = CorpusPasses(self.accelerator.print)  # whole-corpus embedding passes, for metrics.json
         self.started = time.time()
         self.accelerator.register_save_state_pre_hook(drop_tied_aliases)
@@ -195,9 +196,12 @@ class TrainingRun:
         """accelerator.save_state (+ `extra(folder)` on every process, e.g. the strategy's state, + the fault
         counters) into a temporary folder; the main process then writes `checksums.json` (sha256 and size of
         every file), fsyncs, and renames the folder into place. A kill at any moment leaves the previous
-        checkpoint intact and never a `step-*` folder that is not complete."""
+        checkpoint intact and never a `step-*` folder that is not complete. The checkpoint a resumed run loaded
+        already holds this step's state: it is not written again (a run resumed after its final checkpoint)."""
         root = self.dir / CHECKPOINTS
         final = root / f"step-{step:08d}"
+        if final == self.resumed_from and final.is_dir():
+            return final
         tmp = root / f".tmp-step-{step:08d}"
         if self.accelerator.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -282,6 +286,7 @@ class TrainingRun:
             return 0
         self.verify_checkpoint(path)
         self.accelerator.load_state(str(path))
+        self.resumed_from = path
         state = read_json(path / TRAINER_STATE)
         self.guard.load_state_dict(state["guard"])
         self.history[:] = state["history"]
