@@ -277,8 +277,8 @@ def test_an_unreadable_manifest_keeps_the_intact_shards(world, tmp_path):
     calls = counting(model)
     with pytest.raises(BufferError, match="manifest.json:.*not valid JSON.*repair=true"):
         build_buffer(model, world["corpus"], tmp_path / "buf", batch_size=BATCH, shard_rows=SHARD_ROWS)
-    other = DualEncoder.from_config(RetrieverConfig(model="tiny", tiny=TINY, projection_dim=16), str(world["tokenizer"]),
-                                    seed=1).eval()
+    settings = RetrieverConfig(model="tiny", tiny=TINY, projection_dim=16)
+    other = DualEncoder.from_config(settings, str(world["tokenizer"]), seed=1).eval()
     with pytest.raises(BufferError, match="shard-00000.json: field 'model_fingerprint'.*not overwritten"):
         build_buffer(other, world["corpus"], tmp_path / "buf", batch_size=BATCH, shard_rows=SHARD_ROWS, repair=True)
     repaired = build_buffer(model, world["corpus"], tmp_path / "buf", batch_size=BATCH, shard_rows=SHARD_ROWS,

@@ -240,9 +240,11 @@ def test_resuming_from_the_final_checkpoint_does_not_write_it_again(recipe_toy_d
     out = copy_run(finished, tmp_path / "run", killed=True)
     final = out / "checkpoints" / "step-00000006"
     files = {p.relative_to(final): p.stat().st_ino for p in final.rglob("*")}
+    (out / "checkpoints" / "latest.json").write_text('{"name": "step-00000004", "step": 4}')  # killed before it moved
     no_space_in(monkeypatch, str(out / "checkpoints"))  # a checkpoint written now would fail
     same_as(out, train_retriever(config(recipe_toy_dir, out, **{"train.resume": "true"})), finished)
     assert {p.relative_to(final): p.stat().st_ino for p in final.rglob("*")} == files
+    assert json.loads((out / "checkpoints" / "latest.json").read_text()) == {"name": "step-00000006", "step": 6}
 
 
 def test_a_full_disk_during_export_exits_5_naming_the_export(tmp_path, finished):

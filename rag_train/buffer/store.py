@@ -104,8 +104,9 @@ def _check_type(path: Path, field: str, value: Any, types: tuple) -> None:
     if isinstance(value, types) and not (isinstance(value, bool) and bool not in types):
         return
     expected = " or ".join(_TYPES[t] for t in types)
-    raise BufferError(f"{path}: field '{field}': expected {expected}, got {json.dumps(value)[:60]} "
-                      f"({_TYPES.get(type(value), type(value).__name__)}); the manifest is corrupt or was edited by hand")
+    got = _TYPES.get(type(value), type(value).__name__)
+    raise BufferError(f"{path}: field '{field}': expected {expected}, got {json.dumps(value)[:60]} ({got}); the "
+                      "manifest is corrupt or was edited by hand")
 
 
 def read_manifest(path: Path) -> dict:

@@ -201,6 +201,9 @@ class TrainingRun:
         root = self.dir / CHECKPOINTS
         final = root / f"step-{step:08d}"
         if final == self.resumed_from and final.is_dir():
+            if self.accelerator.is_main_process and self._latest_name() != final.name:  # a kill left it behind
+                atomic_write_json(root / LATEST, {"name": final.name, "step": step})
+            self.accelerator.wait_for_everyone()
             return final
         tmp = root / f".tmp-step-{step:08d}"
         if self.accelerator.is_main_process:
@@ -231,6 +234,13 @@ class TrainingRun:
                 shutil.rmtree(stale, ignore_errors=True)
         self.accelerator.wait_for_everyone()
         return final
+
+    def _latest_name(self) -> Optional[str]:
+        """The checkpoint `latest.json` names (None when it is missing or unreadable)."""
+        try:
+            return read_json(self.dir / CHECKPOINTS / LATEST).get("name")
+        except CorruptFileError:
+            return None
 
     @contextmanager
     def _write_failure(self, final: Path, tmp: Path) -> Iterator[None]:
