@@ -350,6 +350,31 @@ def verify_checksums(directory: str | Path, files: dict[str, dict], record: str 
             raise CorruptFileError(f"{path}: sha256 does not match {record} (the file is corrupt or was replaced)")
 
 
+MODEL_CHECKSUMS = "checksums.json"  # beside a saved model's files: their sha256 and size (`record_model_files`)
+MODEL_RECORDS = (MODEL_CHECKSUMS, "toy_lm.json")  # the records of a saved model's files: ours, the toy LM stage's
+
+
+def record_model_files(directory: str | Path, exclude: tuple[str, ...] = ()) -> None:
+    """Write `checksums.json`: the sha256 and size of every file already in `directory` (a saved model, before it
+    is renamed into place), which `verify_model_files` checks before the model is loaded."""
+    directory = Path(directory)
+    atomic_write_json(directory / MODEL_CHECKSUMS, {"files": folder_checksums(directory, exclude=(MODEL_CHECKSUMS,
+                                                                                                  *exclude))})
+
+
+def verify_model_files(directory: str | Path) -> None:
+    """CorruptFileError naming the first file of a saved model that is missing, truncated or altered with respect to
+    the record saved with it, so that a damaged weight file is named instead of loading as a model that outputs
+    nothing. A folder without a record (a Hugging Face download) passes."""
+    directory = Path(directory)
+    for name in MODEL_RECORDS:
+        record = directory / name
+        if record.is_file():
+            files = read_json(record).get("files")
+            if isinstance(files, dict):
+                verify_checksums(directory, files, record)
+
+
 def read_json(path: str | Path) -> Any:
     """A JSON file written by this package; CorruptFileError naming it when it is missing or unreadable."""
     path = Path(path)

@@ -437,6 +437,50 @@ def damaged_initial_model(command: Callable) -> Callable:
     return make
 
 
+def damaged_reader(m: "Matrix", cell: Path) -> tuple[list[str], Path]:
+    """reader.model names a saved reader (the reference run's final one) whose weights are cut in half."""
+    model = cell / "reader"
+    shutil.copytree(m.reference("train_rlm") / "reader", model)
+    return rlm_command(m, cell / "run", (f"reader.model={model}",)), truncate(model / "model.safetensors")
+
+
+def damaged_final_reader(m: "Matrix", cell: Path) -> tuple[list[str], Path]:
+    """scripts/evaluate.py on a copy of the reference run whose reader/model.safetensors lost 4 KiB in the middle."""
+    run = cell / "run"
+    shutil.copytree(m.reference("train_rlm"), run, ignore=shutil.ignore_patterns("checkpoints"))
+    weights = run / "reader" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2: len(data) // 2 + 4096] = bytes(4096)
+    weights.write_bytes(bytes(data))
+    return [str(ROOT / "scripts" / "evaluate.py"), "--run", str(run)], weights
+
+
+def damaged_complete_buffer(file: str) -> Callable:
+    """embed_corpus run again on its finished buffer (a copy of the reference one) with `file` damaged: a shard with
+    a flipped byte, or the manifest cut in half."""
+    def make(m: "Matrix", cell: Path) -> tuple[list[str], Path]:
+        shutil.copytree(m.reference("embed_corpus") / "buffer", cell / "out" / "buffer")
+        damaged = cell / "out" / "buffer" / file
+        if damaged.suffix == ".npy":
+            data = bytearray(damaged.read_bytes())
+            data[len(data) // 2] ^= 0xFF
+            damaged.write_bytes(bytes(data))
+        else:
+            truncate(damaged)
+        return embed_command(m, cell / "out"), damaged
+    return make
+
+
+def padded_ids(m: "Matrix", cell: Path) -> tuple[list[str], Path]:
+    """A copy of the passages whose third id is the first one's with a trailing space."""
+    passages = cell / "passages.jsonl"
+    lines = (m.toy / "passages.jsonl").read_text(encoding="utf-8").splitlines(keepends=True)
+    third = json.loads(lines[2])
+    lines[2] = json.dumps(dict(third, id=json.loads(lines[0])["id"] + " ")) + "\n"
+    passages.write_text("".join(lines), encoding="utf-8")
+    return embed_command(m, cell / "out", passages=passages), passages
+
+
 def damaged_export_corpus(m: "Matrix", cell: Path) -> tuple[list[str], Path]:
     """--corpus: a copy of the passages the run trained on, cut in half."""
     passages = cell / "passages.jsonl"
@@ -483,6 +527,8 @@ ENTRIES = {
             "warm-start retriever": damaged_resume(rlm_command, "train_rlm",
                                                    "warm_start_retriever/retriever/passage/model.safetensors",
                                                    ("metrics.json", "retriever", "reader", "checkpoints")),
+            "reader.model (a saved reader)": damaged_reader,
+            "final reader, read by scripts/evaluate.py": damaged_final_reader,
         }),
     "train_generative": Entry(
         "train_generative", generative_command, ["train.resume=true"], compare_run("generator"), {
@@ -503,6 +549,9 @@ ENTRIES = {
         "embed_corpus", embed_command, [], compare_buffer, {
             "model folder": damaged_model(embed_command),
             "corpus": damaged_passages(embed_command),
+            "corpus ids that differ only by a trailing space": padded_ids,
+            "a shard of the complete buffer in the output folder": damaged_complete_buffer("shard-00001.npy"),
+            "the manifest of the complete buffer in the output folder": damaged_complete_buffer("manifest.json"),
         }, needs="train_retriever"),
     "export": Entry(
         "export", export_command, [], compare_export, {

@@ -242,3 +242,90 @@ def test_two_process_build_equals_one_process(world, tmp_path):
                       verify=True)
     assert two.manifest["shards"] == single.manifest["shards"]
     assert shard_bytes(two.path) == shard_bytes(single.path)
+
+
+def flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_a_damaged_shard_of_a_complete_buffer_is_named_or_repaired(world, tmp_path):
+    """Reusing a complete buffer checks its shards: a flipped byte is an error naming the shard (nothing encoded);
+    `repair` re-encodes that shard alone, back to the clean bytes."""
+    build_buffer(world["model"], world["corpus"], tmp_path / "buf", batch_size=BATCH, shard_rows=SHARD_ROWS)
+    clean = shard_bytes(tmp_path / "buf")
+    flip_byte(tmp_path / "buf" / "shard-00002.npy")
+    model = DualEncoder.load(world["root"] / "model").eval()
+    calls = counting(model)
+    with pytest.raises(BufferError, match=r"shards\[2\].*shard-00002.npy does not match.*1 of 4.*repair=true"):
+        build_buffer(model, world["corpus"], tmp_path / "buf", batch_size=BATCH, shard_rows=SHARD_ROWS, verify=True)
+    assert calls == []
+    repaired = build_buffer(model, world["corpus"], tmp_path / "buf", batch_size=BATCH, shard_rows=SHARD_ROWS,
+                            repair=True)
+    assert sum(calls) == SHARD_ROWS and shard_bytes(tmp_path / "buf") == clean
+    repaired.verify()
+
+
+def test_an_unreadable_manifest_keeps_the_intact_shards(world, tmp_path):
+    """A truncated manifest is refused with the way out named; `repair` rebuilds it from the shards' records without
+    encoding anything, and refuses when those records are another model's."""
+    clean = build_buffer(world["model"], world["corpus"], tmp_path / "buf", batch_size=BATCH, shard_rows=SHARD_ROWS)
+    manifest = tmp_path / "buf" / "manifest.json"
+    manifest.write_bytes(manifest.read_bytes()[:100])
+    model = DualEncoder.load(world["root"] / "model").eval()
+    calls = counting(model)
+    with pytest.raises(BufferError, match="manifest.json:.*not valid JSON.*repair=true"):
+        build_buffer(model, world["corpus"], tmp_path / "buf", batch_size=BATCH, shard_rows=SHARD_ROWS)
+    settings = RetrieverConfig(model="tiny", tiny=TINY, projection_dim=16)
+    other = DualEncoder.from_config(settings, str(world["tokenizer"]), seed=1).eval()
+    with pytest.raises(BufferError, match="shard-00000.json: field 'model_fingerprint'.*not overwritten"):
+        build_buffer(other, world["corpus"], tmp_path / "buf", batch_size=BATCH, shard_rows=SHARD_ROWS, repair=True)
+    repaired = build_buffer(model, world["corpus"], tmp_path / "buf", batch_size=BATCH, shard_rows=SHARD_ROWS,
+                            repair=True)
+    assert calls == [] and repaired.manifest == clean.manifest
+
+
+@pytest.mark.parametrize("field, value, expected", [
+    ("dim", "abc", "field 'dim': expected an integer, got \"abc\" \\(a string\\)"),
+    ("rows", True, "field 'rows': expected an integer, got true"),
+    ("complete", "yes", "field 'complete': expected true or false"),
+    ("shards", {}, "field 'shards': expected a list"),
+])
+def test_manifest_field_types_are_checked(tmp_path, field, value, expected):
+    Buffer.write(tmp_path / "b", torch.ones(6, 4), shard_rows=4)
+    manifest = tmp_path / "b" / "manifest.json"
+    manifest.write_text(json.dumps(dict(json.loads(manifest.read_text()), **{field: value})))
+    with pytest.raises(BufferError, match=f"{manifest}: {expected}"):
+        Buffer.open(tmp_path / "b")
+
+
+def test_a_shard_field_type_is_checked(tmp_path):
+    Buffer.write(tmp_path / "b", torch.ones(6, 4), shard_rows=4)
+    manifest = tmp_path / "b" / "manifest.json"
+    data = json.loads(manifest.read_text())
+    data["shards"][1]["end"] = "6"
+    manifest.write_text(json.dumps(data))
+    with pytest.raises(BufferError, match=r"field 'shards\[1\].end': expected an integer, got \"6\""):
+        Buffer.open(tmp_path / "b")
+
+
+def test_embed_corpus_script_refuses_then_repairs_a_damaged_buffer(world, tmp_path, zygote):
+    """scripts/embed_corpus.py on its own finished buffer with a flipped byte: exit 2 and one line naming the shard;
+    with repair=true: exit 0 and the clean bytes."""
+    args = ["scripts/embed_corpus.py", f"passages={world['corpus'].path}", f"model_dir={world['root'] / 'model'}",
+            f"output={tmp_path / 'buf'}", f"buffer.shard_rows={SHARD_ROWS}", f"buffer.embed_batch_size={BATCH}"]
+
+    def run(*extra: str) -> tuple[object, str]:
+        answer = zygote.run({"argv": [*args, *extra], "cwd": str(ROOT), "env": {}, "stdout": str(tmp_path / "out"),
+                             "stderr": str(tmp_path / "err")})
+        return answer["status"], (tmp_path / "err").read_text()
+
+    assert run()[0] == 0
+    clean = shard_bytes(tmp_path / "buf")
+    flip_byte(tmp_path / "buf" / "shard-00001.npy")
+    status, stderr = run()
+    assert status == 2 and "Traceback" not in stderr, stderr[-2000:]
+    assert f"error: {tmp_path / 'buf' / 'manifest.json'}: field 'shards[1]': sha256 of " \
+           f"{tmp_path / 'buf' / 'shard-00001.npy'} does not match" in stderr
+    assert run("repair=true")[0] == 0 and shard_bytes(tmp_path / "buf") == clean

@@ -252,3 +252,16 @@ def test_beir_with_hub_parquet_corpus_and_queries(tmp_path):
     pq.write_table(pa.table({"_id": ["q1", "q1"], "text": ["a", "b"]}), beir / "queries.parquet")
     with pytest.raises(DataError, match=r"queries.parquet: row 1: field '_id': duplicate query id 'q1'"):
         load_retrieval(beir)
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "datasets"])
+def test_padded_ids_are_stripped_and_blank_passages_warned_about(tmp_path, fmt):
+    from rag_train.data.corpus import BlankPassagesWarning
+
+    path = _save(tmp_path, "c", {"id": ["a", " b ", "c"], "text": ["x", " ", "z"]}, fmt)
+    with pytest.warns(BlankPassagesWarning, match=r"1 passage\(s\) with blank text \(the first: id 'b'\)"):
+        corpus = Corpus.open(path)
+    assert corpus.id(1) == "b" and corpus.row("b") == 1
+    dup = _save(tmp_path, "d", {"id": ["a", "b", "a "], "text": ["x", "y", "z"]}, fmt)
+    with pytest.raises(DataError, match=r"row 2: field 'id': duplicate passage id 'a' \(first seen on row 0\)"):
+        Corpus.open(dup)

@@ -111,6 +111,33 @@ def test_duplicate_names_first_line(tmp_path):
         Corpus.open(path)
 
 
+@pytest.mark.parametrize("name, content", [
+    ("spaces.jsonl", '{"id": "a", "text": "x"}\n{"id": "b", "text": "y"}\n{"id": "a ", "text": "z"}\n'),
+    ("spaces.tsv", "id\ttext\ttitle\na\tx\tA\nb\ty\tB\n a\tz\tC\n"),
+])
+def test_ids_differing_only_by_surrounding_whitespace_are_one_id(tmp_path, name, content):
+    """Ids are stripped when read: "a " and " a" are "a", so a second one is the duplicate-id error naming both
+    lines; a lone padded id is found by its stripped form."""
+    path = tmp_path / name
+    path.write_text(content)
+    first = 1 if name.endswith("jsonl") else 2  # the TSV has a header line
+    with pytest.raises(DataError, match=rf"{name}:{first + 2}: field 'id': duplicate passage id 'a' \(first seen on "
+                                        rf"line {first}\)"):
+        Corpus.open(path)
+    path.write_text(content.replace("a ", "c ").replace(" a\t", " c\t"))
+    corpus = Corpus.open(path)
+    assert corpus.id(2) == "c" and corpus.row("c") == 2 and corpus.row(" c ") == 2 and corpus.passage(2)["id"] == "c"
+
+
+def test_blank_passages_are_counted_and_warned_about(tmp_path):
+    path = tmp_path / "blank.jsonl"
+    path.write_text('{"id": "a", "text": "x"}\n{"id": "b", "text": "  "}\n{"id": "c", "text": ""}\n')
+    for _ in range(2):  # when the index is built and when it is reused
+        with pytest.warns(corpus_module.BlankPassagesWarning, match=r"blank.jsonl: 2 passage\(s\) with blank text "
+                                                                    r"\(the first: id 'b'\)"):
+            assert len(Corpus.open(path)) == 3
+
+
 def test_non_utf8_and_empty_and_compressed(tmp_path):
     bad = tmp_path / "latin1.jsonl"
     bad.write_bytes(b'{"id": "a", "text": "x"}\n{"id": "b", "text": "caf\xe9"}\n')

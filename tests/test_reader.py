@@ -343,3 +343,51 @@ def test_a_cpu_reader_runs_eager_attention_and_computes_what_sdpa_computes(reade
     torch.testing.assert_close(fid.logits, ref.logits, rtol=0, atol=1e-5)
     for (name, mine), theirs in zip(reader.named_parameters(), reference.parameters()):
         torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def overwrite_middle(path, size: int = 4096) -> None:
+    """4 KiB of zeros in the middle of a file: same size, other bytes (a bad sector, a torn copy)."""
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + size] = bytes(size)
+    path.write_bytes(bytes(data))
+
+
+def test_a_saved_reader_carries_checksums_that_every_loader_checks(reader, tmp_path):
+    from rag_train.generative.model import load_generator
+    from rag_train.io import CorruptFileError
+    from rag_train.train.run import save_pretrained_atomic
+
+    folder = tmp_path / "reader"
+    save_pretrained_atomic(folder, reader)
+    assert FiDReader.from_config(ReaderConfig(model=str(folder))).config.d_model == 32  # intact: loads
+    overwrite_middle(folder / "model.safetensors")
+    for load in (lambda: FiDReader.from_config(ReaderConfig(model=str(folder))),
+                 lambda: load_generator(str(folder), None)):
+        with pytest.raises(CorruptFileError, match=f"{folder / 'model.safetensors'}: sha256 does not match "
+                                                   f"{folder / 'checksums.json'}"):
+            load()
+
+
+def test_evaluate_names_a_damaged_final_reader(reader, tmp_path, zygote):
+    """scripts/evaluate.py on a run whose reader/model.safetensors lost 4 KiB: exit 2 and one line naming the
+    file, before any work (it used to answer every question with an empty string and exit 0)."""
+    from pathlib import Path
+
+    from rag_train.config import save_config
+    from rag_train.train.run import save_pretrained_atomic
+    from rag_train.train.schema import RLMConfig
+
+    run = tmp_path / "run"
+    save_pretrained_atomic(run / "reader", reader)
+    (run / "retriever").mkdir()
+    save_config(RLMConfig(), run / "config.yaml")
+    overwrite_middle(run / "reader" / "model.safetensors")
+    root = Path(__file__).resolve().parents[1]
+    answer = zygote.run({"argv": ["scripts/evaluate.py", "--run", str(run)], "cwd": str(root), "env": {},
+                         "stdout": str(tmp_path / "out"), "stderr": str(tmp_path / "err")})
+    stderr = (tmp_path / "err").read_text()
+    assert answer["status"] == 2 and "Traceback" not in stderr, stderr[-2000:]
+    assert stderr.strip().splitlines()[-1] == (f"error: {run / 'reader' / 'model.safetensors'}: sha256 does not "
+                                               f"match {run / 'reader' / 'checksums.json'} (the file is corrupt or "
+                                               "was replaced)")

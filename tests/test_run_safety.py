@@ -361,6 +361,19 @@ def test_a_full_disk_while_saving_the_final_retriever_exits_5_naming_it(recipe_t
     same_as(out, train_retriever(config(recipe_toy_dir, out, **{"train.resume": "true"})), finished)
 
 
+def test_resuming_from_the_final_checkpoint_does_not_write_it_again(recipe_toy_dir, tmp_path, finished, monkeypatch):
+    """A run killed after its final checkpoint resumes from it and finishes without rewriting it (it used to write
+    the same step again; on a full disk that failed, calling the checkpoint being rewritten "intact")."""
+    out = copy_run(finished, tmp_path / "run", killed=True)
+    final = out / "checkpoints" / "step-00000006"
+    files = {p.relative_to(final): p.stat().st_ino for p in final.rglob("*")}
+    (out / "checkpoints" / "latest.json").write_text('{"name": "step-00000004", "step": 4}')  # killed before it moved
+    no_space_in(monkeypatch, str(out / "checkpoints"))  # a checkpoint written now would fail
+    same_as(out, train_retriever(config(recipe_toy_dir, out, **{"train.resume": "true"})), finished)
+    assert {p.relative_to(final): p.stat().st_ino for p in final.rglob("*")} == files
+    assert json.loads((out / "checkpoints" / "latest.json").read_text()) == {"name": "step-00000006", "step": 6}
+
+
 def test_a_full_disk_during_export_exits_5_naming_the_export(tmp_path, finished):
     """Issue 32: `rag-train export` on a disk that fills up (RLIMIT_FSIZE 64 KiB: the kernel refuses to grow the
     weights file, safetensors raises SafetensorError 'File too large (os error 27)'): exit 5 and one line naming the

@@ -298,6 +298,30 @@ def test_a_chunked_gigabyte_gets_413_and_its_connection_closed(server):
     assert closed and sent < total // 4, sent
 
 
+@pytest.mark.parametrize("path", ["/search", "/health"])
+def test_content_length_with_transfer_encoding_gets_400_and_the_connection_closed(server, path):
+    """Both framing headers (request smuggling behind a proxy that frames by the other one): 400, `Connection:
+    close`, and the connection ends; the smuggled request after the body is never answered."""
+    port = int(server[0].rsplit(":", 1)[1])
+    body = b'{"queries": ["a"], "k": 1}'
+    smuggled = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+    method = b"POST" if path == "/search" else b"GET"
+    response = b""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(method + b" " + path.encode() + b" HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json"
+                     b"\r\nContent-Length: %d\r\nTransfer-Encoding: chunked\r\n\r\n" % len(body)
+                     + b"%x\r\n" % len(body) + body + b"\r\n0\r\n\r\n" + smuggled)
+        try:
+            while chunk := sock.recv(65536):  # until the server closes the connection
+                response += chunk
+        except ConnectionResetError:
+            pass
+    head = response.split(b"\r\n\r\n")[0].lower()
+    assert head.startswith(b"http/1.1 400"), response[:300]
+    assert b"\r\nconnection: close" in head and b"ambiguous" in response
+    assert response.count(b"HTTP/1.1") == 1  # one answer: the smuggled request was not read
+
+
 def test_stalled_clients_are_cut_off_and_do_not_delay_others(server):
     """Issue 32 (slowloris, loopback only): 100 connections that stall inside their headers and 100 that send their
     headers and stall inside the body. A healthy client is answered within its usual latency meanwhile, and after

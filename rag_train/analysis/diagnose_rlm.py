@@ -111,8 +111,10 @@ def reading(run: Path, corpus: Corpus, files, cfg: RLMConfig, k: int, limit: int
     from rag_train.eval.metrics import exact_match
     from rag_train.models.reader import FiDReader
     from rag_train.data.tokenizer import load_tokenizer
+    from rag_train.io import verify_model_files
 
     world = ToyWorld(cfg.data.toy_passages, cfg.data.toy_seed)
+    verify_model_files(run / "reader")
     reader = FiDReader.from_pretrained(run / "reader").eval()
     tokenizer = load_tokenizer(run / "reader")
     generator = torch.Generator().manual_seed(0)

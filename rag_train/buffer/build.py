@@ -19,8 +19,8 @@ import torch
 from tqdm.auto import tqdm
 
 from rag_train.buffer.store import (
-    MANIFEST, STORAGE_DTYPES, Buffer, BufferError, manifest_dict, shard_file_name, to_storage, vectors_fingerprint,
-    write_shard,
+    MANIFEST, STORAGE_DTYPES, Buffer, BufferError, manifest_dict, read_manifest, shard_file_name, to_storage,
+    vectors_fingerprint, write_shard,
 )
 from rag_train.buffer.embed import CorpusPasses, embed_rows
 from rag_train.io import atomic_write_json, remove_stale_temporaries, sha256_file, write_step
@@ -68,20 +68,27 @@ def encode_rows(model, corpus, start: int, end: int, batch_size: int, on_batch=N
                       on_batch=on_batch, num_workers=num_workers, batch_tokens=batch_tokens)
 
 
-def _existing_buffer(out_dir: Path, model_fp: str, corpus_fp: str, dtype: str, overwrite: bool) -> Optional[Buffer]:
+def _existing_buffer(out_dir: Path, model_fp: str, corpus_fp: str, dtype: str, overwrite: bool,
+                     repair: bool) -> Optional[Buffer]:
     """A complete buffer already in `out_dir` for this model + corpus; refuse to overwrite any other one
-    unless `overwrite` (then None: it is rebuilt)."""
+    unless `overwrite` (then None: it is rebuilt). A manifest that cannot be read is rebuilt with `repair` when the
+    shards' own records say they are this model's, corpus' and dtype's (then None: intact shards are reused)."""
     path = out_dir / MANIFEST
     if not path.is_file():
         return None
     try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        manifest = read_manifest(path)
+    except BufferError as exc:
         if overwrite:
             return None
-        raise BufferError(f"{path}: not valid JSON, the manifest is truncated or corrupt ({exc}); it is not "
-                          "overwritten - delete the buffer folder or choose another output dir") from None
-    if not manifest.get("complete"):
+        if repair:
+            _check_sidecars(out_dir, path, {"model_fingerprint": model_fp, "corpus_fingerprint": corpus_fp,
+                                            "dtype": dtype})
+            logger.warning("%s: unreadable (%s); rebuilding it, shards that match their records are kept", path, exc)
+            return None
+        raise BufferError(f"{exc}; it is not overwritten - rerun with repair=true to rebuild it (shards that match "
+                          "their records are kept), or choose another output dir") from None
+    if not manifest["complete"]:
         return None
     mismatched = [key for key, value in (("model_fingerprint", model_fp), ("corpus_fingerprint", corpus_fp),
                                          ("dtype", dtype)) if manifest.get(key) != value]
@@ -96,6 +103,36 @@ def _existing_buffer(out_dir: Path, model_fp: str, corpus_fp: str, dtype: str, o
     return Buffer.open(out_dir, model_fp, corpus_fp)
 
 
+def _check_sidecars(out_dir: Path, manifest: Path, wanted: dict) -> None:
+    """Before a manifest that cannot be read is rebuilt: the shard records (sidecars) must exist and all be of
+    `wanted` (model, corpus, dtype), or the folder may hold another buffer, which is not overwritten."""
+    sidecars = sorted(out_dir.glob("shard-*.json"))
+    if not sidecars:
+        raise BufferError(f"{manifest}: unreadable, and no shard records (shard-NNNNN.json) say whose shards these "
+                          "are; it is not overwritten - choose another output dir or delete it")
+    for sidecar in sidecars:
+        try:
+            record = json.loads(sidecar.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            continue  # an unreadable record: its shard is encoded again
+        other = [key for key, value in wanted.items() if isinstance(record, dict) and record.get(key) != value]
+        if other:
+            raise BufferError(f"{sidecar}: field '{other[0]}': this shard is of another {', '.join(other)}; the "
+                              f"buffer behind the unreadable {manifest} is not overwritten - choose another output "
+                              "dir or delete it")
+
+
+def _bad_shards(buffer: Buffer, rank: int, world: int, accelerator) -> list[int]:
+    """Indices of the shards whose sha256 does not match the manifest; each process hashes its share."""
+    mine = [i for i, shard in list(enumerate(buffer.manifest["shards"]))[rank::world]
+            if sha256_file(buffer.path / shard["file"]) != shard["sha256"]]
+    if accelerator is None or world == 1:
+        return mine
+    from accelerate.utils import gather_object
+
+    return sorted(i for part in gather_object([mine]) for i in part)
+
+
 def _remove_unplanned_shards(out_dir: Path, num_shards: int) -> None:
     """Drop shard files left by an overwritten, larger buffer (they are not in the new manifest)."""
     for path in out_dir.glob("shard-*.*"):
@@ -106,7 +143,8 @@ def _remove_unplanned_shards(out_dir: Path, num_shards: int) -> None:
 
 def build_buffer(model, corpus, out_dir: Union[str, Path], batch_size: int = 256, shard_rows: int = 1_000_000,
                  dtype: str = "float16", accelerator=None, overwrite: bool = False, num_workers: int = 0,
-                 batch_tokens: int = 0, passes: Optional[CorpusPasses] = None) -> Buffer:
+                 batch_tokens: int = 0, passes: Optional[CorpusPasses] = None, verify: bool = False,
+                 repair: bool = False) -> Buffer:
     """Embed every corpus row with `model.encode_passages` into a buffer at `out_dir`; resumes a killed build.
 
     `model` is a DualEncoder (or anything with `encode_passages`, `dim`, `fingerprint()`); `corpus` a
@@ -114,6 +152,9 @@ def build_buffer(model, corpus, out_dir: Union[str, Path], batch_size: int = 256
     encodes its own block of shards; every process returns the same opened Buffer. A complete buffer
     of another model / corpus in `out_dir` is an error unless `overwrite`. `num_workers` / `batch_tokens`:
     see `embed_rows`; `passes` records the encoding as a corpus pass (nothing when every shard is reused).
+    `verify`: a complete buffer is reused only if every shard matches its sha256 (BufferError naming the first that
+    does not); `repair`: instead re-encode only the shards that do not, and rebuild a manifest that cannot be read
+    from the shards' records.
     """
     if dtype not in STORAGE_DTYPES:
         raise BufferError(f"dtype {dtype!r} is not one of {list(STORAGE_DTYPES)}")
@@ -128,7 +169,19 @@ def build_buffer(model, corpus, out_dir: Union[str, Path], batch_size: int = 256
     if accelerator is not None:
         model.to(accelerator.device)
     model_fp, corpus_fp = vectors_fingerprint(model), corpus.fingerprint
-    existing = _existing_buffer(out_dir, model_fp, corpus_fp, dtype, overwrite)
+    existing = _existing_buffer(out_dir, model_fp, corpus_fp, dtype, overwrite, repair)
+    bad = _bad_shards(existing, rank, world, accelerator) if existing is not None and (verify or repair) else []
+    if bad and not repair:
+        shard = existing.manifest["shards"][bad[0]]
+        raise BufferError(f"{out_dir / MANIFEST}: field 'shards[{bad[0]}]': sha256 of {out_dir / shard['file']} does "
+                          f"not match the manifest (file corrupted or replaced; {len(bad)} of "
+                          f"{len(existing.manifest['shards'])} shards damaged); rerun with repair=true to re-encode "
+                          "only the damaged shards")
+    if bad:
+        logger.warning("%s: re-encoding the %d damaged shard(s) %s", out_dir, len(bad),
+                       ", ".join(existing.manifest["shards"][i]["file"] for i in bad))
+        shard_rows = existing.manifest.get("shard_rows", shard_rows)  # the buffer's own layout: its shards are reused
+        existing = None
     if existing is None and is_main:
         remove_stale_temporaries(out_dir)  # a killed build's temporary files: no process writes yet
     if accelerator is not None:  # nobody writes before every process has checked: they all decide alike

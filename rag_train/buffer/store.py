@@ -22,8 +22,6 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 STORAGE_DTYPES = {"float16": np.float16, "bfloat16": np.uint16, "float32": np.float32}
 TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
-REQUIRED_FIELDS = ("format_version", "rows", "dim", "dtype", "shards", "model_fingerprint", "corpus_fingerprint",
-                   "complete")
 
 
 class BufferError(ValueError):
@@ -94,6 +92,46 @@ def manifest_dict(rows: int, dim: int, dtype: str, shards: list[dict], model_fin
             "complete": complete, **extra}
 
 
+_TYPES = {int: "an integer", str: "a string", bool: "true or false", list: "a list", dict: "an object",
+          type(None): "null"}
+FIELD_TYPES = {"format_version": (int,), "rows": (int,), "dim": (int,), "dtype": (str,), "shards": (list,),
+               "model_fingerprint": (str, type(None)), "corpus_fingerprint": (str, type(None)), "complete": (bool,)}
+SHARD_FIELD_TYPES = {"file": (str,), "start": (int,), "end": (int,), "sha256": (str,)}
+
+
+def _check_type(path: Path, field: str, value: Any, types: tuple) -> None:
+    """BufferError naming the manifest, the field and the expected type (a bool is not an integer here)."""
+    if isinstance(value, types) and not (isinstance(value, bool) and bool not in types):
+        return
+    expected = " or ".join(_TYPES[t] for t in types)
+    got = _TYPES.get(type(value), type(value).__name__)
+    raise BufferError(f"{path}: field '{field}': expected {expected}, got {json.dumps(value)[:60]} ({got}); the "
+                      "manifest is corrupt or was edited by hand")
+
+
+def read_manifest(path: Path) -> dict:
+    """A buffer manifest whose required fields are present and of their types: a field of the wrong type is named
+    here, not later as an odd comparison or shape. BufferError naming the file otherwise."""
+    try:
+        manifest = json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        line = f":{exc.lineno}" if isinstance(exc, json.JSONDecodeError) else ""
+        raise BufferError(f"{path}{line}: not valid JSON, the manifest is truncated or corrupt ({exc})") from None
+    if not isinstance(manifest, dict):
+        raise BufferError(f"{path}: expected a JSON object, got {_TYPES.get(type(manifest), type(manifest).__name__)}")
+    for key, types in FIELD_TYPES.items():
+        if key not in manifest:
+            raise BufferError(f"{path}: field '{key}': missing")
+        _check_type(path, key, manifest[key], types)
+    for i, shard in enumerate(manifest["shards"]):
+        _check_type(path, f"shards[{i}]", shard, (dict,))
+        for key, types in SHARD_FIELD_TYPES.items():
+            if key not in shard:
+                raise BufferError(f"{path}: field 'shards[{i}].{key}': missing")
+            _check_type(path, f"shards[{i}].{key}", shard[key], types)
+    return manifest
+
+
 class Buffer:
     """Read-only view of a complete buffer directory; rows are global corpus rows 0..N-1."""
 
@@ -126,13 +164,7 @@ class Buffer:
         path = directory / MANIFEST
         if not path.is_file():
             raise BufferError(f"{path}: not found; {directory} is not a buffer (build one with scripts/embed_corpus.py)")
-        try:
-            manifest = json.loads(path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as exc:
-            raise BufferError(f"{path}:{exc.lineno}: not valid JSON: {exc.msg}") from exc
-        for key in REQUIRED_FIELDS:
-            if key not in manifest:
-                raise BufferError(f"{path}: field '{key}': missing")
+        manifest = read_manifest(path)
         if manifest["format_version"] != FORMAT_VERSION:
             raise BufferError(f"{path}: field 'format_version': {manifest['format_version']!r} is not {FORMAT_VERSION}")
         if manifest["dtype"] not in STORAGE_DTYPES:

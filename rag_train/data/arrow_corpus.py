@@ -155,6 +155,7 @@ class ArrowScan:
     id_lengths: np.ndarray  # uint32[N]
     fingerprint: str
     columns: dict  # {"id_name", "text_name", "title_name", "arrow_files"}
+    blank: dict  # passages whose text is empty or whitespace: {"count", "first_id"}
 
 
 def scan_arrow(path: Path, index_dir: Path, progress: Callable[[int], None] = lambda rows: None) -> ArrowScan:
@@ -186,19 +187,24 @@ def scan_arrow(path: Path, index_dir: Path, progress: Callable[[int], None] = la
         raise data_error(path, None, None, "no passages (the dataset is empty)")
 
     lengths, id_lengths, id_blob, start = [], [], bytearray(), 0
+    blank = {"count": 0, "first_id": None}  # passages whose text is empty or whitespace
     for batch in table.to_batches(max_chunksize=_BATCH_ROWS):
         ids, text = batch.column(id_name), batch.column(text_name)
         for name, values in ((id_name, ids), (text_name, text)):
             bad = _first(values.is_null())
             if bad is not None:
                 raise data_error(row_ref(path, start + bad), None, name, "null")
-        ids = pc.cast(ids, pa.large_string())
-        bad = _first(pc.equal(pc.utf8_length(pc.utf8_trim_whitespace(ids)), 0))
+        ids = pc.utf8_trim_whitespace(pc.cast(ids, pa.large_string()))  # as ids of JSONL / TSV sources
+        bad = _first(pc.equal(pc.utf8_length(ids), 0))
         if bad is not None:
             raise data_error(row_ref(path, start + bad), None, id_name, "empty passage id")
         bad = _first(pc.or_(pc.match_substring(ids, "\n"), pc.match_substring(ids, "\x00")))
         if bad is not None:
             raise data_error(row_ref(path, start + bad), None, id_name, "passage id contains a newline or NUL byte")
+        empty = pc.equal(pc.utf8_length(pc.utf8_trim_whitespace(text)), 0)
+        if _first(empty) is not None:
+            blank["first_id"] = blank["first_id"] or ids[_first(empty)].as_py()
+            blank["count"] += int(pc.sum(empty).as_py())
         size = pc.binary_length(text).to_numpy(zero_copy_only=False).astype(np.int64)
         if title_name is not None:
             size += pc.fill_null(pc.binary_length(batch.column(title_name)), 0).to_numpy(zero_copy_only=False)
@@ -216,7 +222,7 @@ def scan_arrow(path: Path, index_dir: Path, progress: Callable[[int], None] = la
                 digest.update(block)
     return ArrowScan(np.concatenate(lengths), id_blob, np.concatenate(id_lengths), digest.hexdigest(),
                      {"id_name": id_name, "text_name": text_name, "title_name": title_name,
-                      "arrow_files": arrow_files})
+                      "arrow_files": arrow_files}, blank)
 
 
 def table_records(path: Path) -> Iterator[tuple[int, dict]]:

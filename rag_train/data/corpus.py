@@ -3,7 +3,9 @@
 The source (JSONL `{id|_id, title, text}`; TSV: DPR `id<TAB>text<TAB>title` with a header, MS MARCO
 `id<TAB>text` without one; or a parquet file / `datasets.save_to_disk` folder, see `arrow_corpus`) is
 scanned once; the scan validates every row and writes an index directory of numpy arrays that are
-memory-mapped afterwards:
+memory-mapped afterwards. Ids are stripped of surrounding whitespace when read (`"p1 "` is `"p1"`, so two ids
+that differ only there are the duplicate-id error), and passages with blank text are counted and warned about
+(`BlankPassagesWarning`) every time the corpus is opened:
 
     offsets.npy     int64[N+1]  byte offset of each passage's line (last entry: file size); for Arrow
                                 sources the running total of title + text bytes (a length proxy)
@@ -23,6 +25,7 @@ import hashlib
 import json
 import os
 import shutil
+import warnings
 from array import array
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -35,7 +38,7 @@ from rag_train.data.arrow_corpus import ArrowRows, is_arrow_source, scan_arrow, 
 from rag_train.data.errors import DataError, data_error, row_ref
 from rag_train.io import atomic_open, atomic_write_json
 
-INDEX_VERSION = 1
+INDEX_VERSION = 2  # 2: ids stripped of surrounding whitespace, blank passages counted
 _ID_KEYS = ("id", "_id")
 _HEADER_ID = ("id", "_id", "pid", "docid", "doc_id")
 _HEADER_TEXT = ("text", "passage", "contents")
@@ -111,7 +114,8 @@ def _parse(layout: _Layout, line_text: str, path: Path, line: Optional[int]) -> 
             raise data_error(path, line, field, f"expected {layout.columns} tab-separated columns, got {len(fields)}")
         pid, text = fields[layout.id_col], fields[layout.text_col]
         title = fields[layout.title_col] if layout.title_col is not None else ""
-    if not pid.strip():
+    pid = pid.strip()  # "p1 " and "p1" are one id: a trailing tab or space is an artefact of the export
+    if not pid:
         raise data_error(path, line, "id", "empty passage id")
     if "\n" in pid or "\x00" in pid:
         raise data_error(path, line, "id", "passage id contains a newline or NUL byte")
@@ -141,13 +145,19 @@ def _fixed_width(blob: bytearray, lengths: array) -> np.ndarray:
     return table.view(f"S{width}").reshape(len(sizes))
 
 
-def _scan_lines(path: Path, stat) -> tuple[np.ndarray, bytearray, array, str, _Layout]:
-    """Scan a JSONL / TSV file once: validate every line, hash the content; (offsets, ids, hash, layout)."""
+class BlankPassagesWarning(UserWarning):
+    """A corpus holds passages whose text is empty or only whitespace: they are kept (rows stay aligned with the
+    source) but can only be retrieved by their title."""
+
+
+def _scan_lines(path: Path, stat) -> tuple[np.ndarray, bytearray, array, str, _Layout, dict]:
+    """Scan a JSONL / TSV file once: validate every line, hash the content; (offsets, ids, hash, layout, blank
+    passages: their count and the first one's id)."""
     if path.suffix.lower() in (".gz", ".bz2", ".xz", ".zst"):
         raise data_error(path, None, None, "compressed files cannot be read by offset; decompress first")
     digest = hashlib.sha256()
     offsets, id_lengths, id_blob = array("q"), array("I"), bytearray()
-    layout, position = None, 0
+    layout, position, blank = None, 0, {"count": 0, "first_id": None}
     quiet = stat.st_size < _PROGRESS_MIN_BYTES or os.environ.get("RANK", "0") != "0"
     with open(path, "rb") as handle, tqdm(total=stat.st_size, unit="B", unit_scale=True,
                                           desc=f"indexing {path.name}", disable=quiet) as bar:
@@ -165,17 +175,21 @@ def _scan_lines(path: Path, stat) -> tuple[np.ndarray, bytearray, array, str, _L
                 layout, is_header = _detect_layout(path, line_text, line_no)
                 if is_header:
                     continue
-            key = _parse(layout, line_text, path, line_no)[0].encode("utf-8")
+            pid, _, text = _parse(layout, line_text, path, line_no)
+            if not text.strip():
+                blank["count"] += 1
+                blank["first_id"] = blank["first_id"] or pid
+            key = pid.encode("utf-8")
             offsets.append(start)
             id_lengths.append(len(key))
             id_blob += key
     if not offsets:
         raise data_error(path, None, None, "no passages (the file is empty)")
     offsets.append(position)
-    return np.frombuffer(offsets, dtype=np.int64), id_blob, id_lengths, digest.hexdigest(), layout
+    return np.frombuffer(offsets, dtype=np.int64), id_blob, id_lengths, digest.hexdigest(), layout, blank
 
 
-def _scan_table(path: Path, index_dir: Path, stat) -> tuple[np.ndarray, bytearray, array, str, _Layout]:
+def _scan_table(path: Path, index_dir: Path, stat) -> tuple[np.ndarray, bytearray, array, str, _Layout, dict]:
     """The same from a parquet file / datasets folder; offsets are running title + text byte counts."""
     quiet = stat.st_size < _PROGRESS_MIN_BYTES or os.environ.get("RANK", "0") != "0"
     with tqdm(unit="rows", desc=f"indexing {path.name}", disable=quiet) as bar:
@@ -183,7 +197,7 @@ def _scan_table(path: Path, index_dir: Path, stat) -> tuple[np.ndarray, bytearra
     offsets = np.zeros(len(scan.lengths) + 1, dtype=np.int64)
     np.cumsum(scan.lengths, out=offsets[1:])
     return offsets, scan.id_blob, array("I", scan.id_lengths.tobytes()), scan.fingerprint, _Layout(
-        "arrow", arrow=scan.columns)
+        "arrow", arrow=scan.columns), scan.blank
 
 
 def _build_index(path: Path, index_dir: Path, stat) -> None:
@@ -199,9 +213,9 @@ def _build_index(path: Path, index_dir: Path, stat) -> None:
 
 def _write_index(path: Path, index_dir: Path, stat) -> None:
     if is_arrow_source(path):
-        offsets_np, id_blob, id_lengths, fingerprint, layout = _scan_table(path, index_dir, stat)
+        offsets_np, id_blob, id_lengths, fingerprint, layout, blank = _scan_table(path, index_dir, stat)
     else:
-        offsets_np, id_blob, id_lengths, fingerprint, layout = _scan_lines(path, stat)
+        offsets_np, id_blob, id_lengths, fingerprint, layout, blank = _scan_lines(path, stat)
     after = source_stat(path)
     if (after.st_size, after.st_mtime_ns) != (stat.st_size, stat.st_mtime_ns):
         raise data_error(path, None, None, "the source changed while it was being indexed")
@@ -226,7 +240,7 @@ def _write_index(path: Path, index_dir: Path, stat) -> None:
     atomic_write_json(index_dir / "meta.json", {
         "version": INDEX_VERSION, "source": str(path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
         "rows": len(ids), "id_width": ids.dtype.itemsize, "fingerprint": fingerprint,
-        "layout": asdict(layout),
+        "layout": asdict(layout), "blank_passages": blank,
     })
 
 
@@ -269,7 +283,13 @@ class Corpus:
         index_dir = _default_index_dir(path, cache_dir)
         if not cls._index_is_current(index_dir, stat):
             _build_index(path, index_dir, stat)
-        return cls(path, index_dir)
+        corpus = cls(path, index_dir)
+        blank = corpus._meta["blank_passages"]
+        if blank["count"]:
+            warnings.warn(f"{path}: {blank['count']} passage(s) with blank text (the first: id "
+                          f"{blank['first_id']!r}); they are kept but can only be found by their title",
+                          BlankPassagesWarning, stacklevel=2)
+        return corpus
 
     @staticmethod
     def _index_is_current(index_dir: Path, stat) -> bool:
@@ -309,7 +329,7 @@ class Corpus:
 
     def rows(self, pids: Iterable[str | int]) -> np.ndarray:
         """Rows of passage ids (int64); DataError naming the first unknown id."""
-        keys = [str(p) for p in pids]
+        keys = [str(p).strip() for p in pids]  # as the corpus' own ids are read
         found, slots = self._lookup(keys)
         if not found.all():
             missing = [k for k, ok in zip(keys, found) if not ok]
@@ -319,7 +339,7 @@ class Corpus:
 
     def contains(self, pids: Iterable[str | int]) -> np.ndarray:
         """Whether each id is in the corpus (bool array), for callers that report their own errors."""
-        return self._lookup([str(p) for p in pids])[0]
+        return self._lookup([str(p).strip() for p in pids])[0]
 
     def _lookup(self, keys: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """Binary search of the memmapped sorted ids: (found mask, slot in the sorted order)."""
@@ -377,4 +397,4 @@ class Corpus:
         return _parse(self._layout, raw.decode("utf-8"), self.path, None)
 
 
-__all__ = ["Corpus", "DataError"]
+__all__ = ["BlankPassagesWarning", "Corpus", "DataError"]

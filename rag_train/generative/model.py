@@ -21,6 +21,7 @@ from transformers import T5ForConditionalGeneration
 from transformers.modeling_outputs import BaseModelOutput, Seq2SeqLMOutput
 
 from rag_train.generative.ce_table import START_ROW
+from rag_train.io import verify_model_files
 from rag_train.models.attention import eager_t5_attention_on_cpu
 from rag_train.models.reader import ReaderLoadError, hub_offline
 
@@ -119,6 +120,8 @@ def load_generator(model: str, tokenizer, tiny=None, dtype: Optional[torch.dtype
 
         generator = GenerativeT5(tiny_t5_config(tokenizer, tiny))
         return generator.to(dtype) if dtype is not None else generator
+    if Path(model).is_dir():  # a saved generator: its files must match their checksums
+        verify_model_files(model)
     try:
         return GenerativeT5.from_pretrained(model, dtype=dtype, local_files_only=True)
     except OSError as exc:

@@ -19,6 +19,7 @@ from transformers import T5ForConditionalGeneration
 from transformers.modeling_outputs import BaseModelOutput, Seq2SeqLMOutput
 
 from rag_train.config import ReaderConfig
+from rag_train.io import verify_model_files
 from rag_train.models.attention import eager_t5_attention_on_cpu
 
 
@@ -83,6 +84,8 @@ class FiDReader(T5ForConditionalGeneration):
 
     @classmethod
     def _pretrained(cls, name_or_path: str, dtype: Optional[torch.dtype]) -> "FiDReader":
+        if Path(name_or_path).is_dir():  # a saved reader: its files must match their checksums
+            verify_model_files(name_or_path)
         try:  # the local folder or cache first: no network round trip when the weights are here
             return cls.from_pretrained(name_or_path, dtype=dtype, local_files_only=True)
         except OSError as exc:

@@ -20,7 +20,9 @@ class EmbedConfig:
     """scripts/embed_corpus.py: embed a corpus once into a stale buffer (multi-process, resumable).
 
     The buffer goes to `output` (default `buffer.path`); rerunning the same command resumes a killed
-    build. Embeds with a saved DualEncoder (`model_dir`) or with `retriever` built from its config.
+    build. Embeds with a saved DualEncoder (`model_dir`) or with `retriever` built from its config. A complete
+    buffer already there is reused after its shards pass their sha256 (`buffer.verify`); a damaged one is an error
+    naming the shard unless `repair`.
     """
 
     data: DataConfig = field(default_factory=DataConfig)
@@ -31,6 +33,9 @@ class EmbedConfig:
     model_dir: Optional[str] = None  # a DualEncoder.save folder (e.g. a trained retriever)
     seed: int = 0  # init seed of `tiny` models: equal to the training run's so its buffer matches
     overwrite: bool = False  # replace a complete buffer of another model / corpus in `output`
+    # re-encode only the shards of `output` that fail their sha256, and rebuild an unreadable manifest from the
+    # shards' own records (shard-NNNNN.json), keeping every intact shard
+    repair: bool = False
     collective_timeout: int = 1800  # seconds a collective waits for the other processes (see train.collective_timeout)
 
     def __post_init__(self) -> None:
@@ -62,7 +67,8 @@ def embed_corpus(cfg: EmbedConfig, accelerator=None) -> Buffer:
     return build_buffer(model, corpus, cfg.output or cfg.buffer.path, batch_size=cfg.buffer.embed_batch_size,
                         shard_rows=cfg.buffer.shard_rows, dtype=cfg.buffer.dtype, accelerator=accelerator,
                         overwrite=cfg.overwrite, num_workers=cfg.buffer.embed_workers,
-                        batch_tokens=cfg.buffer.embed_batch_tokens, passes=CorpusPasses(accelerator.print))
+                        batch_tokens=cfg.buffer.embed_batch_tokens, passes=CorpusPasses(accelerator.print),
+                        verify=cfg.buffer.verify, repair=cfg.repair)
 
 
 def embed_corpus_recipe(cfg: EmbedConfig) -> dict:

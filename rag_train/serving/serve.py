@@ -300,6 +300,25 @@ def _json_response(status: int, content: Any, close: bool = False):
                     headers={"connection": "close"} if close else None)
 
 
+class RejectAmbiguousFraming:
+    """ASGI middleware: a request with both Content-Length and Transfer-Encoding gets 400 and its connection closed
+    (RFC 9112 section 6.3). Behind a proxy that frames the body by the other header, what this server would read
+    as the next request on the connection is the tail of this one's body: request smuggling."""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            names = {name.lower() for name, _ in scope["headers"]}
+            if b"content-length" in names and b"transfer-encoding" in names:
+                response = _json_response(400, {"detail": "the request has both Content-Length and Transfer-Encoding: "
+                                                          "its length is ambiguous; send one of them"}, close=True)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def create_app(export_dir: str | Path, limits: ServeLimits = ServeLimits(), device: str = "cpu"):
     """FastAPI app serving `export_dir`; the model loads before the first request is accepted."""
     from contextlib import asynccontextmanager
@@ -324,6 +343,7 @@ def create_app(export_dir: str | Path, limits: ServeLimits = ServeLimits(), devi
         retriever.corpus.close()
 
     app = FastAPI(title="rag-train retrieval", lifespan=lifespan)
+    app.add_middleware(RejectAmbiguousFraming)
     SearchRequest = _request_model(limits, retriever.rows)
 
     @app.exception_handler(RequestValidationError)

@@ -20,7 +20,7 @@ from rag_train.data.errors import DataError
 from rag_train.data.qa import load_qa
 from rag_train.data.sources import dataset_name, resolve_data
 from rag_train.eval.qa import QAEvalSettings, evaluate_qa
-from rag_train.io import atomic_write_json
+from rag_train.io import atomic_write_json, verify_model_files
 from rag_train.launch import make_accelerator
 from rag_train.models.reader import FiDReader
 from rag_train.models.retriever import DualEncoder
@@ -46,6 +46,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     missing = [name for name in ("config.yaml", "retriever", "reader") if not (run / name).exists()]
     if missing:
         raise DataError(f"{run} is not a finished RLM run: missing {', '.join(missing)}")
+    verify_model_files(run / "reader")  # before any work: a damaged reader would answer every question with ""
     cfg = load_config(RLMConfig, run / "config.yaml")
     accelerator = make_accelerator()
     lock = lock_run_directory(run, "evaluation", accelerator)  # it writes <run>/eval/: no training may write beside it

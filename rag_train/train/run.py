@@ -93,6 +93,7 @@ class TrainingRun:
         self.history: list[dict] = []  # evaluations during training; checkpointed, so resuming keeps it
         self.totals: dict[str, list] = {}  # per-step values / records a recipe reports at the end; checkpointed too
         self.model: Optional[torch.nn.Module] = None  # the prepared module (`prepare`)
+        self.resumed_from: Optional[Path] = None  # the checkpoint `resume` loaded: saving its step again is a no-op
         self.passes = CorpusPasses(self.accelerator.print)  # whole-corpus embedding passes, for metrics.json
         self.started = time.time()
         self.accelerator.register_save_state_pre_hook(drop_tied_aliases)
@@ -249,9 +250,15 @@ class TrainingRun:
         """accelerator.save_state (+ `extra(folder)` on every process, e.g. the strategy's state, + the fault
         counters) into a temporary folder; the main process then writes `checksums.json` (sha256 and size of
         every file), fsyncs, and renames the folder into place. A kill at any moment leaves the previous
-        checkpoint intact and never a `step-*` folder that is not complete."""
+        checkpoint intact and never a `step-*` folder that is not complete. The checkpoint a resumed run loaded
+        already holds this step's state: it is not written again (a run resumed after its final checkpoint)."""
         root = self.dir / CHECKPOINTS
         final = root / f"step-{step:08d}"
+        if final == self.resumed_from and final.is_dir():
+            if self.accelerator.is_main_process and self._latest_name() != final.name:  # a kill left it behind
+                atomic_write_json(root / LATEST, {"name": final.name, "step": step})
+            self.accelerator.wait_for_everyone()
+            return final
         tmp = root / f".tmp-step-{step:08d}"
         if self.accelerator.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -283,6 +290,13 @@ class TrainingRun:
         self.accelerator.wait_for_everyone()
         self.saved = final
         return final
+
+    def _latest_name(self) -> Optional[str]:
+        """The checkpoint `latest.json` names (None when it is missing or unreadable)."""
+        try:
+            return read_json(self.dir / CHECKPOINTS / LATEST).get("name")
+        except CorruptFileError:
+            return None
 
     @contextmanager
     def _write_failure(self, final: Path, tmp: Path) -> Iterator[None]:
@@ -338,6 +352,7 @@ class TrainingRun:
             return 0
         self.verify_checkpoint(path)
         self.accelerator.load_state(str(path))
+        self.resumed_from = path
         state = read_json(path / TRAINER_STATE)
         self.guard.load_state_dict(state["guard"])
         self.history[:] = state["history"]
@@ -469,10 +484,12 @@ def _flat_config(cfg: Any) -> dict[str, Any]:
 
 
 def save_pretrained_atomic(directory: Path, *objects: Any) -> None:
-    """`save_pretrained` of each object (model, tokenizer) into one folder, written beside and swapped in."""
-    from rag_train.io import atomic_directory, state_bytes
+    """`save_pretrained` of each object (model, tokenizer) into one folder, written beside and swapped in, with the
+    checksums of its files (`checksums.json`), which every loader checks (`verify_model_files`)."""
+    from rag_train.io import atomic_directory, record_model_files, state_bytes
 
     needed = state_bytes(*(obj for obj in objects if isinstance(obj, torch.nn.Module))) + 2**20
     with atomic_directory(directory, "saving", needed=needed) as tmp:
         for obj in objects:
             obj.save_pretrained(str(tmp))
+        record_model_files(tmp)

@@ -26,8 +26,8 @@ from rag_train.data.corpus import Corpus
 from rag_train.data.qa import QAExample
 from rag_train.data.sources import DataFiles
 from rag_train.eval.retrieval import rank_passages
-from rag_train.io import (CorruptFileError, atomic_directory, atomic_write_json, folder_checksums, read_json,
-                          state_bytes, verify_checksums)
+from rag_train.io import (CorruptFileError, atomic_directory, atomic_write_json, record_model_files, state_bytes,
+                          verify_model_files)
 from rag_train.models.retriever import DualEncoder
 from rag_train.train.run import TrainingRun
 from rag_train.train.step import global_batch, linear_warmup, seed_stage
@@ -56,13 +56,11 @@ def stage_settings(cfg: RLMConfig, name: str) -> dict:
     return json.loads(json.dumps(settings))
 
 
-STAGE_CHECKSUMS = "checksums.json"  # sha256 + size of a saved stage's files (the reader's), checked before it is reused
-
-
 def record_stage(cfg: RLMConfig, out: Path, name: str, checksums: bool = False) -> None:
-    """The settings a stage was made with; `checksums`: also a record of the files already in `out` (its model)."""
+    """The settings a stage was made with; `checksums`: also a record of the files already in `out` (its model),
+    checked before it is reused."""
     if checksums:
-        atomic_write_json(out / STAGE_CHECKSUMS, {"files": folder_checksums(out, exclude=(STAGE_SETTINGS,))})
+        record_model_files(out, exclude=(STAGE_SETTINGS,))
     atomic_write_json(out / STAGE_SETTINGS, stage_settings(cfg, name))
 
 
@@ -192,11 +190,10 @@ def warm_start_reader(cfg: RLMConfig, reader: torch.nn.Module, tokenizer, corpus
     if finished:
         check_stage(cfg, out, "warm_start_reader")
         hint = f"move {out} aside to train the stage again"
-        if (out / STAGE_CHECKSUMS).is_file():  # a truncated or altered file is named, nothing is loaded
-            try:
-                verify_checksums(out, read_json(out / STAGE_CHECKSUMS)["files"], out / STAGE_CHECKSUMS)
-            except CorruptFileError as exc:
-                raise CorruptFileError(f"the warm-started reader is damaged: {exc}; {hint}") from None
+        try:  # a truncated or altered file is named, nothing is loaded
+            verify_model_files(out)
+        except CorruptFileError as exc:
+            raise CorruptFileError(f"the warm-started reader is damaged: {exc}; {hint}") from None
         try:
             saved = type(reader).from_pretrained(out)
         except Exception as exc:  # a stage saved before its files had checksums
