@@ -212,6 +212,9 @@ def write_report(results: dict, meta: dict, out: Path) -> Path:
         + (f", toy world of {meta['budget'].toy_passages} passages" if meta["budget"].toy_passages else "")
         + ". Configs: `configs/toy/retriever.yaml`, `configs/toy/rlm.yaml`; run folders under "
         f"`{meta['runs']}`.",
+        *([f"- Per-run evidence (metrics, command, config digest): `{meta['evidence']}`; `python "
+             f"scripts/reproduce.py --from-evidence {meta['evidence']} --out <this folder>` rewrites this file from "
+             "it alone."] if meta.get("evidence") else []),
         "- Tables give mean ± sample std over seeds (std only with 2+ seeds). The seed changes data order, uniform "
         "samples and the RLM's answer draws; the tiny models' initial weights are the same for every seed.",
         "- steps/s are wall-clock rates: they compare strategies only when the machine was otherwise idle (load "
