@@ -95,8 +95,10 @@ def test_a_report_edited_by_hand_is_caught(tmp_path, in_repo):
     assert "| exhaustive | 1 | 600 | 30.0 |" in text
     (tmp_path / "reproduction.md").write_text(text.replace("| exhaustive | 1 | 600 | 30.0 |",
                                                            "| exhaustive | 1 | 600 | 31.0 |"))
+    line = next(i for i, t in enumerate(text.splitlines(), 1) if t.startswith("| exhaustive | 1 | 600 |"))
     with pytest.raises(SystemExit, match=f"{tmp_path / 'reproduction.md'}: differs from what {FIXTURE} gives "
-                                         f"\\(regenerate it: python scripts/reproduce.py --from-evidence {FIXTURE} "
+                                         f"\\(line {line} is '\\| exhaustive \\| 1 \\| 600 \\| 31.0 \\|.*; "
+                                         f"regenerate it: python scripts/reproduce.py --from-evidence {FIXTURE} "
                                          f"--out {tmp_path}\\)"):
         command.main(["--from-evidence", str(FIXTURE), "--out", str(tmp_path), "--check"])
 

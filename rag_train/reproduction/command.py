@@ -171,12 +171,15 @@ def check_report(results: dict, meta: dict, out: Path, evidence: Path) -> None:
     """Writes the report into a scratch folder and compares its markdown with `out`'s: a table edited by hand, or
     evidence changed without regenerating, ends the process with a line naming the file and the command."""
     with tempfile.TemporaryDirectory() as scratch:
-        fresh = write_report(results, meta, Path(scratch))
-        committed = out / fresh.name
-        same = committed.is_file() and committed.read_bytes() == fresh.read_bytes()
-    if not same:
-        raise SystemExit(f"error: {committed}: differs from what {evidence} gives (regenerate it: python "
-                         f"scripts/reproduce.py --from-evidence {evidence} --out {out})")
+        fresh = write_report(results, meta, out, into=Path(scratch)).read_text().splitlines()
+    committed = out / "reproduction.md"
+    found = committed.read_text().splitlines() if committed.is_file() else []
+    if found != fresh:
+        line = next((i for i, (a, b) in enumerate(zip(found, fresh)) if a != b), min(len(found), len(fresh)))
+        first = (f"line {line + 1} is {found[line] if line < len(found) else '(the end)'!r}, the evidence gives "
+                 f"{fresh[line] if line < len(fresh) else '(the end)'!r}")
+        raise SystemExit(f"error: {committed}: differs from what {evidence} gives ({first[:400]}; regenerate it: "
+                         f"python scripts/reproduce.py --from-evidence {evidence} --out {out})")
     print(f"[reproduce] {committed} is what {evidence} gives", flush=True)
 
 

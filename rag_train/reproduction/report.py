@@ -173,12 +173,14 @@ def invocation_table(invocations: list[dict]) -> list[str]:
     return lines + [""] + (notes + [""] if notes else [])
 
 
-def write_report(results: dict, meta: dict, out: Path) -> Path:
-    """docs/reproduction.md (+ figures/reproduction/*.png) from collected metrics; returns the markdown path."""
-    figures = out / "figures" / "reproduction"
+def write_report(results: dict, meta: dict, out: Path, into: Optional[Path] = None) -> Path:
+    """docs/reproduction.md (+ figures/reproduction/*.png) from collected metrics; returns the markdown path.
+    `into`: write both there instead, reading the other sections' files from `out` all the same (a check)."""
+    into = into or out
+    figures = into / "figures" / "reproduction"
     for name in ("table1_recall.png", "table3_em.png", "ablation_hidden.png", "curves.png"):  # a killed report's
         remove_temporaries_of(figures / name)
-    remove_temporaries_of(out / "reproduction.md")
+    remove_temporaries_of(into / "reproduction.md")
     references = {s: results["table1"]["random"].get(s) or [] for s in ("stale", "exhaustive")}
     plots = {
         "table1": plot_table1(results["table1"], figures / "table1_recall.png"),
@@ -310,7 +312,7 @@ def write_report(results: dict, meta: dict, out: Path) -> Path:
             f"![KL after vs staleness]({rel}/kl_after_vs_staleness.png)", ""]
     else:
         lines += ["_(not run: `--only synthetic`)_", ""]
-    path = out / "reproduction.md"
+    path = into / "reproduction.md"
     lines += (large_batches_section(out) + dynnibal_section(results.get("dynnibal"))
               + generative_section(results.get("generative")) + described_section(results.get("described")))
     atomic_write_text(path, "\n".join(lines).rstrip() + "\n")  # StorageError on a full disk
