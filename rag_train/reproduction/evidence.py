@@ -5,7 +5,7 @@ without the run folders, which are not in the repository.
 Layout: `<evidence>/<run folder relative to --runs>.json` (e.g. `table1/lm/stale-seed0.json`) and `reproduce.json`
 (the seeds, budget, machine and invocations the report names). Everything is written with sorted keys, the runs
 folder and the repository replaced by `<runs>` and `<repo>`; per-machine times (the run's wall time, each corpus
-pass's seconds) are kept apart under `timing`, which no check compares."""
+pass's seconds) are kept apart under `timing`: the report reads only the wall times' sum from there."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
-from rag_train.io import atomic_write_json, read_json
+from rag_train.io import read_json
+from rag_train.reproduction.generative import DENSE_TITLES
 
 META = "reproduce.json"
-TITLE_METRICS = "title_metrics.json"  # the dual encoder's title-level figures (rag_train/reproduction/generative.py)
 
 
 class Placeholders:
@@ -60,8 +60,8 @@ def summary(script: str, config: Path, out: Path, overrides: list[str], names: P
     digest = hashlib.sha256(names.text(config_file.read_text()).encode()).hexdigest() if config_file.is_file() else None
     evidence = {"command": names.text(" ".join(command)), "config_sha256": digest, "metrics": names.value(metrics),
                 "timing": timing}
-    if (out / TITLE_METRICS).is_file():
-        evidence["title_metrics"] = names.value(read_json(out / TITLE_METRICS))
+    if (out / DENSE_TITLES).is_file():  # the dual encoder's title-level figures
+        evidence["title_metrics"] = names.value(read_json(out / DENSE_TITLES))
     return evidence
 
 
