@@ -26,7 +26,8 @@ def retriever_run(r1: float, reembedded: int, seconds: float) -> dict:
     passes = [{"reason": "buffer build", "rows": 300, "seconds": 0.41}]
     passes += [{"reason": "refresh", "rows": 300, "seconds": 0.38}] * (reembedded // 300)  # every 6 of 12 steps
     return {"recall": recall, "mrr@10": round(r1 + 0.05, 4), "reembedded_passages": reembedded, "steps": 12,
-            "steps_per_second": 3.2, "wall_seconds": seconds, "history": history, "corpus_passes": passes}
+            "steps_per_second": 3.2, "wall_seconds": seconds, "history": history, "corpus_passes": passes,
+            "grad_ratio_by_step": [1.0] * 12}
 
 
 def rlm_run(em: float) -> dict:
@@ -77,6 +78,7 @@ def test_evidence_written_from_run_folders_is_the_committed_fixture(tmp_path, mo
     exhaustive = json.loads((evidence / "table1/lm/exhaustive-seed0.json").read_text())
     assert exhaustive["timing"] == {"wall_seconds": 14.08, "corpus_pass_seconds": [0.41, 0.38, 0.38]}
     assert exhaustive["metrics"]["corpus_passes"][1] == {"reason": "refresh", "rows": 300}
+    assert "grad_ratio_by_step" not in exhaustive["metrics"]  # a value per step: no report reads it
     assert "train.output_dir=<runs>/table1/lm/exhaustive-seed0" in exhaustive["command"]
     assert str(tmp_path) not in json.dumps(exhaustive)
     assert all((evidence / name).stat().st_size < 4000 for name in written)

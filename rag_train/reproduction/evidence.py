@@ -37,9 +37,13 @@ class Placeholders:
         return json.loads(self.text(json.dumps(value)))
 
 
+PER_STEP = ("by_step", "grad_ratio_by_step")  # a value per step (thousands in a full run) that no report reads
+
+
 def split_timing(metrics: dict) -> tuple[dict, dict]:
-    """(metrics without per-machine times, those times): wall_seconds and each corpus pass's seconds."""
-    kept = {k: v for k, v in metrics.items() if k != "wall_seconds"}
+    """(metrics without per-machine times and per-step series, those times): wall_seconds and each corpus pass's
+    seconds."""
+    kept = {k: v for k, v in metrics.items() if k != "wall_seconds" and k not in PER_STEP}
     timing = {"wall_seconds": metrics["wall_seconds"]} if "wall_seconds" in metrics else {}
     passes = metrics.get("corpus_passes")
     if passes:
