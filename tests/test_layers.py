@@ -59,10 +59,11 @@ LAYERS = [
           "sentence-transformers / FAISS / ONNX folders; `serve.py`: the HTTP search server), `analysis/` (read a "
           "finished run or run a whole experiment to explain a result: `diagnose_retriever`, `diagnose_rlm`, "
           "`probe_reader`, `generative_compare`, `synthetic` + `synthetic_report`), `reproduction/` (the paper "
-          "tables, `scripts/reproduce.py`; `verdict.py`: the one rule that decides \"A beats B\", `scripts/verdict.py`)", "recipes"),
+          "tables, `scripts/reproduce.py`; `verdict.py`: the one rule that decides \"A beats B\", `scripts/verdict.py`; "
+          "`evidence.py`: the per-run summaries under `docs/evidence/` the report is regenerated and checked from)", "recipes"),
     Layer("8 command line", ("rag_train.cli", "rag_train.bench"),
           "`cli.py`: `parse_cli`, `exit_on_fault`, `run_recipe` and the exit statuses (2 bad input, 3 numerical "
-          "stop, 4 dead or hung peer, 5 a write failed: no space left or read-only), the `rag-train` console script; "
+          "stop, 4 dead or hung peer, 5 a write failed: no space left or read-only, 6 preempted: checkpointed and stopped), the `rag-train` console script; "
           "`bench/` (benchmarks that time the code users run, and `bench/gpu_report/`: every GPU figure from one "
           "command, in stages, `docs/gpu_report.md`)", "everything"),
 ]

@@ -22,6 +22,7 @@ from rag_train.reproduction.plan import RETRIEVER_CONFIG, TABLE3, TABLE3_LM, Pla
 from rag_train.train.warm_start import stage_settings
 from rag_train.reproduction.analysis import ANALYSIS
 from rag_train.reproduction.report import write_report
+from rag_train.reproduction import command, generative
 
 ROOT = Path(__file__).resolve().parents[1]
 SEED_SECTIONS = ("dynnibal", "large_batches", "generative", "described")
@@ -31,10 +32,12 @@ SEED_SECTIONS = ("dynnibal", "large_batches", "generative", "described")
 def seed_sections(tmp_path_factory) -> Path:
     """`reproduce.py --quick --only dynnibal large_batches generative described --jobs 2` once, as a user runs several
     sections: the seed papers' sections and seed 000's Table 1 on a described world share the run's fork server (one
-    invocation instead of four). The tests below each read their section's runs and report from it."""
+    invocation instead of four), writing each finished run's evidence beside the runs. The tests below each read their
+    section's runs and report from it."""
     runs = tmp_path_factory.mktemp("seed_sections") / "runs"
     subprocess.run([sys.executable, str(ROOT / "scripts" / "reproduce.py"), "--quick", "--only", *SEED_SECTIONS,
-                    "--runs", str(runs), "--jobs", "2"], check=True, capture_output=True)
+                    "--runs", str(runs), "--jobs", "2", "--evidence", str(runs.parent / "evidence")],
+                   check=True, capture_output=True)
     return runs
 
 
@@ -543,3 +546,23 @@ def test_quick_described_section_runs_seed_000s_table1_from_three_inits(seed_sec
         assert f"corrector (CE, Eq. 6) {share:.0f}% (per seed: {share:.0f}%)" in lm_part
     else:
         assert "**undecided (exhaustive is not above stale: no gap)**" in lm_part
+
+
+@pytest.mark.xdist_group("seed_sections")
+def test_quick_report_from_the_evidence_alone_is_the_report_from_the_runs(seed_sections, monkeypatch):
+    """The quick reproduction wrote every finished run's summary (`--evidence`); from those alone, no run folder
+    read, `--check` finds the report it wrote from the runs byte for byte."""
+    evidence = seed_sections.parent / "evidence"
+    names = {p.relative_to(evidence).as_posix() for p in evidence.rglob("*.json")}
+    assert {"reproduce.json", "dynnibal/pretrain.json", "dynnibal/lm/dynnibal-seed0.json",
+            "described/w300-s1/pretrained/snm-seed0.json", "generative/contra-seed0.json",
+            "generative/splits-manifest.json"} <= names
+    dense = json.loads((evidence / "generative" / "dense-seed0.json").read_text())
+    assert dense["title_metrics"]["datasets"] and str(seed_sections) not in json.dumps(dense)
+
+    def no_run_folder(*_):
+        raise AssertionError("a run folder was read")
+
+    monkeypatch.setattr(Run, "metrics", no_run_folder)
+    monkeypatch.setattr(generative, "dense_titles", no_run_folder)
+    command.main(["--from-evidence", str(evidence), "--out", str(seed_sections / "report"), "--check"])

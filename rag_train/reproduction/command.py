@@ -4,6 +4,9 @@
     python scripts/reproduce.py --only table1 ablation --seeds 0 1 2
     python scripts/reproduce.py --quick                         # tiny budgets, small world: a smoke test
     python scripts/reproduce.py --report-only                   # rewrite the report from finished runs
+    python scripts/reproduce.py --evidence docs/evidence        # ... and commit each finished run's summary
+    python scripts/reproduce.py --from-evidence docs/evidence   # rewrite the report from those summaries alone
+    python scripts/reproduce.py --from-evidence docs/evidence --check   # fail where a committed table differs
 
 Sections (--only):
   table1    Algorithm 1 (paper Table 1): in-batch, stale, corrector, exhaustive, SNM, negative cache, Dynnibal,
@@ -60,12 +63,14 @@ import platform
 import shlex
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 from rag_train.reproduction.budgets import FULL, QUICK
+from rag_train.reproduction.evidence import read_meta
 from rag_train.reproduction.plan import SECTIONS, Plan
 from rag_train.reproduction.report import write_report
 
@@ -86,9 +91,25 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "run's output waits for it)")
     parser.add_argument("--quick", action="store_true", help="tiny budgets on a 300-passage world, for testing")
     parser.add_argument("--report-only", action="store_true", help="launch nothing; rewrite the report")
+    parser.add_argument("--evidence", type=Path, default=None,
+                        help="also write every finished run's summary into this folder (docs/evidence: committed)")
+    parser.add_argument("--from-evidence", type=Path, default=None,
+                        help="launch nothing; write the report from the summaries in this folder, not from --runs "
+                             "(its seeds, budget and runs folder are the ones the summaries were written with)")
+    parser.add_argument("--check", action="store_true",
+                        help="with --from-evidence: write nothing; fail where a report in --out differs from what "
+                             "the evidence gives")
     args = parser.parse_args(argv)
     if args.jobs < 1:
         parser.error(f"--jobs {args.jobs}: must be at least 1")
+    if args.check and args.from_evidence is None:
+        parser.error("--check compares the report with what --from-evidence gives: name the evidence folder")
+    if args.from_evidence is not None:
+        if args.evidence is not None:
+            parser.error("--evidence writes summaries from run folders; --from-evidence reads them: give one")
+        meta = read_meta(args.from_evidence)
+        args.quick, args.report_only = meta["budget"] == "quick", True
+        args.seeds, args.hidden, args.runs = meta["seeds"], meta["hidden"], Path(meta["runs"])
     budget = QUICK if args.quick else FULL
     args.budget = budget
     args.seeds = args.seeds or list(budget.seeds)
@@ -114,7 +135,7 @@ def main(argv=None) -> None:
 
 def reproduce(args: argparse.Namespace, argv) -> None:
     started, load_before = time.time(), os.getloadavg()
-    plan = Plan(args.runs, args.budget, args.seeds, args.hidden, args.out)
+    plan = Plan(args.runs, args.budget, args.seeds, args.hidden, args.out, args.from_evidence)
     if not args.report_only:
         tally = plan.execute(args.only, args.threads, args.jobs)
         niceness = os.nice(0)
@@ -125,10 +146,41 @@ def reproduce(args: argparse.Namespace, argv) -> None:
             "wall_seconds": round(time.time() - started, 1), "launched": tally.launched, "reused": tally.reused,
             "threads": args.threads, "jobs": args.jobs,
             "load": [round(load_before[0], 1), round(os.getloadavg()[0], 1)]})
-    meta = {"machine": describe_machine(), "seeds": args.seeds, "budget": args.budget, "runs": args.runs,
-            "invocations": plan.invocations()}
-    path = write_report(plan.collect(), meta, args.out)
+    if args.from_evidence is not None:
+        recorded = read_meta(args.from_evidence)
+        machine, invocations = recorded["machine"], recorded["invocations"]
+    else:
+        machine, invocations = describe_machine(), plan.invocations()
+    evidence = args.evidence or args.from_evidence
+    meta = {"machine": machine, "seeds": args.seeds, "budget": args.budget, "runs": args.runs,
+            "invocations": invocations, "evidence": evidence}
+    results = plan.collect()
+    if args.check:
+        check_report(results, meta, args.out, args.from_evidence)
+        return
+    path = write_report(results, meta, args.out)
+    if args.evidence is not None:
+        written = plan.write_evidence(args.evidence, {
+            "machine": machine, "seeds": args.seeds, "hidden": args.hidden, "runs": str(args.runs),
+            "budget": "quick" if args.quick else "full", "invocations": invocations})
+        print(f"[reproduce] evidence: {written} runs in {args.evidence}", flush=True)
     print(f"[reproduce] report: {path} ({time.time() - started:.0f} s)", flush=True)
+
+
+def check_report(results: dict, meta: dict, out: Path, evidence: Path) -> None:
+    """Writes the report into a scratch folder and compares its markdown with `out`'s: a table edited by hand, or
+    evidence changed without regenerating, ends the process with a line naming the file and the command."""
+    with tempfile.TemporaryDirectory() as scratch:
+        fresh = write_report(results, meta, out, into=Path(scratch)).read_text().splitlines()
+    committed = out / "reproduction.md"
+    found = committed.read_text().splitlines() if committed.is_file() else []
+    if found != fresh:
+        line = next((i for i, (a, b) in enumerate(zip(found, fresh)) if a != b), min(len(found), len(fresh)))
+        first = (f"line {line + 1} is {found[line] if line < len(found) else '(the end)'!r}, the evidence gives "
+                 f"{fresh[line] if line < len(fresh) else '(the end)'!r}")
+        raise SystemExit(f"error: {committed}: differs from what {evidence} gives ({first[:400]}; regenerate it: "
+                         f"python scripts/reproduce.py --from-evidence {evidence} --out {out})")
+    print(f"[reproduce] {committed} is what {evidence} gives", flush=True)
 
 
 def describe_machine() -> str:

@@ -20,7 +20,7 @@ from rag_train.strategies import overrides_read_by
 from rag_train.train.lm_pretrain import LMPretrainConfig, pretrain_toy_lm
 from rag_train.train.schema import RetrieverTrainConfig
 from rag_train.experiments import compare_batching_main, run_once
-from rag_train.reproduction import described, dynnibal, generative
+from rag_train.reproduction import described, dynnibal, evidence, generative
 from rag_train.reproduction.budgets import Budget
 from rag_train.reproduction.large_batches import large_batches_outputs
 from rag_train.io import atomic_write_json, read_json, remove_temporaries_of
@@ -40,6 +40,7 @@ TABLE3 = ("closed_book", "frozen", "corrector", "exhaustive")
 TABLE3_LM = ("frozen", "corrector", "exhaustive")  # from the LM init; closed book reads no retriever: TABLE3's
 CURVES = ("stale", "corrector", "exhaustive")
 RLM_CURVES = ("frozen", "corrector", "exhaustive")
+SPLITS_EVIDENCE = "generative/splits-manifest.json"  # under the evidence folder
 INVOCATIONS = "invocations.json"  # under --runs: every invocation that ran sections, with its wall time
 
 
@@ -119,8 +120,12 @@ class Tally:
 class Plan:
     """Every run of every section, by name and folder; the same plan runs them and collects their results."""
 
-    def __init__(self, runs: Path, budget: Budget, seeds: list[int], hidden: list[int], out: Path):
+    def __init__(self, runs: Path, budget: Budget, seeds: list[int], hidden: list[int], out: Path,
+                 evidence: Optional[Path] = None):
+        """`evidence`: collect reads the runs' summaries there (rag_train/reproduction/evidence.py), not their
+        folders."""
         self.runs, self.budget, self.seeds, self.hidden, self.out = runs, budget, seeds, hidden, out
+        self.evidence = evidence
         self.lm_configs: dict[tuple[str, ...], LMPretrainConfig] = {}
         self.default_hidden = load_config(RetrieverTrainConfig, RETRIEVER_CONFIG).strategy.corrector.hidden
         self.world = [] if budget.toy_passages is None else [f"data.toy_dir={runs / 'toy-world'}",
@@ -378,16 +383,23 @@ class Plan:
         print("+", " ".join(cmd), flush=True)
         subprocess.run(cmd, check=True)
 
+    def metrics_of(self, run: Run) -> Optional[dict]:
+        """A finished run's metrics, from its folder or from its evidence; None when it has not finished."""
+        return run.metrics() if self.evidence is None else evidence.load_metrics(self.evidence, self.runs, run.out)
+
+    def found(self, runs: list[Run]) -> list[dict]:
+        return [m for m in map(self.metrics_of, runs) if m is not None]
+
+    def every_run(self) -> list[Run]:
+        return list({run.out: run for name in SECTIONS for run in self.section(name)}.values())  # each folder once
+
     def collect(self) -> dict:
         """Metrics of every finished run, every section (missing runs are left out)."""
-        def found(runs: list[Run]) -> list[dict]:
-            return [m for m in (r.metrics() for r in runs) if m is not None]
-
+        found = self.found
         synthetic = self.synthetic_dir() / "results.json"
-        every = {run.out: run for name in SECTIONS for run in self.section(name)}  # each folder once
         return {
-            "run_seconds": sum(m.get("wall_seconds", 0.0) for m in found(list(every.values()))),
-            "pretrain": self.pretrain().metrics(),
+            "run_seconds": sum(m.get("wall_seconds", 0.0) for m in found(self.every_run())),
+            "pretrain": self.metrics_of(self.pretrain()),
             "table1": {i: {s: found([self.table1(i, s, seed) for seed in self.seeds]) for s in TABLE1} for i in INITS},
             "table3": {s: found([self.table3(s, seed) for seed in self.seeds]) for s in TABLE3},
             "table3_lm": {s: found([self.table3_lm(s, seed) for seed in self.seeds]) for s in TABLE3_LM},
@@ -406,21 +418,48 @@ class Plan:
                                      for w in self.budget.described_worlds}},
         }
 
-    def collect_generative(self) -> dict:
-        def found(runs: list[Run]) -> list[dict]:
-            return [m for m in (r.metrics() for r in runs) if m is not None]
+    def splits_manifest(self) -> Optional[dict]:
+        if self.evidence is not None:
+            path = self.evidence / SPLITS_EVIDENCE
+            return read_json(path) if path.is_file() else None
         manifest = self.generative_splits() / "manifest.json"
+        return read_json(manifest) if manifest.is_file() else None
+
+    def dense_titles(self, seed: int) -> Optional[dict]:
+        out = self.generative_dense(seed).out
+        if self.evidence is None:
+            return generative.dense_titles(out)
+        return evidence.load_title_metrics(self.evidence, self.runs, out)
+
+    def collect_generative(self) -> dict:
+        found = self.found
         return {
             "world": "{} passages, toy_seed {}".format(*self.budget.generative_world),
-            "splits": read_json(manifest) if manifest.is_file() else None,
+            "splits": self.splits_manifest(),
             "main": {v: found([self.generative_run(v, s) for s in self.seeds]) for v in generative.VARIANTS},
             "fractions": {f: {v: found([self.generative_run(v, s, fraction=f) for s in self.seeds])
                               for v in generative.COMPARED} for f in FRACTIONS},
             "sizes": {size: {v: found([self.generative_run(v, s, size=size) for s in self.seeds])
                              for v in generative.COMPARED} for size in generative.SIZES},
             "bridge": {v: found([self.generative_run(v, s, bridge=True) for s in self.seeds]) for v in generative.COMPARED},
-            "dense": [m for m in (generative.dense_titles(self.generative_dense(s).out) for s in self.seeds) if m],
+            "dense": [m for m in map(self.dense_titles, self.seeds) if m],
         }
+
+    def write_evidence(self, folder: Path, meta: dict) -> int:
+        """Every finished run's summary, the splits' manifest and the report's `meta` under `folder` (after collect,
+        which computes the dual encoders' title metrics); returns how many runs had finished."""
+        names = evidence.Placeholders(self.runs, ROOT)
+        written = 0
+        for run in self.every_run():
+            summary = evidence.summary(run.script, run.config, run.out, run.overrides, names)
+            if summary is not None:
+                atomic_write_json(evidence.evidence_path(folder, self.runs, run.out), summary)
+                written += 1
+        manifest = self.splits_manifest()
+        if manifest is not None:
+            atomic_write_json(folder / SPLITS_EVIDENCE, names.value(manifest))
+        atomic_write_json(folder / evidence.META, meta)  # as given: the report names its runs folder
+        return written
 
     def invocations(self) -> list[dict]:
         """The log of earlier invocations that ran sections into this folder (the report lists their commands)."""

@@ -173,12 +173,14 @@ def invocation_table(invocations: list[dict]) -> list[str]:
     return lines + [""] + (notes + [""] if notes else [])
 
 
-def write_report(results: dict, meta: dict, out: Path) -> Path:
-    """docs/reproduction.md (+ figures/reproduction/*.png) from collected metrics; returns the markdown path."""
-    figures = out / "figures" / "reproduction"
+def write_report(results: dict, meta: dict, out: Path, into: Optional[Path] = None) -> Path:
+    """docs/reproduction.md (+ figures/reproduction/*.png) from collected metrics; returns the markdown path.
+    `into`: write both there instead, reading the other sections' files from `out` all the same (a check)."""
+    into = into or out
+    figures = into / "figures" / "reproduction"
     for name in ("table1_recall.png", "table3_em.png", "ablation_hidden.png", "curves.png"):  # a killed report's
         remove_temporaries_of(figures / name)
-    remove_temporaries_of(out / "reproduction.md")
+    remove_temporaries_of(into / "reproduction.md")
     references = {s: results["table1"]["random"].get(s) or [] for s in ("stale", "exhaustive")}
     plots = {
         "table1": plot_table1(results["table1"], figures / "table1_recall.png"),
@@ -212,6 +214,9 @@ def write_report(results: dict, meta: dict, out: Path) -> Path:
         + (f", toy world of {meta['budget'].toy_passages} passages" if meta["budget"].toy_passages else "")
         + ". Configs: `configs/toy/retriever.yaml`, `configs/toy/rlm.yaml`; run folders under "
         f"`{meta['runs']}`.",
+        *([f"- Per-run evidence (metrics, command, config digest): `{meta['evidence']}`; `python "
+             f"scripts/reproduce.py --from-evidence {meta['evidence']} --out <this folder>` rewrites this file from "
+             "it alone."] if meta.get("evidence") else []),
         "- Tables give mean ± sample std over seeds (std only with 2+ seeds). The seed changes data order, uniform "
         "samples and the RLM's answer draws; the tiny models' initial weights are the same for every seed.",
         "- steps/s are wall-clock rates: they compare strategies only when the machine was otherwise idle (load "
@@ -307,7 +312,7 @@ def write_report(results: dict, meta: dict, out: Path) -> Path:
             f"![KL after vs staleness]({rel}/kl_after_vs_staleness.png)", ""]
     else:
         lines += ["_(not run: `--only synthetic`)_", ""]
-    path = out / "reproduction.md"
+    path = into / "reproduction.md"
     lines += (large_batches_section(out) + dynnibal_section(results.get("dynnibal"))
               + generative_section(results.get("generative")) + described_section(results.get("described")))
     atomic_write_text(path, "\n".join(lines).rstrip() + "\n")  # StorageError on a full disk
