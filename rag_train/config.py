@@ -9,6 +9,9 @@ Algorithm 1, `RLMConfig` for Algorithm 2, in `rag_train.train.schema`) add the `
 sections, whose keys each strategy or batching module declares (`plugin_section`: `rag_train.strategies`,
 `rag_train.train.batching`). This module is the bottom layer: it knows no models,
 buffers, strategies or command line.
+
+Long file: the shared sections and the loader that validates them are one schema; the loader's messages name
+the sections' keys, and a section moved elsewhere would import the loader back.
 """
 
 from __future__ import annotations

@@ -1,5 +1,8 @@
 """Experiment drivers shared by the comparisons (scripts/compare_strategies.py, rag_train/reproduction/):
-launch one training run as its own process, reuse it once finished, and summarise values over seeds."""
+launch one training run as its own process, reuse it once finished, and summarise values over seeds.
+
+Long file: the launch, the per-seed summaries (recall, curves, gap closure at every k) and the two comparison
+drivers are used together by every comparison; the reproduction sections import them from this one place."""
 
 from __future__ import annotations
 

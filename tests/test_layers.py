@@ -47,12 +47,13 @@ LAYERS = [
     Layer("5 methods and metrics", ("rag_train.strategies", "rag_train.eval", "rag_train.generative"),
           "`strategies/` (passage selection, one module each), `eval/` (EM, recall, IR metrics, TREC runs, QA and "
           "retrieval evaluation), `generative/` (Np Decoding's trie, CE table, head, search)", "buffer"),
-    Layer("6 recipes", ("rag_train.train", "rag_train.experiments"),
+    Layer("6 recipes", ("rag_train.train", "rag_train.experiments", "rag_train.reproduction.paper"),
           "`train/` (`schema.py`: the recipes' config schemas; `run.py`: run directory, checkpoints, trackers; "
           "`step.py`: data order, the optimizer step and its fault guard; `run_corpus.py`: the corpus a run trained on, checked by export / evaluate / resume; "
           "`retriever.py`: Algorithm 1, with `batching/` (one module per large-batch option); `rlm.py`: Algorithm 2; "
           "`generative.py`; `lm_pretrain.py`; `warm_start.py`; `passages.py`; `trainable.py`; `memory.py`; "
-          "`summary.py`; `curves.py`: the strategy's per-step values as a figure), `experiments.py`",
+          "`summary.py`; `curves.py`: the strategy's per-step values as a figure), `experiments.py` (and the seed "
+          "paper's numbers it compares against, `reproduction/paper.py`: plain data the report reads too)",
           "strategies, eval, generative"),
     Layer("7 serving and analysis", ("rag_train.serving", "rag_train.analysis", "rag_train.reproduction"),
           "`serving/` (`embed_corpus.py`: a corpus embedded with a run's passage tower; `export.py`: "

@@ -41,6 +41,9 @@ fresh top-k on training and dev questions of the in-loop corrector h(B), of the 
 same width fitted offline with the run's corrector loss on every training question's gold + fresh top-`--fit-top`
 rows), of fresh g and of stale B. The achievable fit far above the in-loop corrector: the loop's subsets and updates
 hold it back, not its width.
+
+Long file: every measure here reads the same embedded corpus, questions and corrector, and the printed report
+sets them side by side; one module per measure would pass that state between them.
 """
 
 from __future__ import annotations

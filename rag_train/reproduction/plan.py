@@ -1,5 +1,10 @@
 """Every training run of the reproduction, by section: its script, config, folder and overrides; launching the
-runs (a finished run is reused, an interrupted one resumed) and the log of invocations that launched them."""
+runs (a finished run is reused, an interrupted one resumed) and the log of invocations that launched them.
+
+Long file: every section's runs are planned, launched and collected through the one `Plan` (its budget, seeds,
+worlds and init models); a section's branches read the others' runs (the described section the pretrained init,
+Table 3 the Table 1 reader).
+"""
 
 from __future__ import annotations
 

@@ -1,7 +1,11 @@
 """The run every recipe trains in: the Accelerate run (seeding, run directory, trackers), atomic checksummed
 checkpoints with resume, the cross-process agreement check, input-fault release, and metrics files. One step's
 machinery (data order, the optimizer step and its fault guard) is `train.step`; the one module each recipe trains
-lives in `train.trainable`."""
+lives in `train.trainable`.
+
+Long file: checkpointing, resume, the stop signal and the metrics files all read and write the same run state
+(its directory, lock, Accelerator, guard counters, history and corpus passes); split, each part would reach into
+the others' fields."""
 
 from __future__ import annotations
 
