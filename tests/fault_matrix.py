@@ -734,11 +734,7 @@ class Matrix:
 
     def straight(self, entry: Entry) -> None:
         cell_dir = self.new_cell_dir(entry.name, "reference")
-        root = self.root_of(cell_dir)
-        root.mkdir()
-        log = str(cell_dir / "events.log")
-        status, stderr, seconds = self.execute(cell_dir, entry.command(self, root),
-                                               {"root": str(root), "log": log, "mode": "record"})
+        root, log, (status, stderr, seconds) = self.run_injected(entry, cell_dir, mode="record")
         if status != 0:
             raise RuntimeError(f"{entry.name}: the uninterrupted run failed ({status}):\n{stderr[-3000:]}")
         self.references[entry.name] = root
@@ -767,11 +763,7 @@ class Matrix:
         cell = Cell(entry.name, "kill -9, then resume", "a random write", "-9, then 0 and the uninterrupted result",
                     detail=f"write {index} of {len(events)}: {events[index - 1]['site']}")
         cell_dir = self.new_cell_dir(entry.name, f"kill-{index}")
-        root = self.root_of(cell_dir)
-        root.mkdir()
-        status, stderr, seconds = self.execute(cell_dir, entry.command(self, root),
-                                               {"root": str(root), "log": str(cell_dir / "events.log"),
-                                                "mode": "kill", "at": index})
+        root, _, (status, stderr, seconds) = self.run_injected(entry, cell_dir, mode="kill", at=index)
         cell.status, cell.seconds = status, seconds
         if status != -signal.SIGKILL:
             cell.problems.append(f"exit {status}, not killed: {stderr.strip().splitlines()[-1:]}")
@@ -779,14 +771,18 @@ class Matrix:
         self.resume_and_compare(entry, cell_dir, root, cell)
         return self._done(cell)
 
-    def full_disk(self, entry: Entry, site: str, resume: bool = True) -> Cell:
-        cell = Cell(entry.name, "disk full (ENOSPC) at a write", site, "5, one line naming the path")
-        cell_dir = self.new_cell_dir(entry.name, f"enospc-{site}")
+    def run_injected(self, entry: Entry, cell_dir: Path, **inject) -> tuple[Path, str, tuple[int, str, float]]:
+        """The entry point into a new output root under `cell_dir`, with tests/fault_inject.py's `inject` settings
+        (mode, site, at) and its event log: (root, log, (status, stderr, seconds))."""
         root = self.root_of(cell_dir)
         root.mkdir()
         log = str(cell_dir / "events.log")
-        status, stderr, seconds = self.execute(cell_dir, entry.command(self, root),
-                                               {"root": str(root), "log": log, "mode": "enospc", "site": site})
+        return root, log, self.execute(cell_dir, entry.command(self, root), {"root": str(root), "log": log, **inject})
+
+    def full_disk(self, entry: Entry, site: str, resume: bool = True) -> Cell:
+        cell = Cell(entry.name, "disk full (ENOSPC) at a write", site, "5, one line naming the path")
+        cell_dir = self.new_cell_dir(entry.name, f"enospc-{site}")
+        root, log, (status, stderr, seconds) = self.run_injected(entry, cell_dir, mode="enospc", site=site)
         cell.status, cell.seconds = status, seconds
         hit = fault_inject.fired(log)
         if hit is None:
@@ -839,11 +835,7 @@ class Matrix:
         cell = Cell(entry.name, "SIGTERM (preemption), then resume", "the first checkpoint",
                     "6, one line naming the checkpoint, then 0 and the uninterrupted result", detail=site)
         cell_dir = self.new_cell_dir(entry.name, "sigterm")
-        root = self.root_of(cell_dir)
-        root.mkdir()
-        log = str(cell_dir / "events.log")
-        status, stderr, seconds = self.execute(cell_dir, entry.command(self, root),
-                                               {"root": str(root), "log": log, "mode": "term", "site": site})
+        root, log, (status, stderr, seconds) = self.run_injected(entry, cell_dir, mode="term", site=site)
         cell.status, cell.seconds = status, seconds
         lines = [line for line in stderr.splitlines() if line.startswith("stopped by SIGTERM after step ")]
         cell.message = lines[-1] if lines else None
