@@ -3,9 +3,8 @@ refreshed, while the encoders still train. The base of the strategies that searc
 
 from __future__ import annotations
 
-import torch
-
 import numpy as np
+import torch
 
 from rag_train.buffer.search import build_faiss_index
 from rag_train.buffer.store import Buffer
