@@ -16,7 +16,7 @@ Each run is its own process with its own folder under --runs; a finished run (me
 """
 
 from rag_train.cli import exit_on_fault
-from rag_train.experiments import compare_batching_main
+from rag_lab.experiments import compare_batching_main
 
 if __name__ == "__main__":
     with exit_on_fault():

@@ -2,7 +2,7 @@
 `python scripts/compare_generative.py --generative RUN [RUN ...] --dense RUN [RUN ...] [--k 1 5 10]`
 (runs of scripts/train_generative.py and scripts/train_retriever.py; one markdown table, mean ± sd over runs)."""
 
-from rag_train.analysis.generative_compare import main
+from rag_lab.analysis.generative_compare import main
 from rag_train.cli import exit_on_fault
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """Run Algorithm 1 once per strategy (same config, steps and seeds) and write a markdown comparison table
-(`rag_train.experiments.compare_strategies`).
+(`rag_lab.experiments.compare_strategies`).
 
     python scripts/compare_strategies.py --out docs/retriever_strategies.md \
         --strategies in_batch uniform stale corrector exhaustive snm negative_cache --seeds 0 1 [key=value ...]
@@ -9,7 +9,7 @@ run (metrics.json present) is reused, so an interrupted comparison continues whe
 """
 
 from rag_train.cli import exit_on_fault
-from rag_train.experiments import compare_strategies_main
+from rag_lab.experiments import compare_strategies_main
 
 if __name__ == "__main__":
     with exit_on_fault():

@@ -1,5 +1,5 @@
 """Every GPU figure from one command, in stages that fit a short lease on a bare GPU machine (logic:
-rag_train/bench/gpu_report/; commands and figures: docs/gpu_report.md).
+rag_lab/bench/gpu_report/; commands and figures: docs/gpu_report.md).
 
     python scripts/gpu_report.py --stage list
     python scripts/gpu_report.py --wheels .whl                          # where the package index is reachable
@@ -12,10 +12,10 @@ import importlib.util
 import sys
 from pathlib import Path
 
-if importlib.util.find_spec("rag_train") is None:  # a bare GPU machine: this checkout is not pip-installed
+if importlib.util.find_spec("rag_lab") is None:  # a bare GPU machine, or an install older than the lab
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rag_train.bench.gpu_report.cli import main  # noqa: E402
+from rag_lab.bench.gpu_report.cli import main  # noqa: E402
 
 if __name__ == "__main__":
     main()

@@ -4,10 +4,10 @@ final evaluation, each stage timed with its peak memory and the host-side share 
     python scripts/rehearse_scale.py --dir /tmp/scale --rows 1000000 --steps 20 --refresh-every 10 \
         retriever.tiny.d_model=16 ...   # config overrides for both runs
 
-Logic: rag_train/bench/scale.py.
+Logic: rag_lab/bench/scale.py.
 """
 
-from rag_train.bench.scale import main
+from rag_lab.bench.scale import main
 from rag_train.cli import exit_on_fault
 
 if __name__ == "__main__":

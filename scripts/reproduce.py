@@ -1,5 +1,5 @@
 """Reproduce seed 000's comparisons on the toy world end to end and write the report (docs/reproduction.md;
-rag_train/reproduction/command.py says every option, the sections and their cost):
+rag_lab/reproduction/command.py says every option, the sections and their cost):
 
     nice -n 10 python scripts/reproduce.py                      # every section, default budgets and seeds
     python scripts/reproduce.py --only table1 ablation --seeds 0 1 2
@@ -8,7 +8,7 @@ rag_train/reproduction/command.py says every option, the sections and their cost
 """
 
 from rag_train.cli import exit_on_fault
-from rag_train.reproduction.command import main
+from rag_lab.reproduction.command import main
 
 if __name__ == "__main__":
     with exit_on_fault():

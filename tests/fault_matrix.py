@@ -76,7 +76,7 @@ def zygote() -> None:
     import rag_train.train.generative  # noqa: F401
     import rag_train.serving.export  # noqa: F401
     import rag_train.serving.embed_corpus  # noqa: F401
-    import rag_train.reproduction.report  # noqa: F401
+    import rag_lab.reproduction.report  # noqa: F401
     import matplotlib.pyplot  # noqa: F401
     import importlib.util
 
@@ -960,8 +960,8 @@ def make_read_only(folder: Path) -> tuple[str, Callable[[], None]]:
 def make_reproduce_runs(runs: Path) -> None:
     """A --runs folder of finished runs (metrics.json only, as tests/test_reproduce.py writes them), for the
     report-only reproduce cells."""
-    from rag_train.reproduction.budgets import QUICK
-    from rag_train.reproduction.plan import Plan
+    from rag_lab.reproduction.budgets import QUICK
+    from rag_lab.reproduction.plan import Plan
     from test_reproduce import fake_results
 
     shutil.rmtree(runs, ignore_errors=True)

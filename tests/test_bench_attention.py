@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rag_train.bench import attention as bench
+from rag_lab.bench import attention as bench
 from rag_train.models.attention import t5_configs
 
 

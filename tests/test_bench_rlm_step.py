@@ -1,4 +1,4 @@
-"""rag_train/bench/rlm_step.py (the base-size RLM step benchmark) at a tiny shape on CPU: it runs, times the
+"""rag_lab/bench/rlm_step.py (the base-size RLM step benchmark) at a tiny shape on CPU: it runs, times the
 recipe's own `RLMRecipe.train_step`, reports every field, and its own check (encoder-reuse likelihoods ==
 re-encoding == plain T5 per passage) holds, and fails when the reuse path is broken."""
 
@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from rag_train.bench import rlm_step as bench
+from rag_lab.bench import rlm_step as bench
 from rag_train.models.reader import FiDReader
 from rag_train.train.rlm import RLMRecipe
 

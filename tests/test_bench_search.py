@@ -1,8 +1,8 @@
-"""rag_train/bench/search.py's device part, run on CPU at toy size: it must agree with its plain references."""
+"""rag_lab/bench/search.py's device part, run on CPU at toy size: it must agree with its plain references."""
 
 import pytest
 
-from rag_train.bench import search as bench_search
+from rag_lab.bench import search as bench_search
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])

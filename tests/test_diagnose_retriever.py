@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from rag_train.buffer.store import Buffer
 from rag_train.data.corpus import Corpus
-from rag_train.analysis.diagnose_retriever import (checkpoint_retriever, diagnose, diagnose_checkpoints, fit_offline,
+from rag_lab.analysis.diagnose_retriever import (checkpoint_retriever, diagnose, diagnose_checkpoints, fit_offline,
                                                   fit_targets, latest_checkpoint, main)
 from rag_train.data.supervised import load_retrieval
 from rag_train.eval.retrieval import load_eval_set
@@ -190,7 +190,7 @@ def test_offline_fit_from_a_wider_source_learns_from_its_content_only():
 
 def test_token_bags_hold_each_texts_tokens(toy_tokenizer):
     """token_bags against the tokenizer's ids read one text at a time (the set of ids within max_length)."""
-    from rag_train.analysis.diagnose_retriever import token_bags
+    from rag_lab.analysis.diagnose_retriever import token_bags
 
     texts = ["Ada Lovelace works at Zalon Textiles", "born in 1815", "Ada Ada Ada"]
     bags = token_bags(toy_tokenizer, texts, max_length=4)
@@ -204,7 +204,7 @@ def test_content_probe_against_a_ridge_solved_by_numpy_and_its_two_limits():
     """Vectors that are the bags themselves identify every held-out passage; constant vectors predict one bag for
     every row, so exactly one held-out row (1 / held-out) is nearest to its own; a random projection of the bags
     matches a ridge solved independently with numpy on the same halves."""
-    from rag_train.analysis.diagnose_retriever import content_probe
+    from rag_lab.analysis.diagnose_retriever import content_probe
 
     generator = torch.Generator().manual_seed(0)
     bags = (torch.rand(200, 60, generator=generator) < 0.2).float()
@@ -243,7 +243,7 @@ def test_the_content_table_is_printed_for_the_runs_vectors(corrector_run, capsys
 
 @pytest.mark.parametrize("option", ["--content", "--fit-content-hidden"])
 def test_too_large_a_bag_matrix_is_refused_before_the_corpus_pass(corrector_run, monkeypatch, option):
-    import rag_train.analysis.diagnose_retriever as module
+    import rag_lab.analysis.diagnose_retriever as module
     from rag_train.config import ConfigError
 
     monkeypatch.setattr(module, "MAX_BAG_CELLS", 10)

@@ -20,7 +20,7 @@ SCRIPTS = sorted((ROOT / "scripts").glob("*.py"))
 # scripts whose package call enters exit_on_fault itself, and why it cannot be entered here
 OWN_FAULT_HANDLING = {
     "gpu_report.py": "runs on a bare GPU machine: it installs the wheels that rag_train.cli needs (omegaconf) "
-                     "before importing it, then enters exit_on_fault in rag_train.bench.gpu_report.cli.run_stages",
+                     "before importing it, then enters exit_on_fault in rag_lab.bench.gpu_report.cli.run_stages",
 }
 
 

@@ -1,4 +1,4 @@
-"""The reproduction's evidence (rag_train/reproduction/evidence.py): per-run summaries written from run folders, the
+"""The reproduction's evidence (rag_lab/reproduction/evidence.py): per-run summaries written from run folders, the
 report regenerated from them alone, and a report edited by hand caught by `--check` — no training here (the quick
 reproduction in test_reproduce.py writes and checks evidence of real runs)."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from rag_train.reproduction import command
+from rag_lab.reproduction import command
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = Path("tests/fixtures/evidence")  # relative to ROOT: the report names the folder as given

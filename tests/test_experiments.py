@@ -1,11 +1,11 @@
-"""The comparison scripts' summaries (rag_train.experiments), checked against hand-computed values."""
+"""The comparison scripts' summaries (rag_lab.experiments), checked against hand-computed values."""
 
 from pathlib import Path
 
 import pytest
 
-from rag_train.experiments import curve_table, gap_report, retrieval_curve
-from rag_train.reproduction.plan import RETRIEVER_CONFIG
+from rag_lab.experiments import curve_table, gap_report, retrieval_curve
+from rag_lab.reproduction.plan import RETRIEVER_CONFIG
 
 
 def run(final, curve):
@@ -49,7 +49,7 @@ def test_closure_at_every_k_of_the_means_per_seed_and_the_papers_by_hand():
     R@20: no gap anywhere (n/a, no division by zero). R@100: seed 0 5 / 5 = 100%, seed 1 no gap; means 2.5 / 2.5.
     SNM did not evaluate R@100 (`-`); its R@1 ends below stale: -10 / 40 = -25%, 0 / 10 = 0%, means -5 / 25 = -20%.
     The paper's row from its own table: 9 / 10, 0 / 10, 6 / 10, no gap."""
-    from rag_train.experiments import closure, closure_table
+    from rag_lab.experiments import closure, closure_table
 
     rows = {"stale": [recalls(.40, .60, .80, .90), recalls(.50, .60, .80, .90)],
             "corrector": [recalls(.70, .55, .80, .95), recalls(.60, .70, .80, .90)],
@@ -77,7 +77,7 @@ def test_closure_at_every_k_of_the_means_per_seed_and_the_papers_by_hand():
 def test_compare_strategies_reports_the_closure_at_every_k_beside_both_papers_inits(monkeypatch, tmp_path):
     """The comparison's table ends with the closure table: the same runs' closures as `closure` gives, and the
     paper's T5-base (93% at R@1: 9.00 / 9.69) and GTR-base (109%: 3.85 / 3.54) rows."""
-    import rag_train.experiments as experiments
+    import rag_lab.experiments as experiments
 
     finals = {"stale": [.40, .50], "corrector": [.70, .60], "exhaustive": [.80, .60]}
 

@@ -1,4 +1,4 @@
-"""scripts/gpu_report.py (rag_train/bench/gpu_report/): `--device cpu --quick --stage all` runs every stage at toy
+"""scripts/gpu_report.py (rag_lab/bench/gpu_report/): `--device cpu --quick --stage all` runs every stage at toy
 size in a fresh process, and each fragment's numbers are checked against an independent computation (token counts
 from the toy tokenizer, encoder FLOPs by hand, a float64 brute-force top-k, the reader's parameters from plain
 transformers, the toy world's own files); the process imports nothing the GPU image lacks beyond the carried wheels;
@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from rag_train.bench.gpu_report import (cli, common, document, embed_stage, forward_stage, scale_stage, search_stage,
+from rag_lab.bench.gpu_report import (cli, common, document, embed_stage, forward_stage, scale_stage, search_stage,
                                         stages, step_stage, wheels)
 
 # one xdist worker runs the whole file: its stages run once, in the module fixture
@@ -78,7 +78,7 @@ def quick_run(tmp_path_factory):
         views = {views!r}
         sys.path[:] = [views.get(os.path.realpath(p), p) for p in sys.path]
         importlib.invalidate_caches()
-        from rag_train.bench.gpu_report.cli import main
+        from rag_lab.bench.gpu_report.cli import main
         main(["--device", "cpu", "--quick", "--stage", "all", "--out", {str(out)!r}, "--work", {str(work)!r},
               "--wheels-dir", {str(tmp / "no-wheels")!r}])
         print("MODULES " + json.dumps(sorted({{m.split(".")[0] for m in sys.modules}})))
@@ -156,7 +156,7 @@ def test_kernel_classes(name, kind):
 
 
 def test_search_top_k_equals_a_float64_brute_force(quick_run):
-    from rag_train.bench.search import make_corrector
+    from rag_lab.bench.search import make_corrector
 
     record = quick_run["records"]["search"]
     s = record["settings"]
@@ -313,8 +313,8 @@ def test_install_wheels_installs_only_what_is_missing(tmp_path, monkeypatch):
 def test_the_gpu_sizes_are_accepted_by_the_code_they_configure():
     """The GPU-size settings never run here: what can be checked without a GPU is that the benchmarks' own
     parsers and the config loader accept them, so a lease is not spent on a typo."""
-    from rag_train.bench import rlm_step, search
-    from rag_train.bench.embed import SHAPES
+    from rag_lab.bench import rlm_step, search
+    from rag_lab.bench.embed import SHAPES
     from rag_train.config import load_config
     from rag_train.train.schema import RLMConfig
 

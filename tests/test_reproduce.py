@@ -1,4 +1,4 @@
-"""rag_train/reproduction (behind scripts/reproduce.py): the plan's run folders and overrides, and the report
+"""rag_lab/reproduction (behind scripts/reproduce.py): the plan's run folders and overrides, and the report
 written from given metrics (tables, computed verdicts against the paper, PNG plots) — no training here."""
 
 from __future__ import annotations
@@ -15,14 +15,14 @@ from pathlib import Path
 import pytest
 
 from rag_train.config import load_config
-from rag_train.experiments import PROBED_VALUES, batching_setups, batching_sweep_table, probe_table
+from rag_lab.experiments import PROBED_VALUES, batching_setups, batching_sweep_table, probe_table
 from rag_train.train.schema import RetrieverTrainConfig, RLMConfig
-from rag_train.reproduction.budgets import FULL, QUICK
-from rag_train.reproduction.plan import RETRIEVER_CONFIG, TABLE3, TABLE3_LM, Plan, Run, run_all
+from rag_lab.reproduction.budgets import FULL, QUICK
+from rag_lab.reproduction.plan import RETRIEVER_CONFIG, TABLE3, TABLE3_LM, Plan, Run, run_all
 from rag_train.train.warm_start import stage_settings
-from rag_train.reproduction.analysis import ANALYSIS
-from rag_train.reproduction.report import write_report
-from rag_train.reproduction import command, generative
+from rag_lab.reproduction.analysis import ANALYSIS
+from rag_lab.reproduction.report import write_report
+from rag_lab.reproduction import command, generative
 
 ROOT = Path(__file__).resolve().parents[1]
 SEED_SECTIONS = ("dynnibal", "large_batches", "generative", "described")
@@ -270,7 +270,7 @@ def test_described_report_gives_each_rows_share_of_the_gap_per_seed_and_the_verd
     exhaustive 0.80 / 0.70, corrector 0.72 / 0.68 closes (0.70 - 0.45) / (0.75 - 0.45) = 83% of the means (80%,
     90% per seed), but above SNM's 0.60 / 0.60 by +12 / +8 over 2 seeds only (t 5.0, p 0.126): undecided; a third
     world with 3 seeds 14-15 points above SNM: reproduced; on the untuned world 50% of the gap: not reproduced."""
-    from rag_train.reproduction.described import described_section
+    from rag_lab.reproduction.described import described_section
 
     def rows(**r1s):
         return {row: [retriever_metrics(v, reembedded=1000 if row == "exhaustive" else 0) for v in values]
@@ -461,7 +461,7 @@ def test_quick_generative_section_runs_seed_003s_four_tables(seed_sections):
     ASYNC rebuilds on its schedule and CONTRA after its contrastive steps, the dual encoder's title-level figures are
     those of `dense_title_metrics`, the multi-hop runs read the bridge files and report Recall@2, and the report's rows
     and computed Np gain are the runs' metrics, by hand."""
-    from rag_train.analysis.generative_compare import dense_title_metrics
+    from rag_lab.analysis.generative_compare import dense_title_metrics
 
     runs = seed_sections
     folder = runs / "generative"

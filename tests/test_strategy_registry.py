@@ -209,7 +209,7 @@ def test_outside_the_strategies_the_registry_is_read_only_through_strategy_class
     import ast
 
     package = ROOT / "rag_train"
-    readers = sorted(str(path.relative_to(ROOT)) for path in package.rglob("*.py")
+    readers = sorted(str(path.relative_to(ROOT)) for top in (package, ROOT / "rag_lab") for path in top.rglob("*.py")
                      if path.parent != package / "strategies"
                      and any(isinstance(node, ast.Name) and node.id == "REGISTRY"
                              or isinstance(node, ast.alias) and node.name == "REGISTRY"
@@ -220,7 +220,7 @@ def test_outside_the_strategies_the_registry_is_read_only_through_strategy_class
 def test_a_comparison_gives_each_strategy_the_keys_it_reads(monkeypatch, tmp_path):
     """compare_strategies passes one set of overrides to several strategies: each gets the ones it reads (the
     others would be refused by its run), and one that no compared strategy reads is refused before any run."""
-    import rag_train.experiments as experiments
+    import rag_lab.experiments as experiments
 
     calls = {}
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from rag_train.losses import corrector_ce
-from rag_train.analysis.synthetic import (CorrectorSpec, Job, SyntheticConfig, corrector_grid, drift_network, grid_jobs,
+from rag_lab.analysis.synthetic import (CorrectorSpec, Job, SyntheticConfig, corrector_grid, drift_network, grid_jobs,
                                  make_corrector, make_data, mean_kl, parameter_count, quick_config, run_job,
                                  truncated_ce)
 
@@ -118,7 +118,7 @@ def test_run_job_is_deterministic():
 
 
 def test_grid_outputs_and_same_results_with_one_or_two_workers(tmp_path):
-    from rag_train.analysis import synthetic_report as script
+    from rag_lab.analysis import synthetic_report as script
 
     results = {}
     for workers in (1, 2):

@@ -235,12 +235,12 @@ def brute_force_tracking(run: Path, corpus, path: Path, k: int, limit: int) -> d
 
 
 def test_diagnose_rlm_tracking_and_distractor_kinds(recipe_toy_dir, tmp_path, capsys):
-    """rag_train/analysis/diagnose_rlm.py on a finished corrector run: its tracking table against an independent
+    """rag_lab/analysis/diagnose_rlm.py on a finished corrector run: its tracking table against an independent
     brute-force computation, and every non-gold passage a prediction read classed, against a hand-built case of
     each kind."""
     from rag_train.data.corpus import Corpus
     from rag_train.data.sources import resolve_data
-    from rag_train.analysis import diagnose_rlm as diagnose
+    from rag_lab.analysis import diagnose_rlm as diagnose
 
     gold = {"title": "Vusa Zuzufus"}
     cases = [({"title": "Vusa Zuzufus"}, 11, "same person"), ({"title": "Vusa Rerihas"}, 20, "same first name"),

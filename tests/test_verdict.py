@@ -6,7 +6,7 @@ import math
 import pytest
 from scipy import stats
 
-from rag_train.reproduction.verdict import BEATS, LEVEL, UNDECIDED, compare, compare_variants, holm, main
+from rag_lab.reproduction.verdict import BEATS, LEVEL, UNDECIDED, compare, compare_variants, holm, main
 
 
 def p_two_dof(t: float) -> float:
@@ -87,7 +87,7 @@ def test_the_command_prints_one_line(capsys):
 def test_seed_000s_pair_claims_take_their_word_from_the_rule():
     """Each (better, worse) pair of the paper against 3 seeds made by hand: a clear win in the paper's direction, one
     against it, a tie where the paper is on par, a win where the paper is on par, and noise."""
-    from rag_train.reproduction.comparison import pair_claims
+    from rag_lab.reproduction.comparison import pair_claims
 
     def runs(*values):
         return [{"r": v} for v in values]
@@ -106,7 +106,7 @@ def test_seed_000s_pair_claims_take_their_word_from_the_rule():
 def test_dynnibal_beats_snm_only_by_the_rule():
     """Dynnibal closes 81% of the gap (over half) and its mean is above SNM's, but per seed +14 / +4 / +10 is no
     paired win over 3 seeds (p 0.085): undecided; 14 / 14 / 13 points on every seed: reproduced."""
-    from rag_train.reproduction.dynnibal import gap_lines
+    from rag_lab.reproduction.dynnibal import gap_lines
 
     def runs(*r1s, memory=None):
         return [{"recall": {"1": r}, **({"strategy_summary": {"device_memory_pct": memory}} if memory else {})}
@@ -127,7 +127,7 @@ def test_dynnibal_beats_snm_only_by_the_rule():
 def test_np_gain_picked_from_three_variants_is_decided_with_holm():
     """Seed 003's committed per-seed R-precision (vanilla 21.4 / 4.7 / 26.0, BASE 30.7 / 31.0 / 32.3, CONTRA 32.7 /
     32.3 / 27.7): BASE, the best of three by its mean, +14.0 but undecided."""
-    from rag_train.reproduction.generative import np_gain
+    from rag_lab.reproduction.generative import np_gain
 
     def runs(*rps):
         return [{"datasets": {"seen": {"r_precision": r}}} for r in rps]
@@ -147,7 +147,7 @@ def test_the_committed_report_states_the_rule_as_the_code_does():
     """docs/reproduction.md's "How verdicts are decided" is the generator's RULE, word for word."""
     from pathlib import Path
 
-    from rag_train.reproduction.verdict import RULE
+    from rag_lab.reproduction.verdict import RULE
 
     doc = (Path(__file__).parent.parent / "docs" / "reproduction.md").read_text()
     assert f"## How verdicts are decided\n\n{RULE}\n" in doc

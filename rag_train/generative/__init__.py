@@ -6,5 +6,5 @@ Layers, bottom up: `config` (keys), `targets` (identifiers, their tokens and con
 paths), `ce_table` (build / reduce / store the CE table through the buffer machinery), `model` (the Np head on
 T5), `contrastive` (CONTRA's token-level stage), `search` (constrained beam search and metrics). The recipe is
 `rag_train.train.generative`; the comparison with a dual encoder on the same metrics is
-`rag_train.analysis.generative_compare`.
+`rag_lab.analysis.generative_compare`.
 """

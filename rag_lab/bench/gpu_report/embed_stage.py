@@ -1,0 +1,146 @@
+"""The `embed` stage: `embed_rows` against `SentenceTransformer.encode`, and where `embed_rows`' host time goes."""
+
+from __future__ import annotations
+
+import math
+import time
+
+from rag_lab.bench.gpu_report.common import TOY_PASSAGES, Context, StageCheckError, fraction_goal, gemm_peak
+
+# sizes that ran in 142 s on an H100 (2026-11-25); 4x these outran a 300 s budget (ST.encode of 262,144 tiny rows
+# alone takes a minute: its tokenisation runs in one process)
+EMBED_GPU = {"shapes": ("tiny", "small", "base"), "lengths": (64, 128, 256), "at_128": {"tiny": 32768,
+             "small": 4096, "base": 2048}, "batch_size": 1024, "workers": 8, "repeats": 2}
+EMBED_QUICK = {"shapes": ("tiny",), "lengths": (64, 128, 256), "at_128": {"tiny": 16}, "batch_size": 8,
+               "workers": 0, "repeats": 1}
+
+
+def profile_embed(model, corpus, rows, batch_size: int, device) -> dict:
+    """One extra `embed_rows` pass with every host step in this process (0 workers) and the device synchronised
+    around the forward: seconds in reads, tokenisation, collation, forward, and the rest (host <-> device copies,
+    landing the vectors, the loop). Also counts the rows and real tokens the forward saw."""
+    import rag_train.buffer.embed as embed_module
+    from rag_lab.bench.machine import synchronize
+    from rag_train.buffer.embed import PassageTokenizer, embed_rows
+
+    seconds = {"reads": 0.0, "tokenisation": 0.0, "collation": 0.0, "forward": 0.0}
+    seen = {"rows": 0, "tokens": 0}
+
+    def timed(part, fn, sync=False):
+        def wrapped(*args, **kwargs):
+            if sync:
+                synchronize(device)
+            start = time.perf_counter()
+            out = fn(*args, **kwargs)
+            if sync:
+                synchronize(device)
+            seconds[part] += time.perf_counter() - start
+            return out
+        return wrapped
+
+    forward = model.encode_passage_features
+
+    def counted(features):
+        seen["rows"] += int(features["attention_mask"].shape[0])
+        seen["tokens"] += int(features["attention_mask"].sum())
+        return forward(features)
+
+    saved = [(PassageTokenizer, "encode", PassageTokenizer.encode), (PassageTokenizer, "features",
+             PassageTokenizer.features), (embed_module, "plan_batches", embed_module.plan_batches)]
+    PassageTokenizer.encode = timed("tokenisation", PassageTokenizer.encode)
+    PassageTokenizer.features = timed("collation", PassageTokenizer.features)
+    embed_module.plan_batches = timed("collation", embed_module.plan_batches)
+    corpus.passages = timed("reads", corpus.passages)
+    model.encode_passage_features = timed("forward", counted, sync=True)
+    try:
+        synchronize(device)
+        start = time.perf_counter()
+        embed_rows(model, corpus, rows, batch_size, device, num_workers=0)
+        synchronize(device)
+        total = time.perf_counter() - start
+    finally:
+        for owner, name, original in saved:
+            setattr(owner, name, original)
+        del corpus.passages, model.encode_passage_features
+    seconds["copies and the rest"] = max(0.0, total - sum(seconds.values()))
+    return {"seconds": total, "share": {k: v / total for k, v in seconds.items()}, **seen}
+
+
+def stage_embed(ctx: Context) -> dict:
+    import numpy as np
+
+    from rag_lab.bench.embed import SHAPES, encoder_flops, long_passages, time_both
+    from rag_train.config import RetrieverConfig
+    from rag_train.data.toy_files import generate_toy_world
+    from rag_train.models.retriever import DualEncoder
+
+    cfg = EMBED_QUICK if ctx.quick else EMBED_GPU
+    device = ctx.device
+    peak, peak_how = gemm_peak(device)
+    toy = ctx.work / "toy"
+    generate_toy_world(toy, TOY_PASSAGES[ctx.quick], seed=0, progress=False)
+    results = []
+    for length in cfg["lengths"]:
+        counts = {shape: max(8, cfg["at_128"][shape] * 128 // length) for shape in cfg["shapes"]}
+        # each passage: enough toy passages (~35 tokens each) glued together to outrun `length` tokens
+        corpus = long_passages(toy / "passages.jsonl", ctx.work / f"long-{length}.jsonl", max(counts.values()),
+                               join=math.ceil(length / 20) + 1)
+        for shape in cfg["shapes"]:
+            model_cfg = RetrieverConfig(model="tiny", tiny=SHAPES[shape], shared_towers=True,
+                                        max_passage_length=length)
+            model = DualEncoder.from_config(model_cfg, tokenizer=str(toy / "tokenizer")).to(device).eval()
+            rows = np.arange(counts[shape])
+            ours, st, diff = time_both(model, corpus, cfg["batch_size"], cfg["workers"], device, cfg["repeats"], rows)
+            profile = profile_embed(model, corpus, rows, cfg["batch_size"], device)
+            if profile["rows"] != len(rows) or profile["tokens"] != len(rows) * length:
+                raise StageCheckError(f"embed {shape} at {length} tokens: the forward saw {profile['rows']} rows and "
+                                      f"{profile['tokens']} tokens, not {len(rows)} rows of exactly {length} tokens")
+            flops = encoder_flops(model, length) * len(rows)
+            results.append({"shape": shape, "length": length, "passages": len(rows), "ours_seconds": ours,
+                            "st_seconds": st, "ours_passages_per_s": len(rows) / ours,
+                            "st_passages_per_s": len(rows) / st, "ours_fraction_of_peak": flops / ours / peak,
+                            "st_fraction_of_peak": flops / st / peak, "flops_per_passage": flops / len(rows),
+                            "max_abs_diff": diff, "profile": profile})
+            print(f"embed {shape:>5} {length:>3} tok {len(rows):>7} psg: embed_rows {len(rows) / ours:10.0f} psg/s "
+                  f"({flops / ours / peak:.3f} of peak), ST {len(rows) / st:10.0f} psg/s, max|diff| {diff:.1e}",
+                  flush=True)
+            del model
+    pick = {(r["shape"], r["length"]): r for r in results}
+    base = pick.get(("base", 256))
+    tiny = [r["ours_passages_per_s"] for r in results if r["shape"] == "tiny"]
+    goals = [fraction_goal("base-shaped tower at 256 tokens: embed_rows >= 0.5 of the bf16 GEMM peak",
+                           base and base["ours_fraction_of_peak"], 0.5, device),
+             fraction_goal("tiny tower: embed_rows >= 100,000 passages/s (slowest of its lengths)",
+                           min(tiny) if tiny else None, 100_000, device)]
+    settings = {k: v for k, v in cfg.items() if k != "at_128"}
+    return {"gemm_peak_flops": peak, "gemm_peak_how": peak_how, "settings": settings, "results": results,
+            "goals": goals}
+
+
+def render_embed(record: dict) -> list[str]:
+    s = record["settings"]
+    lines = [f"Towers are random-weight T5 encoders (rag_lab/bench/embed.py: tiny = the toy retriever, small = "
+             f"T5-v1.1-small, base = T5-v1.1-base, GTR-base's FLOPs); every passage is truncated to exactly the "
+             f"length. Batch {s['batch_size']} rows, `embed_rows` with {s['workers']} DataLoader workers, best of "
+             f"{s['repeats']}, both paths under the same autocast; fractions are encoder matmul FLOP/s over the "
+             "same-run GEMM peak.", "",
+             "| tower | tokens | passages | `embed_rows` psg/s | of peak | `SentenceTransformer.encode` psg/s "
+             "| of peak | ratio | max abs diff |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in record["results"]:
+        lines.append(f"| {r['shape']} | {r['length']} | {r['passages']:,} | {r['ours_passages_per_s']:,.0f} | "
+                     f"{r['ours_fraction_of_peak']:.3f} | {r['st_passages_per_s']:,.0f} | "
+                     f"{r['st_fraction_of_peak']:.3f} | {r['st_seconds'] / r['ours_seconds']:.2f}x | "
+                     f"{r['max_abs_diff']:.1e} |")
+    missing = [x for x in ("tiny", "small", "base") if x not in s["shapes"]]
+    if missing:
+        lines.append(f"\n(Not run at this size: {', '.join(missing)}.)")
+    lines += ["", "Host-side profile of `embed_rows` (one more pass, every host step in the main process, device "
+              "synchronised around the forward; shares of that pass's wall time):", "",
+              "| tower | tokens | reads | tokenisation | collation | forward | copies and the rest |",
+              "|---|---|---|---|---|---|---|"]
+    for r in record["results"]:
+        share = r["profile"]["share"]
+        lines.append(f"| {r['shape']} | {r['length']} | " + " | ".join(
+            f"{100 * share[k]:.1f}%" for k in ("reads", "tokenisation", "collation", "forward", "copies and the rest"))
+            + " |")
+    return lines

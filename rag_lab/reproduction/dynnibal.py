@@ -1,0 +1,104 @@
+"""The reproduction's `dynnibal` section: seed 001 as its paper runs it (issue 28, part 2), on a described world
+(docs/toy_world.md: the questions name no one in full, so exhaustive stays far below R@1 90), from the
+LM-pretrained init (the paper's RoBERTa-base; seed 000's T5-base) and from a retrieval-pretrained one (GTR-like: the
+other world's LM, then trained in-batch on that world's questions, so it has seen none of this world's people).
+
+Rows: uniform negatives; Dynnibal with the paper's schedule (uniform warm start, Nyström refreshes every w steps,
+one full refresh); Dynnibal "+0" (nothing re-encoded: its trees stay over the stale buffer, seed 000's Table 1 row);
+SNM holding as many full-dimension vectors on the device as Dynnibal does (3 d' + s'); exhaustive refreshes, every w
+steps and, as a control for Dynnibal's two full encodings, once every warm-start length. What is
+compared is the paper's claim: Dynnibal closes more than half of the uniform -> exhaustive R@1 gap at a small memory
+share and beats SNM at equal memory (the latter decided by rag_lab/reproduction/verdict.py)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from rag_lab.experiments import (RECALL_AT, cell, curve_table, gap_closed, gap_share, gap_shares_line, mean_recall,
+                                   recall, retrieval_curve)
+from rag_lab.reproduction.verdict import compare, ordered
+
+INITS = {"lm": "LM-pretrained init (paper: RoBERTa-base; seed 000: T5-base)",
+         "pretrained": "retrieval-pretrained init (GTR-like: trained in-batch on another described world)"}
+# folder name: (label, strategy, overrides after the budget's)
+ROWS = {
+    "uniform": ("uniform", "uniform", ()),
+    "dynnibal-plus0": ('Dynnibal "+0" (stale trees, no re-encoding)', "dynnibal",
+                       ("strategy.warm_start_steps=0", "strategy.full_refresh_step=0", "strategy.refresh_every=0")),
+    "dynnibal": ("Dynnibal (warm start, refreshes, full refresh)", "dynnibal", ()),
+    "snm": ("SNM at Dynnibal's device memory", "snm", ()),
+    "exhaustive": ("exhaustive", "exhaustive", ()),
+    # a control: as many corpus passes as Dynnibal's two full encodings, spent on exact refreshes instead
+    "exhaustive-rare": ("exhaustive, refreshed once per warm start's length", "exhaustive",
+                        ("strategy.refresh_every={warm_start_steps}",)),
+}
+
+
+def equal_memory_targets(landmarks: int, nystrom_samples: int) -> int:
+    """SNM targets that take the device memory Dynnibal's summary counts: the landmarks, their re-encodings and the
+    [d', d] regression weights (3 d' vectors of full dimension) and the s' regression targets."""
+    return 3 * landmarks + nystrom_samples
+
+
+def device_memory_pct(row: str, m: dict, passages: int, snm_targets: int) -> float:
+    """Full-dimension vectors an accelerator holds, as % of the whole buffer (seed 001's Mem%)."""
+    if row.startswith("dynnibal"):
+        return m["strategy_summary"]["device_memory_pct"]
+    if row.startswith("exhaustive"):
+        return 100.0
+    return {"uniform": 0.0, "snm": 100.0 * min(snm_targets, passages) / passages}[row]
+
+
+def init_table(rows: dict[str, list[dict]], passages: int, snm_targets: int) -> str:
+    """One init's rows: device memory, re-embedded passages, R@1/5/20/100 (mean ± sd over seeds)."""
+    lines = ["| row | device memory | re-embedded | " + " | ".join(f"R@{k}" for k in RECALL_AT) + " |",
+             "|---|---|---|" + "---|" * len(RECALL_AT)]
+    for row, runs in rows.items():
+        if not runs:
+            continue
+        memory = device_memory_pct(row, runs[0], passages, snm_targets)
+        recalls = " | ".join(cell([m["recall"][k] for m in runs]) for k in RECALL_AT)
+        lines.append(f"| {ROWS[row][0]} | {memory:.1f}% | {runs[0]['reembedded_passages']:,} | {recalls} |")
+    return "\n".join(lines)
+
+
+def gap_lines(rows: dict[str, list[dict]], passages: int, snm_targets: int) -> list[str]:
+    """The share of the uniform -> exhaustive R@1 gap each row closes (of the means, and per seed in seed order),
+    and the verdict on seed 001's claim; nothing unless uniform, Dynnibal and exhaustive ran."""
+    low, high, dyn = (mean_recall(rows.get(name, [])) for name in ("uniform", "exhaustive", "dynnibal"))
+    if low is None or high is None or dyn is None:
+        return []
+    lines = [gap_shares_line(rows, "uniform", "exhaustive", ("dynnibal", "dynnibal-plus0", "snm"),
+                             {r: label for r, (label, _, _) in ROWS.items()})]
+    closed = gap_closed(low, dyn, high)
+    memory = device_memory_pct("dynnibal", rows["dynnibal"][0], passages, snm_targets)
+    versus = compare("Dynnibal", [100 * recall(m) for m in rows["dynnibal"]],
+                     "SNM", [100 * recall(m) for m in rows.get("snm") or []])
+    above = ordered(versus, "Dynnibal")
+    verdict = ("undecided (exhaustive is not above uniform: no gap)" if closed is None
+               else "not reproduced" if closed <= 0.5 or above is False
+               else "undecided" if above is None else "reproduced")
+    lines.append(f"Seed 001's claim (Dynnibal closes more than half of the gap at a small memory share and beats SNM "
+                 f"at equal memory): **{verdict}** here: Dynnibal closes {gap_share(closed)} at {memory:.1f}% device "
+                 f"memory; R@1, Dynnibal against SNM at equal memory (the verdict rule): {versus.summary()}.")
+    return lines
+
+
+def dynnibal_section(results: Optional[dict]) -> list[str]:
+    """reproduction.md's section from the collected runs ({"runs": {init: {row: [metrics]}}, "passages",
+    "snm_targets", "world"}), or a line saying it did not run."""
+    lines = ["## Seed 001 as it runs: Dynnibal with its schedule on a described world", "",
+             "The paper's rows (uniform negatives, Dynnibal, SNM at equal memory, exhaustive) and seed 000's "
+             "Dynnibal \"+0\"; the schedule, the keys and the earlier runs: [dynnibal.md](dynnibal.md).", ""]
+    if results is None or not any(any(rows.values()) for rows in results["runs"].values()):
+        return lines + ["_(not run: `--only dynnibal`)_", ""]
+    passages, snm_targets = results["passages"], results["snm_targets"]
+    lines += [f"World: {results['world']}; SNM holds {snm_targets} targets (3 d' + s').", ""]
+    for init, rows in results["runs"].items():
+        if not any(rows.values()):
+            continue
+        lines += [f"### {INITS[init]}", "", init_table(rows, passages, snm_targets), "",
+                  "R@1 by training step (mean over seeds):", "",
+                  curve_table({ROWS[r][0]: runs for r, runs in rows.items()}, retrieval_curve), ""]
+        lines += [line for text in gap_lines(rows, passages, snm_targets) for line in (text, "")]
+    return lines
