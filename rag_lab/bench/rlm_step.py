@@ -286,7 +286,7 @@ def passage_likelihoods(reader: FiDReader, batch: dict, encoder_states: Optional
 
 def check_reuse(reader: FiDReader, batch: dict, dtype: str, single: int = 4) -> dict:
     """Eval mode (no dropout), fp32: reused-state likelihoods vs re-encoding, and vs plain T5 on single passages
-    (the issue's reference: one passage at a time). Also, for information, reuse from the step's precision
+    (the reference: one passage at a time). Also, for information, reuse from the step's precision
     (bf16 autocast forward) against the fp32 reference."""
     device = batch["input_ids"].device
     was_training = reader.training

@@ -1,4 +1,4 @@
-"""The reproduction's `described` section: seed 000's Table 1 where the paper makes its claim (issue 27), on
+"""The reproduction's `described` section: seed 000's Table 1 where the paper makes its claim, on
 described worlds (docs/toy_world.md: the questions name no one in full, so exhaustive stays far below R@1 90 at
 the end of training) from three inits: random, LM-pretrained (the paper's T5-base: the world's span-corruption toy
 T5) and retrieval-pretrained (its GTR-base: another described world's toy T5 trained in-batch on that world's

@@ -1,4 +1,4 @@
-"""The reproduction's `dynnibal` section: seed 001 as its paper runs it (issue 28, part 2), on a described world
+"""The reproduction's `dynnibal` section: seed 001 as its paper runs it, on a described world
 (docs/toy_world.md: the questions name no one in full, so exhaustive stays far below R@1 90), from the
 LM-pretrained init (the paper's RoBERTa-base; seed 000's T5-base) and from a retrieval-pretrained one (GTR-like: the
 other world's LM, then trained in-batch on that world's questions, so it has seen none of this world's people).

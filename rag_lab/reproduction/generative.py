@@ -1,4 +1,4 @@
-"""The reproduction's `generative` section: seed 003 (Np Decoding) where a title cannot be copied (issue 29).
+"""The reproduction's `generative` section: seed 003 (Np Decoding) where a title cannot be copied.
 
 On a described world (docs/toy_world.md) no question contains its target title; the splits of
 rag_train/data/toy_splits.py ask new facts of people seen in training (`seen`) and people never seen (`unseen`,

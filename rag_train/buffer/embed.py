@@ -1,8 +1,8 @@
 """The one path that embeds corpus passages g(y) without gradient: buffer build, exhaustive refresh,
 evaluation, the warm start's retrieval metrics and export all call `embed_rows`.
 
-The host side is built not to starve the device (issue 15: transformers' per-token list -> tensor
-conversion on the main thread kept an H100 at 6%):
+The host side is built not to starve the device (transformers' per-token list -> tensor conversion on
+the main thread kept an H100 at 6%):
   * a torch `DataLoader` whose worker processes (`num_workers`, 0 = in this process) read passages and
     tokenise them with the Rust tokenizer's batch API (`tokenizers.Tokenizer.encode_batch_fast`) straight
     into integer arrays;

@@ -7,7 +7,7 @@ import time
 
 from rag_lab.bench.gpu_report.common import TOY_PASSAGES, Context, StageCheckError, fraction_goal, gemm_peak
 
-# sizes that ran in 142 s on an H100 (2026-11-25); 4x these outran a 300 s budget (ST.encode of 262,144 tiny rows
+# sizes that ran in 142 s on an H100; 4x these outran a 300 s budget (ST.encode of 262,144 tiny rows
 # alone takes a minute: its tokenisation runs in one process)
 EMBED_GPU = {"shapes": ("tiny", "small", "base"), "lengths": (64, 128, 256), "at_128": {"tiny": 32768,
              "small": 4096, "base": 2048}, "batch_size": 1024, "workers": 8, "repeats": 2}

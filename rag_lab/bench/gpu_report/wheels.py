@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Optional
 
-# The GPU machines' image ('cuda', docs of the device tool, read 2026-11-17): the Python it runs and the packages it
+# The GPU machines' image ('cuda', as the device tool's docs list it): the Python it runs and the packages it
 # holds that the project's stages import. The stages' other needs come as wheels (`--wheels`).
 GPU_PYTHON = "3.12"
 GPU_IMAGE = frozenset("""

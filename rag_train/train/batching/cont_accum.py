@@ -131,7 +131,7 @@ class ContAccumConfig(MicroBatchesConfig):
     # false: the banks are emptied at each optimizer step, so micro-batch k sees only this step's micro-batches
     # 0..k-1, encoded by the current weights (seed 002's "w/o Past Enc." ablation, Table 2: -2.3 Top@20)
     bank_past_encoders: bool = True
-    # diagnosis of seed 002's Figure 5 (issue 28): before each step, at the step's weights, each tower's gradient
+    # diagnosis of seed 002's Figure 5: before each step, at the step's weights, each tower's gradient
     # norm and each loss's gradient with respect to the fresh query and passage vectors, with the banks as the step
     # finds them, without the banked query rows, and with the banks hidden (GradAccum's loss), logged as
     # `probe/<banks|no_bank_rows|no_banks>/*` per step; quadruples the step's work and leaves the run's
