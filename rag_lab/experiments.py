@@ -15,10 +15,10 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from rag_lab.reproduction.paper import PAPER_INIT_LABELS, PAPER_TABLE1
 from rag_train.config import ConfigError
 from rag_train.io import read_json
 from rag_train.launch import launch_command, run_script
-from rag_lab.reproduction.paper import PAPER_INIT_LABELS, PAPER_TABLE1
 from rag_train.strategies import overrides_read_by, reads
 
 ROOT = Path(__file__).resolve().parents[1]

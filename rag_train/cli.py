@@ -33,9 +33,9 @@ def exit_on_fault() -> Iterator[None]:
     its checkpoint written prints that one line and ends with PREEMPTED_EXIT; anything else propagates."""
     from rag_train.buffer.store import BufferError
     from rag_train.data.errors import DataError
-    from rag_train.serving.export import ExportError
     from rag_train.io import CheckError, CorruptFileError, StorageError
     from rag_train.models.reader import ReaderLoadError
+    from rag_train.serving.export import ExportError
     from rag_train.train.run import Preempted
 
     prefix = f"[rank {os.environ['RANK']}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""

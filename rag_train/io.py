@@ -17,7 +17,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-
 _UMASK = os.umask(0)
 os.umask(_UMASK)
 

@@ -15,8 +15,8 @@ Each run is its own process with its own folder under --runs; a finished run (me
 `python scripts/reproduce.py --only large_batches` runs it in the paper's regime (docs/large_batches.md).
 """
 
-from rag_train.cli import exit_on_fault
 from rag_lab.experiments import compare_batching_main
+from rag_train.cli import exit_on_fault
 
 if __name__ == "__main__":
     with exit_on_fault():

@@ -8,8 +8,8 @@ Each run is its own process (`accelerate launch`) with its own run directory und
 run (metrics.json present) is reused, so an interrupted comparison continues where it stopped.
 """
 
-from rag_train.cli import exit_on_fault
 from rag_lab.experiments import compare_strategies_main
+from rag_train.cli import exit_on_fault
 
 if __name__ == "__main__":
     with exit_on_fault():

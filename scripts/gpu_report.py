@@ -15,7 +15,7 @@ from pathlib import Path
 if importlib.util.find_spec("rag_lab") is None:  # a bare GPU machine, or an install older than the lab
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rag_lab.bench.gpu_report.cli import main  # noqa: E402
+from rag_lab.bench.gpu_report.cli import main
 
 if __name__ == "__main__":
     main()

@@ -7,8 +7,8 @@ rag_lab/reproduction/command.py says every option, the sections and their cost):
     python scripts/reproduce.py --report-only                   # rewrite the report from finished runs
 """
 
-from rag_train.cli import exit_on_fault
 from rag_lab.reproduction.command import main
+from rag_train.cli import exit_on_fault
 
 if __name__ == "__main__":
     with exit_on_fault():

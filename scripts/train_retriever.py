@@ -5,9 +5,9 @@
 from pathlib import Path
 
 from rag_train.cli import run_recipe
-from rag_train.train.summary import print_retriever_table
 from rag_train.train.retriever import train_retriever
 from rag_train.train.schema import RetrieverTrainConfig
+from rag_train.train.summary import print_retriever_table
 
 DEFAULT = Path(__file__).resolve().parent.parent / "configs" / "toy" / "retriever.yaml"
 

@@ -8,9 +8,9 @@ non-finite steps in a row with status 3."""
 from pathlib import Path
 
 from rag_train.cli import run_recipe
-from rag_train.train.summary import print_rlm_table
 from rag_train.train.rlm import train_rlm
 from rag_train.train.schema import RLMConfig
+from rag_train.train.summary import print_rlm_table
 
 DEFAULT = Path(__file__).resolve().parent.parent / "configs" / "toy" / "rlm.yaml"
 

@@ -10,10 +10,9 @@ import tempfile
 import pytest
 import torch
 
-from rag_train.strategies import reads
-
-from rag_train.data.toy_files import generate_toy_world
 from rag_train.data.tokenizer import load_tokenizer
+from rag_train.data.toy_files import generate_toy_world
+from rag_train.strategies import reads
 
 TOY_PASSAGES = 2000
 

@@ -63,18 +63,20 @@ VOLATILE = ("wall_seconds", "steps_per_second", "peak_memory_mib", "corpus_passe
 
 def zygote() -> None:
     """Import everything once, then for each job line on stdin fork a child that runs it; answer its status."""
-    import torch  # noqa: F401  (imports only: nothing may compute before the forks)
+    # imports only (nothing may compute before the forks), kept in this order: which native library (torch, faiss,
+    # OpenMP) loads first can matter, so isort leaves the block alone
+    import torch  # noqa: I001
     import transformers  # noqa: F401
     import accelerate  # noqa: F401
     import sentence_transformers  # noqa: F401
     import faiss  # noqa: F401
     import datasets  # noqa: F401
     import safetensors.torch  # noqa: F401
-    import rag_train.cli  # noqa: F401
-    import rag_train.train.retriever  # noqa: F401
-    import rag_train.train.rlm  # noqa: F401
-    import rag_train.train.generative  # noqa: F401
-    import rag_train.serving.export  # noqa: F401
+    import rag_train.cli
+    import rag_train.train.retriever
+    import rag_train.train.rlm
+    import rag_train.train.generative
+    import rag_train.serving.export
     import rag_train.serving.embed_corpus  # noqa: F401
     import rag_lab.reproduction.report  # noqa: F401
     import matplotlib.pyplot  # noqa: F401
@@ -962,6 +964,7 @@ def make_reproduce_runs(runs: Path) -> None:
     report-only reproduce cells."""
     from rag_lab.reproduction.budgets import QUICK
     from rag_lab.reproduction.plan import Plan
+
     from test_reproduce import fake_results
 
     shutil.rmtree(runs, ignore_errors=True)

@@ -38,6 +38,7 @@ def main() -> None:
 
     from rag_train.config import DataConfig
     from rag_train.data.toy_files import ensure_toy_world
+
     from test_deepspeed import SAME, deepspeed_command
     from test_train_rlm import CONFIG, overrides
 

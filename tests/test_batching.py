@@ -21,13 +21,14 @@ from torch import nn
 from rag_train.config import BufferConfig, ConfigError, RetrieverConfig, TinyModelConfig
 from rag_train.data.corpus import Corpus
 from rag_train.data.supervised import load_retrieval
+from rag_train.launch import launch_command
 from rag_train.models.retriever import DualEncoder, format_passage
 from rag_train.strategies import REGISTRY, StrategyConfig, StrategyContext
 from rag_train.train.batching import OPTIONS, BatchingConfig, MicroBatch, StepParts, check_batching, tower_grad_norms
 from rag_train.train.batching.cont_accum import Banks
 from rag_train.train.retriever import train_retriever
 from rag_train.train.trainable import Trainable
-from rag_train.launch import launch_command
+
 from conftest import drop_in
 from test_train_retriever import CONFIG, ROOT, config, overrides, weights
 

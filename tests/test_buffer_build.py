@@ -17,10 +17,10 @@ from rag_train.buffer.embed import length_sorted_order
 from rag_train.buffer.store import Buffer, BufferError, vectors_fingerprint
 from rag_train.config import RetrieverConfig, TinyModelConfig
 from rag_train.data.corpus import Corpus
-from rag_train.io import sha256_file
-from rag_train.models.retriever import DualEncoder, format_passage
 from rag_train.data.tokenizer import train_tokenizer
+from rag_train.io import sha256_file
 from rag_train.launch import launch_command
+from rag_train.models.retriever import DualEncoder, format_passage
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = TinyModelConfig(d_model=32, d_ff=64, d_kv=8, num_heads=4, num_layers=1, num_decoder_layers=1)

@@ -14,8 +14,8 @@ from transformers import T5Config
 from rag_train.config import load_config
 from rag_train.models.reader import FiDReader
 from rag_train.train.run import TrainingRun, save_pretrained_atomic
-from rag_train.train.step import linear_warmup
 from rag_train.train.schema import RLMConfig
+from rag_train.train.step import linear_warmup
 from rag_train.train.trainable import Trainable
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "toy" / "rlm.yaml"

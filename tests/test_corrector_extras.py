@@ -21,10 +21,20 @@ from rag_train.train.batching.base import StepParts, my_passages, subset_losses
 from rag_train.train.curves import STRATEGY_PLOT
 from rag_train.train.retriever import train_retriever
 from rag_train.train.trainable import Trainable
+
 from test_faults import EXTRA, ROOT, assert_same_run, config, forked
+from test_strategies import (
+    QUESTIONS,
+    ROWS,
+    brute_topk,
+    fresh_embedding,
+    make,
+    perturb,
+    queries_of,
+    stale_matrix,
+    world,  # noqa: F401 (the module's fixture)
+)
 from test_train_retriever import CONFIG, overrides
-from test_strategies import (QUESTIONS, ROWS, brute_topk, fresh_embedding, make, perturb, queries_of, stale_matrix,
-                             world)  # noqa: F401 (the module's fixture)
 
 _spec = importlib.util.spec_from_file_location("drift_faulty", ROOT / "tests" / "dist" / "drift_faulty.py")
 drift = importlib.util.module_from_spec(_spec)

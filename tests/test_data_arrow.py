@@ -187,8 +187,9 @@ def test_a_damaged_saved_dataset_through_a_recipe_exits_2(tmp_path, recipe_toy_d
     """The same as `data.passages` of a run and through the entry scripts' fault handling: exit status 2 and one
     line naming the file, nothing written into the run directory."""
     from rag_train.cli import exit_on_fault
-    from test_faults import config, data_overrides
     from rag_train.train.retriever import train_retriever
+
+    from test_faults import config, data_overrides
 
     corpus = _save(tmp_path, "corpus", _columns(_records(recipe_toy_dir / "passages.jsonl"), "id"), "datasets")
     where, _ = damage_saved_dataset(corpus, "truncated-arrow")

@@ -23,9 +23,10 @@ import torch
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install -e '.[deepspeed]')")
 
-from rag_train.launch import launch_command  # noqa: E402
-from rag_train.train.run_dir import LOGS  # noqa: E402
-from test_train_rlm import CONFIG, ROOT, STEPS, TOP_K, overrides, weights  # noqa: E402
+from rag_train.launch import launch_command
+from rag_train.train.run_dir import LOGS
+
+from test_train_rlm import CONFIG, ROOT, STEPS, TOP_K, overrides, weights
 
 # one xdist worker runs the whole file: the DDP reference runs once, in the module fixture
 pytestmark = pytest.mark.xdist_group("test_deepspeed")

@@ -11,15 +11,23 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from rag_lab.analysis.diagnose_retriever import (
+    checkpoint_retriever,
+    diagnose,
+    diagnose_checkpoints,
+    fit_offline,
+    fit_targets,
+    latest_checkpoint,
+    main,
+)
 from rag_train.buffer.store import Buffer
 from rag_train.data.corpus import Corpus
-from rag_lab.analysis.diagnose_retriever import (checkpoint_retriever, diagnose, diagnose_checkpoints, fit_offline,
-                                                  fit_targets, latest_checkpoint, main)
 from rag_train.data.supervised import load_retrieval
 from rag_train.eval.retrieval import load_eval_set
 from rag_train.models.retriever import DualEncoder
 from rag_train.strategies.corrector import CorrectorStrategy
 from rag_train.train.retriever import train_retriever
+
 from test_train_retriever import PASSAGES, config
 
 K, QUESTIONS = 3, 20

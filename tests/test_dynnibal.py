@@ -19,16 +19,32 @@ from safetensors.torch import load_file
 from scipy import stats
 
 from rag_train.buffer import nystrom
-from rag_train.buffer.sg_tree import (SGTree, build_forest, find_clustering, metropolis_hastings, proposal_probabilities,
-                                      rejection_sample, start_level)
+from rag_train.buffer.sg_tree import (
+    SGTree,
+    build_forest,
+    find_clustering,
+    metropolis_hastings,
+    proposal_probabilities,
+    rejection_sample,
+    start_level,
+)
 from rag_train.config import ConfigError
 from rag_train.strategies.dynnibal import DynnibalConfig
 from rag_train.train.retriever import train_retriever
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_faults import FAULTY, results, run_script  # noqa: E402
-from test_train_retriever import (CONFIG, LANDMARKS, NYSTROM_SAMPLES, PASSAGES, REFRESH, STEPS, config,  # noqa: E402
-                                  overrides, weights)
+from test_faults import FAULTY, results, run_script
+from test_train_retriever import (
+    CONFIG,
+    LANDMARKS,
+    NYSTROM_SAMPLES,
+    PASSAGES,
+    REFRESH,
+    STEPS,
+    config,
+    overrides,
+    weights,
+)
 
 
 def unit(rng, n, d):

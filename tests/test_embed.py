@@ -10,8 +10,15 @@ import numpy as np
 import pytest
 import torch
 
-from rag_train.buffer.embed import (CHUNK_BATCHES, WORKER_MIN_BATCHES, PassageTokenizer, chunk_batches, embed_rows,
-                                    passage_loader, plan_batches)
+from rag_train.buffer.embed import (
+    CHUNK_BATCHES,
+    WORKER_MIN_BATCHES,
+    PassageTokenizer,
+    chunk_batches,
+    embed_rows,
+    passage_loader,
+    plan_batches,
+)
 from rag_train.config import RetrieverConfig, TinyModelConfig
 from rag_train.data.corpus import Corpus
 from rag_train.models.attention import set_t5_attention, t5_attention, t5_configs

@@ -19,8 +19,8 @@ from rag_train.buffer.search import SearchResult
 from rag_train.config import load_config
 from rag_train.data.corpus import Corpus
 from rag_train.data.errors import DataError
-from rag_train.eval.retrieval import EvalSet, load_eval_set, retrieval_metrics
 from rag_train.eval.metrics import ranking_metrics
+from rag_train.eval.retrieval import EvalSet, load_eval_set, retrieval_metrics
 from rag_train.eval.trec import make_run, write_qrels, write_run
 from rag_train.train.retriever import train_retriever
 from rag_train.train.schema import RetrieverTrainConfig

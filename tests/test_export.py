@@ -14,8 +14,8 @@ from rag_train.buffer.search import search
 from rag_train.config import DataConfig, RetrieverConfig, TinyModelConfig, save_config
 from rag_train.data.corpus import Corpus
 from rag_train.data.toy_files import toy_paths
-from rag_train.serving.export import ExportError, export_retriever, load_manifest
 from rag_train.models.retriever import DualEncoder
+from rag_train.serving.export import ExportError, export_retriever, load_manifest
 from rag_train.train.run_corpus import record_corpus
 from rag_train.train.schema import RetrieverTrainConfig
 

@@ -27,11 +27,12 @@ from rag_train.cli import PREEMPTED_EXIT
 from rag_train.config import ConfigError, load_config
 from rag_train.data.errors import DataError
 from rag_train.io import CorruptFileError, StorageError
+from rag_train.launch import launch_command
 from rag_train.strategies.base import Strategy
 from rag_train.strategies.corrector import CorrectorStrategy
 from rag_train.train.retriever import train_retriever
 from rag_train.train.schema import RetrieverTrainConfig
-from rag_train.launch import launch_command
+
 from test_train_retriever import CONFIG, STEPS, overrides, weights
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -281,8 +282,8 @@ def test_disk_full_during_a_write_keeps_the_previous_file(tmp_path):
 
 def test_damaged_saved_model_export_and_metrics_are_named(tmp_path, reference):
     """The run's saved retriever, an export of it and its metrics.json: truncation is reported by file name."""
-    from rag_train.serving.export import ExportError, export_retriever, load_manifest
     from rag_train.models.retriever import DualEncoder
+    from rag_train.serving.export import ExportError, export_retriever, load_manifest
 
     run = tmp_path / "run"
     shutil.copytree(reference[0], run, ignore=shutil.ignore_patterns("checkpoints", "buffer"))

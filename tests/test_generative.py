@@ -194,8 +194,8 @@ def test_every_beam_output_is_a_valid_identifier(world, np_decoding):
 def test_tiny_model_overfits_fifty_titles(recipe_toy_dir, tmp_path):
     """Np Decoding (BASE) on the 150 titles of a 300-passage world, trained on questions about 50 of them, reaches
     100% recall@1 on those training questions; metrics.json and the CE pointer are written."""
-    from rag_train.generative.config import GenerativeConfig
     from rag_train.config import load_config
+    from rag_train.generative.config import GenerativeConfig
     from rag_train.train.generative import train_generative
 
     train = tmp_path / "train.jsonl"

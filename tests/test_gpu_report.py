@@ -19,8 +19,18 @@ import numpy as np
 import pytest
 import torch
 
-from rag_lab.bench.gpu_report import (cli, common, document, embed_stage, forward_stage, scale_stage, search_stage,
-                                        stages, step_stage, wheels)
+from rag_lab.bench.gpu_report import (
+    cli,
+    common,
+    document,
+    embed_stage,
+    forward_stage,
+    scale_stage,
+    search_stage,
+    stages,
+    step_stage,
+    wheels,
+)
 
 # one xdist worker runs the whole file: its stages run once, in the module fixture
 pytestmark = pytest.mark.xdist_group("test_gpu_report")

@@ -14,15 +14,15 @@ from pathlib import Path
 
 import pytest
 
-from rag_train.config import load_config
 from rag_lab.experiments import PROBED_VALUES, batching_setups, batching_sweep_table, probe_table
-from rag_train.train.schema import RetrieverTrainConfig, RLMConfig
+from rag_lab.reproduction import command, generative
+from rag_lab.reproduction.analysis import ANALYSIS
 from rag_lab.reproduction.budgets import FULL, QUICK
 from rag_lab.reproduction.plan import RETRIEVER_CONFIG, TABLE3, TABLE3_LM, Plan, Run, run_all
-from rag_train.train.warm_start import stage_settings
-from rag_lab.reproduction.analysis import ANALYSIS
 from rag_lab.reproduction.report import write_report
-from rag_lab.reproduction import command, generative
+from rag_train.config import load_config
+from rag_train.train.schema import RetrieverTrainConfig, RLMConfig
+from rag_train.train.warm_start import stage_settings
 
 ROOT = Path(__file__).resolve().parents[1]
 SEED_SECTIONS = ("dynnibal", "large_batches", "generative", "described")

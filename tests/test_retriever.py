@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 from rag_train.config import ConfigError, RetrieverConfig, TinyModelConfig
+from rag_train.data.tokenizer import train_tokenizer
 from rag_train.models.attention import set_t5_attention, t5_configs
 from rag_train.models.retriever import DualEncoder, format_passage
-from rag_train.data.tokenizer import train_tokenizer
 
 TINY = TinyModelConfig(d_model=32, d_ff=64, d_kv=8, num_heads=4, num_layers=2, num_decoder_layers=1)
 QUESTIONS = ["who founded the city of varn", "what colour is the tower of ossa"]

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import rag_train.train.rlm as rlm
+
 from test_faults import ROOT, forked, results
 from test_train_rlm import CONFIG, config, overrides, weights
 

@@ -15,11 +15,12 @@ from omegaconf import OmegaConf
 
 from rag_train.buffer.store import Buffer
 from rag_train.config import DataConfig, save_config
-from rag_train.train.schema import RLMConfig
 from rag_train.data.corpus import Corpus
 from rag_train.data.toy_files import toy_paths
 from rag_train.serving.export import ExportError, export_retriever
 from rag_train.train.retriever import train_retriever
+from rag_train.train.schema import RLMConfig
+
 from test_export import make_run
 from test_train_retriever import config
 

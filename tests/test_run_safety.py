@@ -21,16 +21,16 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from rag_train.buffer.store import BufferError
 from rag_train.config import ConfigError
 from rag_train.io import StorageError
-from rag_train.train.run_dir import RunLockedError
 from rag_train.train.retriever import train_retriever
+from rag_train.train.run_dir import RunLockedError
+
 from test_faults import EXTRA, ROOT, assert_unfinished, config, env, results, weights
 from test_train_retriever import CONFIG, STEPS, overrides
-
-import torch
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +93,7 @@ def test_a_run_stopped_by_bad_input_does_not_refuse_the_corrected_rerun(recipe_t
     wrote config.yaml and corpus.json) takes them back: the folder holds no state worth keeping, and the corrected
     command in the same folder runs without train.overwrite (it was refused as "already holds a run")."""
     from rag_train.data.errors import DataError
+
     from test_faults import bad_data, data_overrides
 
     passages, train, where, field = bad_data(recipe_toy_dir, tmp_path / "data", "missing-passage")
@@ -134,7 +135,7 @@ def test_a_value_only_the_final_stage_reads_is_refused_before_any_work(schema, o
     eval.recall_at: `max() arg is an empty sequence`, exit 1, nothing saved), are refused by the config check."""
     from rag_train.config import load_config
     from rag_train.generative.config import GenerativeConfig
-    from rag_train.train.schema import RLMConfig, RetrieverTrainConfig
+    from rag_train.train.schema import RetrieverTrainConfig, RLMConfig
 
     schemas = {"retriever": RetrieverTrainConfig, "rlm": RLMConfig, "generative": GenerativeConfig}
     data = [f"data.passages={tmp_path / 'p.jsonl'}", f"data.train={tmp_path / 't.jsonl'}"]
@@ -233,6 +234,7 @@ def test_export_and_evaluate_take_the_lock_of_what_they_write(tmp_path, finished
     into, are refused naming the holder (exit 2 in the scripts), before anything is written."""
     from rag_train.serving.export import export_retriever
     from rag_train.train.evaluate_run import main as evaluate
+
     from test_faults import hold_lock
 
     out = tmp_path / "export"

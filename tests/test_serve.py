@@ -20,6 +20,7 @@ from rag_train.buffer.embed import embed_rows
 from rag_train.buffer.search import search
 from rag_train.data.corpus import Corpus
 from rag_train.serving.serve import MicroBatcher, ServeLimits, create_app, validation_detail
+
 from test_export import _isolated_python, exported
 
 # one xdist worker runs the whole file: the export is built and its server started once (module fixture)

@@ -13,20 +13,20 @@ import torch
 from accelerate import Accelerator
 from scipy.stats import chisquare
 
-from rag_train.buffer.build import build_buffer
 from rag_train.buffer import nystrom
+from rag_train.buffer.build import build_buffer
 from rag_train.buffer.store import Buffer, decode_rows
 from rag_train.config import BufferConfig, ConfigError, RetrieverConfig, TinyModelConfig
 from rag_train.data.corpus import Corpus
-from rag_train.models.retriever import DualEncoder, format_passage
 from rag_train.data.tokenizer import train_tokenizer
+from rag_train.models.retriever import DualEncoder, format_passage
 from rag_train.strategies import REGISTRY, StrategyConfig, StrategyContext, build_strategy
 from rag_train.strategies.base import read_rows
 from rag_train.strategies.corrector import CorrectorConfig, CorrectorStrategy
 from rag_train.strategies.exhaustive import Exhaustive
+from rag_train.strategies.negative_cache import NegativeCache
 from rag_train.strategies.snm import SNM
 from rag_train.strategies.stale import Stale
-from rag_train.strategies.negative_cache import NegativeCache
 
 TINY = TinyModelConfig(d_model=32, d_ff=64, d_kv=8, num_heads=4, num_layers=1, num_decoder_layers=1)
 ROWS = 40

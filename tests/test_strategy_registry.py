@@ -17,6 +17,7 @@ from rag_train.config import ConfigError, load_config
 from rag_train.strategies import OWNERS, REGISTRY, StrategyConfig, register
 from rag_train.strategies.base import Strategy
 from rag_train.train.schema import RetrieverTrainConfig, RLMConfig
+
 from conftest import drop_in
 from test_train_retriever import overrides
 

@@ -10,10 +10,22 @@ import numpy as np
 import pytest
 import torch
 
+from rag_lab.analysis.synthetic import (
+    CorrectorSpec,
+    Job,
+    SyntheticConfig,
+    corrector_grid,
+    drift_network,
+    grid_jobs,
+    make_corrector,
+    make_data,
+    mean_kl,
+    parameter_count,
+    quick_config,
+    run_job,
+    truncated_ce,
+)
 from rag_train.losses import corrector_ce
-from rag_lab.analysis.synthetic import (CorrectorSpec, Job, SyntheticConfig, corrector_grid, drift_network, grid_jobs,
-                                 make_corrector, make_data, mean_kl, parameter_count, quick_config, run_job,
-                                 truncated_ce)
 
 QUICK = quick_config()
 

@@ -11,13 +11,13 @@ import scipy.sparse as sp
 import torch
 from transformers import AutoTokenizer, T5ForConditionalGeneration
 
-import rag_train.data.toy_files as toy_files
 import rag_train.data.tokenizer as tokenizer_module
+import rag_train.data.toy_files as toy_files
 from rag_train.config import ConfigError, DataConfig, TinyModelConfig
+from rag_train.data.tokenizer import load_tokenizer, train_tokenizer
 from rag_train.data.toy import FAMILIES, ToyWorld
 from rag_train.data.toy_files import ensure_toy_world, generate_toy_world, toy_paths
 from rag_train.models.tiny import tiny_t5_config
-from rag_train.data.tokenizer import load_tokenizer, train_tokenizer
 
 from conftest import read_jsonl
 

@@ -9,8 +9,8 @@ import shutil
 
 import pytest
 
-from rag_train.data.supervised import load_retrieval
 from rag_train.data.corpus import Corpus
+from rag_train.data.supervised import load_retrieval
 from rag_train.data.toy_splits import FRACTIONS, main, make_splits
 
 from conftest import read_jsonl

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from rag_train.config import load_config
+from rag_train.launch import launch_command
 from rag_train.models.retriever import DualEncoder
 from rag_train.strategies import REGISTRY
 from rag_train.strategies import corrector as corrector_module
@@ -20,7 +21,7 @@ from rag_train.strategies.base import Strategy
 from rag_train.train.curves import STRATEGY_PLOT
 from rag_train.train.retriever import train_retriever
 from rag_train.train.schema import RetrieverTrainConfig
-from rag_train.launch import launch_command
+
 from conftest import read_by
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -15,12 +15,13 @@ import torch
 from safetensors.torch import load_file
 
 import rag_train.train.rlm as rlm
-from rag_train.train.schema import RLMConfig
 from rag_train.config import TinyModelConfig, load_config
+from rag_train.launch import launch_command
 from rag_train.losses import perplexity_distillation
 from rag_train.models.retriever import DualEncoder
-from rag_train.launch import launch_command
 from rag_train.train.curves import STRATEGY_PLOT
+from rag_train.train.schema import RLMConfig
+
 from conftest import read_by
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -160,9 +161,8 @@ def check_warm_start_recall(toy_dir: Path, run_dir: Path, over_buffer: dict) -> 
     from accelerate import Accelerator
 
     from rag_train.data.corpus import Corpus
-    from rag_train.eval.retrieval import evaluate_retrieval
     from rag_train.data.sources import dataset_name
-    from rag_train.eval.retrieval import load_eval_set
+    from rag_train.eval.retrieval import evaluate_retrieval, load_eval_set
 
     corpus = Corpus.open(toy_dir / "passages.jsonl")
     path = toy_dir / "retrieval-dev.jsonl"
@@ -238,9 +238,9 @@ def test_diagnose_rlm_tracking_and_distractor_kinds(recipe_toy_dir, tmp_path, ca
     """rag_lab/analysis/diagnose_rlm.py on a finished corrector run: its tracking table against an independent
     brute-force computation, and every non-gold passage a prediction read classed, against a hand-built case of
     each kind."""
+    from rag_lab.analysis import diagnose_rlm as diagnose
     from rag_train.data.corpus import Corpus
     from rag_train.data.sources import resolve_data
-    from rag_lab.analysis import diagnose_rlm as diagnose
 
     gold = {"title": "Vusa Zuzufus"}
     cases = [({"title": "Vusa Zuzufus"}, 11, "same person"), ({"title": "Vusa Rerihas"}, 20, "same first name"),
@@ -323,8 +323,8 @@ def test_pdist_gives_the_reader_no_gradient(recipe_toy_dir):
     """Even with the reader's log-likelihoods carrying a graph, the retriever loss reaches only the retriever."""
     from rag_train.config import ReaderConfig
     from rag_train.data.collate import answer_labels, fid_inputs
-    from rag_train.models.reader import FiDReader
     from rag_train.data.tokenizer import load_tokenizer
+    from rag_train.models.reader import FiDReader
 
     toy_tokenizer = load_tokenizer(recipe_toy_dir / "tokenizer")
 

@@ -27,15 +27,15 @@ import numpy as np
 import torch
 from accelerate import Accelerator
 
+from rag_lab.analysis.diagnose_retriever import embed_corpus, final_corrector
 from rag_train.buffer.store import Buffer
 from rag_train.config import load_config
-from rag_train.train.schema import RLMConfig
 from rag_train.data.corpus import Corpus
 from rag_train.data.qa import load_qa
 from rag_train.data.sources import resolve_data
-from rag_lab.analysis.diagnose_retriever import embed_corpus, final_corrector
-from rag_train.models.retriever import DualEncoder
 from rag_train.data.toy import TOY_DEV_SETS, TOY_TRAIN_SETS
+from rag_train.models.retriever import DualEncoder
+from rag_train.train.schema import RLMConfig
 
 
 @torch.no_grad()
@@ -107,11 +107,11 @@ def distractors(run: Path, corpus: Corpus, files) -> None:
 @torch.no_grad()
 def reading(run: Path, corpus: Corpus, files, cfg: RLMConfig, k: int, limit: int) -> None:
     from rag_train.data.collate import fid_inputs
+    from rag_train.data.tokenizer import load_tokenizer
     from rag_train.data.toy import ToyWorld
     from rag_train.eval.metrics import exact_match
-    from rag_train.models.reader import FiDReader
-    from rag_train.data.tokenizer import load_tokenizer
     from rag_train.io import verify_model_files
+    from rag_train.models.reader import FiDReader
 
     world = ToyWorld(cfg.data.toy_passages, cfg.data.toy_seed)
     verify_model_files(run / "reader")

@@ -24,10 +24,10 @@ import torch
 from rag_train.config import ReaderConfig, TinyModelConfig
 from rag_train.data.collate import answer_labels, fid_inputs
 from rag_train.data.corpus import Corpus
+from rag_train.data.tokenizer import load_tokenizer
 from rag_train.data.toy import ToyWorld
 from rag_train.eval.metrics import exact_match
 from rag_train.models.reader import FiDReader
-from rag_train.data.tokenizer import load_tokenizer
 
 FAMILIES = ("nq", "tqa", "hotpotqa")
 DISTRACTORS = ("random", "same", "confusable", "mixed")

@@ -14,9 +14,16 @@ from pathlib import Path
 
 import torch
 
+from rag_lab.analysis.synthetic import (
+    CorrectorSpec,
+    SyntheticConfig,
+    aggregate,
+    corrector_grid,
+    grid_jobs,
+    quick_config,
+    run_jobs,
+)
 from rag_train.io import atomic_open, atomic_write_json, atomic_write_text
-from rag_lab.analysis.synthetic import (CorrectorSpec, SyntheticConfig, aggregate, corrector_grid, grid_jobs, quick_config,
-                                 run_jobs)
 
 DEFAULT_DRIFTS = [0.25, 0.5, 1.0, 2.0]
 DEFAULT_FRACTIONS = [0.01, 0.1, 0.5, 1.0]

@@ -50,13 +50,13 @@ import torch.nn.functional as F
 
 from rag_lab.bench.machine import cpu_name, peak_rss_bytes, rss_kib, synchronize
 from rag_train.config import RetrieverConfig, load_config
-from rag_train.io import CheckError
-from rag_train.train.schema import RLMConfig
 from rag_train.data.corpus import Corpus
 from rag_train.data.qa import QAExample
+from rag_train.io import CheckError
 from rag_train.models.reader import FiDReader
 from rag_train.models.retriever import DualEncoder
 from rag_train.train.rlm import RLMRecipe
+from rag_train.train.schema import RLMConfig
 
 EXTRA_IDS = 100  # T5's <extra_id_N> sentinels at the end of the vocabulary
 PAD, EOS, FIRST_WORD = 0, 1, 3  # T5 layout: <pad>=0, </s>=1, <unk>=2

@@ -30,8 +30,8 @@ import torch
 import rag_train.strategies.base as strategy_base
 import rag_train.train.rlm as rlm
 from rag_train.config import DataConfig, load_config
-from rag_train.train.schema import RLMConfig
 from rag_train.data.corpus import Corpus
+from rag_train.train.schema import RLMConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -14,8 +14,18 @@ from __future__ import annotations
 
 from typing import Optional
 
-from rag_lab.experiments import (RECALL_AT, cell, closure_table, curve_table, gap_closed, gap_share,
-                                   gap_shares_line, mean_recall, recall, retrieval_curve)
+from rag_lab.experiments import (
+    RECALL_AT,
+    cell,
+    closure_table,
+    curve_table,
+    gap_closed,
+    gap_share,
+    gap_shares_line,
+    mean_recall,
+    recall,
+    retrieval_curve,
+)
 from rag_lab.reproduction.paper import PAPER_INIT_LABELS, PAPER_TABLE1
 from rag_lab.reproduction.verdict import compare, ordered
 

@@ -14,8 +14,17 @@ from __future__ import annotations
 
 from typing import Optional
 
-from rag_lab.experiments import (RECALL_AT, cell, curve_table, gap_closed, gap_share, gap_shares_line, mean_recall,
-                                   recall, retrieval_curve)
+from rag_lab.experiments import (
+    RECALL_AT,
+    cell,
+    curve_table,
+    gap_closed,
+    gap_share,
+    gap_shares_line,
+    mean_recall,
+    recall,
+    retrieval_curve,
+)
 from rag_lab.reproduction.verdict import compare, ordered
 
 INITS = {"lm": "LM-pretrained init (paper: RoBERTa-base; seed 000: T5-base)",

@@ -14,8 +14,8 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
-from rag_train.io import read_json
 from rag_lab.reproduction.generative import DENSE_TITLES
+from rag_train.io import read_json
 
 META = "reproduce.json"
 

@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import Optional
 
 from rag_lab.analysis.generative_compare import dense_title_metrics
-from rag_train.data.toy_splits import FRACTIONS
 from rag_lab.experiments import cell
-from rag_train.io import atomic_write_json, read_json
 from rag_lab.reproduction.verdict import compare_variants, ordered
+from rag_train.data.toy_splits import FRACTIONS
+from rag_train.io import atomic_write_json, read_json
 
 # folder name: (label, overrides); ASYNC and CONTRA add the budget's schedule keys (plan.py)
 VARIANTS = {"vanilla": ("vanilla decoding", ("np.enabled=false",)),

@@ -19,16 +19,16 @@ from typing import Callable, Optional
 
 import torch
 
-from rag_train.config import load_config
-from rag_train.data.toy_splits import FRACTIONS, make_splits
-from rag_train.strategies import overrides_read_by
-from rag_train.train.lm_pretrain import LMPretrainConfig, pretrain_toy_lm
-from rag_train.train.schema import RetrieverTrainConfig
 from rag_lab.experiments import compare_batching_main, run_once
 from rag_lab.reproduction import described, dynnibal, evidence, generative
 from rag_lab.reproduction.budgets import Budget
 from rag_lab.reproduction.large_batches import large_batches_outputs
+from rag_train.config import load_config
+from rag_train.data.toy_splits import FRACTIONS, make_splits
 from rag_train.io import atomic_write_json, read_json, remove_temporaries_of
+from rag_train.strategies import overrides_read_by
+from rag_train.train.lm_pretrain import LMPretrainConfig, pretrain_toy_lm
+from rag_train.train.schema import RetrieverTrainConfig
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository: its configs/ and scripts/
 RETRIEVER_CONFIG = ROOT / "configs" / "toy" / "retriever.yaml"

@@ -7,21 +7,21 @@ import os
 from pathlib import Path
 from typing import Optional
 
+from rag_lab.analysis.synthetic import aggregate
 from rag_lab.experiments import cell, curve_table, recall, retrieval_curve
-from rag_train.io import atomic_write_text, remove_temporaries_of
-from rag_lab.reproduction.analysis import (rlm_analysis, rlm_curves_analysis, table1_analysis,
-                                             table1_curves_analysis)
+from rag_lab.reproduction.analysis import rlm_analysis, rlm_curves_analysis, table1_analysis, table1_curves_analysis
 from rag_lab.reproduction.comparison import ablation_comparison, table1_comparison, table3_comparison
-from rag_lab.reproduction.metrics import DATASET_LABELS, DATASETS, em_curve, hotpotqa_gold_recall, mean_em
-from rag_lab.reproduction.paper import PAPER_TABLE1, PAPER_TABLE2_STEPS_PER_SECOND, PAPER_TABLE3, PAPER_TABLE3_T5
 from rag_lab.reproduction.described import described_section
 from rag_lab.reproduction.dynnibal import dynnibal_section
 from rag_lab.reproduction.generative import generative_section
 from rag_lab.reproduction.large_batches import large_batches_section
+from rag_lab.reproduction.metrics import DATASET_LABELS, DATASETS, em_curve, hotpotqa_gold_recall, mean_em
+from rag_lab.reproduction.paper import PAPER_TABLE1, PAPER_TABLE2_STEPS_PER_SECOND, PAPER_TABLE3, PAPER_TABLE3_T5
 from rag_lab.reproduction.plan import CURVES, INIT_LABELS, INITS, RLM_CURVES
 from rag_lab.reproduction.plots import plot_ablation, plot_curves, plot_table1, plot_table3
 from rag_lab.reproduction.verdict import RULE
-from rag_lab.analysis.synthetic import aggregate
+from rag_train.io import atomic_write_text, remove_temporaries_of
+
 
 # ---- tables -------------------------------------------------------------------------------------------------------
 def _rate(runs: list[dict]) -> str:

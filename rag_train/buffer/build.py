@@ -18,11 +18,19 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from rag_train.buffer.store import (
-    MANIFEST, STORAGE_DTYPES, Buffer, BufferError, manifest_dict, read_manifest, shard_file_name, to_storage,
-    vectors_fingerprint, write_shard,
-)
 from rag_train.buffer.embed import CorpusPasses, embed_rows
+from rag_train.buffer.store import (
+    MANIFEST,
+    STORAGE_DTYPES,
+    Buffer,
+    BufferError,
+    manifest_dict,
+    read_manifest,
+    shard_file_name,
+    to_storage,
+    vectors_fingerprint,
+    write_shard,
+)
 from rag_train.io import atomic_write_json, remove_stale_temporaries, sha256_file, write_step
 
 logger = logging.getLogger(__name__)

@@ -20,9 +20,9 @@ from typing import Iterator, Optional
 
 from tqdm.auto import tqdm
 
-from rag_train.data.corpus import Corpus
 from rag_train.data.answers import normalize_answer
 from rag_train.data.arrow_corpus import is_arrow_source, table_records
+from rag_train.data.corpus import Corpus
 from rag_train.data.errors import DataError, data_error, row_ref
 
 # hub name -> (dataset repo, config) for `datasets.load_dataset`

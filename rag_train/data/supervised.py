@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Optional
 
-from rag_train.data.corpus import Corpus
 from rag_train.data.arrow_corpus import table_records
+from rag_train.data.corpus import Corpus
 from rag_train.data.errors import DataError, data_error, row_ref
 from rag_train.data.qa import check_ids_in_corpus, read_jsonl
 

@@ -10,16 +10,16 @@ from __future__ import annotations
 import json
 import math
 import socket
-from collections import Counter
 import string
-from urllib.parse import urlparse
+from collections import Counter
 from pathlib import Path
 from typing import Iterable, Iterator, Union
+from urllib.parse import urlparse
 
+from huggingface_hub import constants as hub_constants
 from tokenizers import Tokenizer, pre_tokenizers
 from tokenizers.models import BPE
 from tokenizers.trainers import BpeTrainer
-from huggingface_hub import constants as hub_constants
 from transformers import AutoTokenizer, PreTrainedTokenizerFast, T5Tokenizer
 
 SPECIAL_TOKENS = ("<pad>", "</s>", "<unk>")  # ids 0, 1, 2 as in T5

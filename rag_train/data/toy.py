@@ -20,7 +20,6 @@ from typing import Iterator, Optional
 
 import numpy as np
 
-
 TOY_VERSION = 3  # 2: tokenizer pieces from BPE (whole-word answers); 3: hotpotqa redesigned, old one = mentor_bridge
 SECTIONS = 2  # passages per person: 0 = origins and work, 1 = music, taste and mentor
 DEV_EVERY = 10  # person e is a dev person iff e % DEV_EVERY == 0: dev facts are never asked in train

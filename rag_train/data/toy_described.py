@@ -16,7 +16,16 @@ import sys
 
 import numpy as np
 
-from rag_train.data.toy import FACTS, FAMILY_MODULES, MENTOR, SECTIONS, ToyWorld, coprime_multiplier, seeded_key, seeded_uniform
+from rag_train.data.toy import (
+    FACTS,
+    FAMILY_MODULES,
+    MENTOR,
+    SECTIONS,
+    ToyWorld,
+    coprime_multiplier,
+    seeded_key,
+    seeded_uniform,
+)
 
 # asked fact -> the facts that may describe the person: stated in the same passage, from a large pool (a colour or
 # an instrument would fit a crowd). The mentor is never asked: only colour / instrument could describe that person.

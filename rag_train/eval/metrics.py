@@ -15,9 +15,9 @@ from typing import Callable, Iterable, Sequence, TypeVar
 
 import ir_measures
 import regex
-from ir_measures import AP, R, RR, nDCG
+from ir_measures import AP, RR, R, nDCG
 
-from rag_train.data.answers import normalize_answer  # noqa: F401  (SQuAD's, used by the loaders too)
+from rag_train.data.answers import normalize_answer  # SQuAD's, used by the loaders too
 from rag_train.eval.trec import Qrels, Run
 
 T = TypeVar("T")

@@ -9,8 +9,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from rag_train.config import (ConfigError, DataConfig, TinyModelConfig, TrainConfig, check_choice, check_positive,
-                              check_recall_at)
+from rag_train.config import (
+    ConfigError,
+    DataConfig,
+    TinyModelConfig,
+    TrainConfig,
+    check_choice,
+    check_positive,
+    check_recall_at,
+)
 
 VARIANTS = ("base", "async", "contra")
 

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 from typing import Hashable, Sequence
 
-import torch
-from tqdm.auto import tqdm
-
 import ir_measures
+import torch
 from ir_measures import Rprec
+from tqdm.auto import tqdm
 
 from rag_train.eval import metrics
 from rag_train.generative.trie import Trie

@@ -17,9 +17,8 @@ import torch
 from torch import nn
 
 from rag_train.config import ConfigError, RetrieverConfig
+from rag_train.io import atomic_directory, atomic_write_json, folder_checksums, read_json, state_bytes, verify_checksums
 from rag_train.models.attention import eager_t5_attention_on_cpu
-from rag_train.io import (atomic_directory, atomic_write_json, folder_checksums, read_json, state_bytes,
-                          verify_checksums)
 
 SAVE_FORMAT_VERSION = 1
 META_FILE = "dual_encoder.json"

@@ -29,8 +29,17 @@ from tqdm.auto import tqdm
 from rag_train.buffer.embed import embed_rows
 from rag_train.data.corpus import Corpus
 from rag_train.data.errors import DataError
-from rag_train.io import (CorruptFileError, atomic_directory, atomic_open, atomic_write_json, atomic_write_text,
-                          folder_checksums, read_json, state_bytes, verify_checksums)
+from rag_train.io import (
+    CorruptFileError,
+    atomic_directory,
+    atomic_open,
+    atomic_write_json,
+    atomic_write_text,
+    folder_checksums,
+    read_json,
+    state_bytes,
+    verify_checksums,
+)
 from rag_train.models.retriever import META_FILE, DualEncoder
 from rag_train.train.run_corpus import check_run_corpus, recorded_corpus
 from rag_train.train.run_dir import RunLock

@@ -33,8 +33,8 @@ from torch import nn
 
 from rag_train.buffer.distributed import shard_range
 from rag_train.buffer.embed import embed_rows
-from rag_train.buffer.store import Buffer
 from rag_train.buffer.search import search
+from rag_train.buffer.store import Buffer
 from rag_train.config import BufferConfig, check_choice, check_positive
 from rag_train.data.corpus import Corpus
 from rag_train.io import atomic_write_json

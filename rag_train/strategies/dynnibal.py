@@ -43,8 +43,15 @@ from rag_train.buffer import nystrom
 from rag_train.buffer.sg_tree import SGTree, build_forest, find_clustering, metropolis_hastings, start_level
 from rag_train.buffer.store import Buffer, decode_rows
 from rag_train.config import ConfigError, check_positive
-from rag_train.strategies.base import (BaseStrategyConfig, Strategy, StrategyContext, Subset, gather_queries, read_rows,
-                                       register)
+from rag_train.strategies.base import (
+    BaseStrategyConfig,
+    Strategy,
+    StrategyContext,
+    Subset,
+    gather_queries,
+    read_rows,
+    register,
+)
 
 
 @dataclass

@@ -23,8 +23,15 @@ import torch
 from rag_train.buffer.store import Buffer
 from rag_train.config import check_positive
 from rag_train.losses import cache_ce, cache_positive_probability, cache_surrogate, sample_cache_negative
-from rag_train.strategies.base import (BaseStrategyConfig, Strategy, StrategyContext, Subset, gather_queries, read_rows,
-                                       register)
+from rag_train.strategies.base import (
+    BaseStrategyConfig,
+    Strategy,
+    StrategyContext,
+    Subset,
+    gather_queries,
+    read_rows,
+    register,
+)
 
 
 @dataclass

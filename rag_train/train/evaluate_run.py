@@ -19,17 +19,17 @@ from rag_train.data.corpus import Corpus
 from rag_train.data.errors import DataError
 from rag_train.data.qa import load_qa
 from rag_train.data.sources import dataset_name, resolve_data
+from rag_train.data.tokenizer import load_tokenizer
+from rag_train.data.toy import TOY_DEV_SETS, TOY_TRAIN_SETS
 from rag_train.eval.qa import QAEvalSettings, evaluate_qa
 from rag_train.io import atomic_write_json, verify_model_files
 from rag_train.launch import make_accelerator
 from rag_train.models.reader import FiDReader
 from rag_train.models.retriever import DualEncoder
-from rag_train.data.tokenizer import load_tokenizer
-from rag_train.data.toy import TOY_DEV_SETS, TOY_TRAIN_SETS
-from rag_train.train.run_corpus import check_run_corpus
-from rag_train.train.run_dir import lock_run_directory
 from rag_train.strategies import strategy_class
 from rag_train.train.rlm import write_predictions
+from rag_train.train.run_corpus import check_run_corpus
+from rag_train.train.run_dir import lock_run_directory
 from rag_train.train.schema import RLMConfig
 
 

@@ -27,15 +27,21 @@ from rag_train.config import ConfigError
 from rag_train.data.corpus import Corpus
 from rag_train.data.sources import dataset_name, resolve_data
 from rag_train.data.supervised import load_retrieval
-from rag_train.generative.ce_table import (CETable, build_ce_table, ce_folder, encoder_fingerprint, load_ce_table,
-                                           save_ce_table)
+from rag_train.data.tokenizer import load_tokenizer
+from rag_train.generative.ce_table import (
+    CETable,
+    build_ce_table,
+    ce_folder,
+    encoder_fingerprint,
+    load_ce_table,
+    save_ce_table,
+)
 from rag_train.generative.config import GenerativeConfig
 from rag_train.generative.model import GenerativeT5, load_generator, token_contrastive_loss
 from rag_train.generative.search import rank_targets, ranking_metrics
 from rag_train.generative.targets import Targets, build_targets
 from rag_train.generative.trie import Trie
 from rag_train.io import atomic_write_json, read_json
-from rag_train.data.tokenizer import load_tokenizer
 from rag_train.train.run import TrainingRun, flat_metrics, releases_on_input_fault, save_pretrained_atomic
 from rag_train.train.step import global_batch, linear_warmup, local_slice, optimizer_step
 from rag_train.train.trainable import Trainable

@@ -32,8 +32,8 @@ from rag_train.data.span_corruption import corrupt, noise_mask, sentinel_ids
 from rag_train.data.tokenizer import load_tokenizer
 from rag_train.data.toy_files import ensure_toy_world
 from rag_train.io import atomic_directory, atomic_write_json, folder_checksums, read_json
-from rag_train.models.retriever import format_passage
 from rag_train.models.attention import eager_t5_attention_on_cpu
+from rag_train.models.retriever import format_passage
 from rag_train.models.tiny import tiny_t5_config
 
 LM_FORMAT_VERSION = 1

@@ -34,12 +34,12 @@ from rag_train.eval.retrieval import evaluate_retrieval, load_eval_set
 from rag_train.models.retriever import DualEncoder
 from rag_train.strategies import StrategyContext, build_strategy, strategy_class
 from rag_train.train.batching import MicroBatch, StepParts, check_batching, tower_grad_norms
-from rag_train.train.schema import RetrieverTrainConfig
-from rag_train.train.run import TrainingRun, flat_metrics, releases_on_input_fault
-from rag_train.train.step import global_batch, linear_warmup, local_slice, optimizer_step
 from rag_train.train.memory import PeakMemory
-from rag_train.train.trainable import Trainable, deepspeed_stage, full_weights, save_parts
 from rag_train.train.passages import ensure_buffer
+from rag_train.train.run import TrainingRun, flat_metrics, releases_on_input_fault
+from rag_train.train.schema import RetrieverTrainConfig
+from rag_train.train.step import global_batch, linear_warmup, local_slice, optimizer_step
+from rag_train.train.trainable import Trainable, deepspeed_stage, full_weights, save_parts
 
 
 @releases_on_input_fault

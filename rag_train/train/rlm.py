@@ -31,25 +31,25 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from rag_train.buffer.embed import buffer_local_shard
 from rag_train.data.collate import answer_labels, fid_inputs
 from rag_train.data.corpus import Corpus
 from rag_train.data.qa import QAExample, load_qa
 from rag_train.data.sources import dataset_name, resolve_data
+from rag_train.data.tokenizer import load_tokenizer
 from rag_train.data.toy import TOY_DEV_SETS, TOY_TRAIN_SETS
 from rag_train.eval.metrics import has_answer
-from rag_train.buffer.embed import buffer_local_shard
 from rag_train.eval.qa import EMPTY_PASSAGE, QAEvalSettings, evaluate_qa
 from rag_train.io import atomic_write_text
 from rag_train.losses import perplexity_distillation, retrieval_scores
 from rag_train.models.reader import FiDReader
-from rag_train.data.tokenizer import load_tokenizer
 from rag_train.strategies import StrategyContext, build_strategy, strategy_class
-from rag_train.train.schema import RLMConfig
-from rag_train.train.run import TrainingRun, flat_metrics, releases_on_input_fault, save_pretrained_atomic
-from rag_train.train.step import global_batch, linear_warmup, local_slice, optimizer_step, seed_stage
 from rag_train.train.gate import RetrieverGate
-from rag_train.train.trainable import Trainable, full_weights, save_parts
 from rag_train.train.passages import ensure_buffer
+from rag_train.train.run import TrainingRun, flat_metrics, releases_on_input_fault, save_pretrained_atomic
+from rag_train.train.schema import RLMConfig
+from rag_train.train.step import global_batch, linear_warmup, local_slice, optimizer_step, seed_stage
+from rag_train.train.trainable import Trainable, full_weights, save_parts
 from rag_train.train.warm_start import warm_start_reader, warm_start_recall, warm_start_retriever
 
 

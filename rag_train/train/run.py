@@ -26,13 +26,37 @@ from accelerate.utils import id_tensor_storage, set_seed
 
 from rag_train.buffer.embed import CorpusPasses
 from rag_train.config import ConfigError, flatten, save_config, to_yaml
-from rag_train.io import (CorruptFileError, StorageError, atomic_write_json, errno_of, folder_checksums, free_space,
-                          fsync_tree, read_json, remove_stale_temporaries, sha256_file, size_text, state_bytes,
-                          tree_size, usual_modes, verify_checksums, write_fault, write_step)
+from rag_train.io import (
+    CorruptFileError,
+    StorageError,
+    atomic_write_json,
+    errno_of,
+    folder_checksums,
+    free_space,
+    fsync_tree,
+    read_json,
+    remove_stale_temporaries,
+    sha256_file,
+    size_text,
+    state_bytes,
+    tree_size,
+    usual_modes,
+    verify_checksums,
+    write_fault,
+    write_step,
+)
 from rag_train.launch import make_accelerator
-from rag_train.train.run_dir import (CHECKPOINTS, CONFIG_FILE, CORPUS_RECORD, LOGS, RUN_OUTPUTS, claim_directory,
-                                    lock_run_directory, remove_previous_run)
 from rag_train.train.curves import STRATEGY_PLOT, plot_strategy_log
+from rag_train.train.run_dir import (
+    CHECKPOINTS,
+    CONFIG_FILE,
+    CORPUS_RECORD,
+    LOGS,
+    RUN_OUTPUTS,
+    claim_directory,
+    lock_run_directory,
+    remove_previous_run,
+)
 from rag_train.train.step import NonFiniteGuard
 from rag_train.train.trainable import check_deepspeed_config
 

@@ -10,8 +10,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from rag_train.config import (BufferConfig, ConfigError, DataConfig, EvalConfig, ReaderConfig, RetrieverConfig,
-                              TrainConfig, absolute_path, check_choice, check_positive)
+from rag_train.config import (
+    BufferConfig,
+    ConfigError,
+    DataConfig,
+    EvalConfig,
+    ReaderConfig,
+    RetrieverConfig,
+    TrainConfig,
+    absolute_path,
+    check_choice,
+    check_positive,
+)
 from rag_train.data.sources import TOY_LM_MANIFEST
 from rag_train.strategies import StrategyConfig, require_algorithm, require_search
 from rag_train.train.batching import BatchingConfig

@@ -26,12 +26,18 @@ from rag_train.data.corpus import Corpus
 from rag_train.data.qa import QAExample
 from rag_train.data.sources import DataFiles
 from rag_train.eval.retrieval import rank_passages
-from rag_train.io import (CorruptFileError, atomic_directory, atomic_write_json, record_model_files, state_bytes,
-                          verify_model_files)
+from rag_train.io import (
+    CorruptFileError,
+    atomic_directory,
+    atomic_write_json,
+    record_model_files,
+    state_bytes,
+    verify_model_files,
+)
 from rag_train.models.retriever import DualEncoder
 from rag_train.train.run import TrainingRun
+from rag_train.train.schema import RetrieverTrainConfig, RLMConfig
 from rag_train.train.step import global_batch, linear_warmup, seed_stage
-from rag_train.train.schema import RLMConfig, RetrieverTrainConfig
 
 
 def stage_dir(cfg: RLMConfig, run: TrainingRun, name: str) -> Path:
@@ -128,8 +134,7 @@ def warm_start_recall(cfg: RLMConfig, files: DataFiles, run: TrainingRun, retrie
     pass (stored in buffer.dtype: near-ties may rank differently from fp32) - else over the corpus embedded now."""
     if cfg.warm_start.retriever_steps == 0:
         return {}
-    from rag_train.data.sources import resolve_data
-    from rag_train.data.sources import dataset_name
+    from rag_train.data.sources import dataset_name, resolve_data
     from rag_train.eval.retrieval import evaluate_retrieval, load_eval_set
 
     out = stage_dir(cfg, run, "warm_start_retriever")

@@ -8,8 +8,14 @@ import tempfile
 from pathlib import Path
 
 import rag_lab.bench.gpu_report as package
-from rag_lab.bench.gpu_report.common import (CHECK_FAILED_EXIT, INPUT_FAULT_EXIT, ROOT, Context, ReportError,
-                                             StageCheckError)
+from rag_lab.bench.gpu_report.common import (
+    CHECK_FAILED_EXIT,
+    INPUT_FAULT_EXIT,
+    ROOT,
+    Context,
+    ReportError,
+    StageCheckError,
+)
 from rag_lab.bench.gpu_report.document import assemble, run_stage
 from rag_lab.bench.gpu_report.stages import STAGES
 from rag_lab.bench.gpu_report.wheels import WheelError, download_wheels, install_wheels

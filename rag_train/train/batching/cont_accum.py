@@ -28,9 +28,18 @@ import torch
 from rag_train.config import ConfigError, check_positive
 from rag_train.losses import retrieval_scores, truncated_softmax_ce
 from rag_train.strategies.base import Strategy, Subset, gather_queries
-from rag_train.train.batching.base import (BatchingOption, MicroBatch, MicroBatchesConfig, StepParts, StepResult,
-                                           my_passages, propose, rng_devices, synced_on_last,
-                                           tower_grad_norms)
+from rag_train.train.batching.base import (
+    BatchingOption,
+    MicroBatch,
+    MicroBatchesConfig,
+    StepParts,
+    StepResult,
+    my_passages,
+    propose,
+    rng_devices,
+    synced_on_last,
+    tower_grad_norms,
+)
 from rag_train.train.passages import gather_with_grad
 
 

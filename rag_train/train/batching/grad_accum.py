@@ -6,8 +6,17 @@ sees 1/K of the negatives). Takes every strategy: each micro-batch is an Algorit
 
 from __future__ import annotations
 
-from rag_train.train.batching.base import (BatchingOption, MicroBatch, MicroBatchesConfig, StepResult, mean_logged,
-                                           my_passages, propose, subset_losses, synced_on_last)
+from rag_train.train.batching.base import (
+    BatchingOption,
+    MicroBatch,
+    MicroBatchesConfig,
+    StepResult,
+    mean_logged,
+    my_passages,
+    propose,
+    subset_losses,
+    synced_on_last,
+)
 
 
 class GradAccum(BatchingOption):

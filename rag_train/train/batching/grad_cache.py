@@ -19,8 +19,15 @@ from __future__ import annotations
 import torch
 
 from rag_train.losses import retrieval_scores
-from rag_train.train.batching.base import (BatchingOption, MicroBatch, MicroBatchesConfig, StepResult, propose,
-                                           rng_devices, synced_on_last)
+from rag_train.train.batching.base import (
+    BatchingOption,
+    MicroBatch,
+    MicroBatchesConfig,
+    StepResult,
+    propose,
+    rng_devices,
+    synced_on_last,
+)
 from rag_train.train.passages import gather_with_grad, my_share
 
 
