@@ -197,8 +197,8 @@ def gap_report(rows: dict[str, list[dict]], tail: int = 4) -> Optional[str]:
         per_seed = [gap_closed(*map(value, runs)) for runs in zip(*(rows[s] for s in GAP))]
         lines.append(f"R@1 {label}: stale {100 * means['stale']:.1f}, corrector {100 * means['corrector']:.1f}, "
                      f"exhaustive {100 * means['exhaustive']:.1f}; the corrector closes "
-                     f"{gap_share(gap_closed(means['stale'], means['corrector'], means['exhaustive']))} of the gap of the "
-                     f"means (per seed: {', '.join(gap_share(x) for x in per_seed)})")
+                     f"{gap_share(gap_closed(means['stale'], means['corrector'], means['exhaustive']))} "
+                     f"of the gap of the means (per seed: {', '.join(gap_share(x) for x in per_seed)})")
     return "\n".join(lines)
 
 
@@ -278,7 +278,8 @@ def compare_strategies(config: str | Path, strategies: list[str], seeds: list[in
     for strategy, results in rows:
         recalls = " | ".join(cell([r["recall"][k] for r in results]) for k in ks)
         lines.append(f"| {strategy} | {results[0]['reembedded_passages']} | {recalls} | "
-                     f"{cell([r['mrr@10'] for r in results])} | {statistics.mean(r['wall_seconds'] for r in results):.0f} |")
+                     f"{cell([r['mrr@10'] for r in results])} | "
+                     f"{statistics.mean(r['wall_seconds'] for r in results):.0f} |")
     by_strategy = dict(rows)
     lines += ["", "R@1 by training step (mean over seeds):", "", curve_table(by_strategy, retrieval_curve)]
     closers = [s for s in strategies if s not in ("stale", "exhaustive")]

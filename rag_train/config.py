@@ -69,11 +69,12 @@ def plugin_section(section: str, base: type, plugins: dict[str, type], header: s
     """The config section of alternatives that plug in by one file each (strategies, batching options).
 
     `plugins` maps each alternative's name to its class, whose `config` is its own config dataclass, a subclass of
-    `base` (whose keys every alternative reads). The section holds `base`'s keys and every alternative's own keys, each spelled
-    `<section>.<key>`; a key several alternatives declare (`strategy.refresh_every`) is one key, so they must agree
-    on its type and default. The section validates `name`, and `selected()` builds the chosen alternative's own
-    config (its checks run); `unread_keys()` names the keys the chosen one does not read, and `load_config` refuses
-    a command-line override of one. Returns the section class and, per own key, the alternatives that read it."""
+    `base` (whose keys every alternative reads). The section holds `base`'s keys and every alternative's own keys,
+    each spelled `<section>.<key>`; a key several alternatives declare (`strategy.refresh_every`) is one key, so they
+    must agree on its type and default. The section validates `name`, and `selected()` builds the chosen
+    alternative's own config (its checks run); `unread_keys()` names the keys the chosen one does not read, and
+    `load_config` refuses a command-line override of one. Returns the section class and, per own key, the
+    alternatives that read it."""
     common = {spec.name for spec in dataclasses.fields(base)}
     found: dict[str, tuple[Any, dataclasses.Field, str]] = {}
     owners: dict[str, list[str]] = {}
@@ -110,13 +111,15 @@ def plugin_section(section: str, base: type, plugins: dict[str, type], header: s
         return {key: f"{section} {self.name!r} does not read {section}.{key} (a key of {', '.join(names)})"
                 for key, names in owners_of.items() if key not in reads}
 
-    lines = [header, f"`{section}.name` picks one; each reads the common keys ({', '.join(sorted(common))}) and its own:"]
+    lines = [header,
+             f"`{section}.name` picks one; each reads the common keys ({', '.join(sorted(common))}) and its own:"]
     for name, plugin in plugins.items():
         keys = [spec.name for spec in dataclasses.fields(plugin.config) if spec.name not in common]
         lines.append(f"  {name}: {', '.join(keys) or '-'}  ({plugin.__module__})")
     methods = {"__post_init__": check, "selected": selected, "unread_keys": unread_keys, "__doc__": "\n".join(lines),
                "__module__": (namespace or {}).get("__module__", __name__)}
-    cls = dataclasses.make_dataclass(f"{section.capitalize()}Config", fields, namespace={**methods, **(namespace or {})})
+    cls = dataclasses.make_dataclass(f"{section.capitalize()}Config", fields,
+                                     namespace={**methods, **(namespace or {})})
     return cls, owners_of
 
 
@@ -181,7 +184,8 @@ class DataConfig:
     # full; a retriever learns to copy the name and saturates near R@1 100) or `described` (the person named by first
     # name and another fact, matched by meaning among near-duplicates; R@1 stays well below 100; docs/toy_world.md)
     toy_retrieval: str = "named"
-    passages: Optional[str] = None  # JSONL {id,title,text}, DPR / MS MARCO TSV, parquet, or a datasets.save_to_disk folder
+    # JSONL {id,title,text}, DPR / MS MARCO TSV, parquet, or a datasets.save_to_disk folder
+    passages: Optional[str] = None
     train: Optional[str] = None  # training file (QA JSONL for the RLM, DPR JSON / JSONL for retrieval)
     dev: list[str] = field(default_factory=list)  # evaluation files; metrics are keyed by their stem
     max_train_examples: Optional[int] = None

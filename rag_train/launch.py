@@ -109,8 +109,8 @@ def make_accelerator(timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S, find_unuse
     if accelerator.device.type == "cpu":
         count = cpu_threads(threads, int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes)))
         if count is not None and count != torch.get_num_threads():
-            accelerator.print(f"torch threads per process: {count} (was {torch.get_num_threads()}; cpu_threads={threads}, "
-                              f"{available_cores()} cores available)")
+            accelerator.print(f"torch threads per process: {count} (was {torch.get_num_threads()}; "
+                              f"cpu_threads={threads}, {available_cores()} cores available)")
             torch.set_num_threads(count)
     return accelerator
 

@@ -156,7 +156,8 @@ def test_grad_cache_matches_sentence_transformers_cached_mnrl(world):
     ours_loss, ours = run_option("grad_cache", model, corpus, micro_batches(corpus, examples, 4))
 
     questions = [ex.question for ex in examples]
-    passages = [format_passage(p) for p in corpus.passages(corpus.rows([ex.positive_ids[0] for ex in examples]).tolist())]
+    rows = corpus.rows([ex.positive_ids[0] for ex in examples]).tolist()
+    passages = [format_passage(p) for p in corpus.passages(rows)]
     reference = CachedMultipleNegativesRankingLoss(tower, scale=1 / TEMPERATURE, mini_batch_size=3)
     loss = reference([tower.preprocess(questions), tower.preprocess(passages)], None)
     loss.backward()
@@ -439,7 +440,8 @@ def test_cont_accum_resume_reaches_the_uninterrupted_run(recipe_toy_dir, tmp_pat
     keys = {**RECIPE, **OPTION_KEYS["cont_accum"], "train.steps": 4}
     whole = train_retriever(config(recipe_toy_dir, tmp_path / "whole", "in_batch", **{"train.save_every": 2, **keys}))
     train_retriever(config(recipe_toy_dir, tmp_path / "split", "in_batch", **{**keys, "train.steps": 2}))
-    resumed = train_retriever(config(recipe_toy_dir, tmp_path / "split", "in_batch", **{**keys, "train.resume": "true"}))
+    resumed = train_retriever(config(recipe_toy_dir, tmp_path / "split", "in_batch",
+                                     **{**keys, "train.resume": "true"}))
     assert resumed["recall"] == whole["recall"] and whole["peak_memory_mib"] > 0
     a, b = weights(tmp_path / "whole"), weights(tmp_path / "split")
     for key in a:
@@ -537,7 +539,8 @@ for name, extra in [("bad_value", ["batching.name=scaled", "batching.loss_scale=
         out[name] = str(exc)
 weights = {}
 for name in ("scaled", "plain"):
-    cfg = load_config(RetrieverTrainConfig, config, [*args, f"batching.name={name}", f"train.output_dir={sys.argv[1]}/{name}"]
+    cfg = load_config(RetrieverTrainConfig, config,
+                      [*args, f"batching.name={name}", f"train.output_dir={sys.argv[1]}/{name}"]
                       + (["batching.loss_scale=1.0"] if name == "scaled" else []))
     out[name] = train_retriever(cfg)["steps"]
     weights[name] = DualEncoder.load(f"{sys.argv[1]}/{name}/retriever").state_dict()

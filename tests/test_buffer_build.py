@@ -153,8 +153,8 @@ def test_existing_buffer_is_reused_or_protected(world, tmp_path):
     calls = counting(model)
     assert build_buffer(model, corpus, tmp_path / "buf", batch_size=BATCH, shard_rows=SHARD_ROWS).rows == ROWS
     assert calls == []  # complete and matching: nothing re-encoded
-    other = DualEncoder.from_config(RetrieverConfig(model="tiny", tiny=TINY, projection_dim=16), str(world["tokenizer"]),
-                                    seed=1).eval()
+    other = DualEncoder.from_config(RetrieverConfig(model="tiny", tiny=TINY, projection_dim=16),
+                                    str(world["tokenizer"]), seed=1).eval()
     with pytest.raises(BufferError, match="model_fingerprint.*not overwritten"):
         build_buffer(other, corpus, tmp_path / "buf", batch_size=BATCH, shard_rows=SHARD_ROWS)
     rebuilt = build_buffer(other, corpus, tmp_path / "buf", batch_size=BATCH, shard_rows=20, overwrite=True)

@@ -42,7 +42,8 @@ def run_and_model(out: Path, seed: int, resume: bool) -> tuple[TrainingRun, torc
 def logits(model: FiDReader) -> torch.Tensor:
     ids = torch.tensor([[5, 9, 13, 2, 1], [7, 3, 1, 0, 0]])
     with torch.no_grad():
-        return model(input_ids=ids, attention_mask=(ids > 0).long(), decoder_input_ids=torch.tensor([[0, 4], [0, 8]])).logits
+        return model(input_ids=ids, attention_mask=(ids > 0).long(),
+                     decoder_input_ids=torch.tensor([[0, 4], [0, 8]])).logits
 
 
 def assert_tied(model: FiDReader) -> None:

@@ -194,7 +194,8 @@ def test_a_damaged_saved_dataset_through_a_recipe_exits_2(tmp_path, recipe_toy_d
     corpus = _save(tmp_path, "corpus", _columns(_records(recipe_toy_dir / "passages.jsonl"), "id"), "datasets")
     where, _ = damage_saved_dataset(corpus, "truncated-arrow")
     out = tmp_path / "run"
-    cfg = config(recipe_toy_dir, out, **data_overrides(recipe_toy_dir, corpus, recipe_toy_dir / "retrieval-train.jsonl"))
+    cfg = config(recipe_toy_dir, out,
+                 **data_overrides(recipe_toy_dir, corpus, recipe_toy_dir / "retrieval-train.jsonl"))
     capsys.readouterr()
     with pytest.raises(SystemExit) as caught:
         with exit_on_fault():

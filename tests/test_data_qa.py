@@ -150,7 +150,8 @@ def test_probe_reads_http_status(online_env):
 
 def test_hub_rows_are_normalised(monkeypatch):
     calls = []
-    rows = [{"question": "Which city?", "question_id": "tc_9", "answer": {"value": "Paris", "aliases": ["Paris", "Paree"]}},
+    rows = [{"question": "Which city?", "question_id": "tc_9",
+             "answer": {"value": "Paris", "aliases": ["Paris", "Paree"]}},
             {"question": "Which river?", "question_id": "tc_10", "answer": {"value": "Seine", "aliases": []}}]
 
     def fake_load_dataset(repo, config, split):

@@ -165,7 +165,8 @@ def test_dispatch_explains_what_it_expected(tmp_path):
         with pytest.raises(DataError, match=r"(expected|provide) a DPR JSON list .*MS MARCO .*BEIR"):
             load_retrieval(source)
     orphan = _write(tmp_path / "queries.dev.tsv", "1\tq\n")
-    with pytest.raises(DataError, match=r"queries\.dev\.tsv: MS MARCO queries need their judgements in qrels\.dev\.tsv"):
+    with pytest.raises(DataError,
+                       match=r"queries\.dev\.tsv: MS MARCO queries need their judgements in qrels\.dev\.tsv"):
         load_retrieval(orphan)
     _write(tmp_path / "qrels.dev.tsv", "1\t0\tp\t0\n")
     with pytest.raises(DataError, match=r"qrels\.dev\.tsv: no query has a positive judgement"):

@@ -60,8 +60,8 @@ def corrector_run(recipe_toy_dir, tmp_path_factory):
         patch.setattr(CorrectorStrategy, "auxiliary_loss", recording)
         patch.setattr(CorrectorStrategy, "retrieve_global", searching)
         patch.setattr(CorrectorStrategy, "after_step", stepping)
-        train_retriever(config(recipe_toy_dir, out, "corrector", **{"strategy.corrector.lr": 1e-2,
-                                                                     "train.save_every": 2, "train.keep_checkpoints": 0}))
+        train_retriever(config(recipe_toy_dir, out, "corrector",
+                               **{"strategy.corrector.lr": 1e-2, "train.save_every": 2, "train.keep_checkpoints": 0}))
     CORRECTOR_WEIGHTS[out] = (searched, stepped)
     return out, subsets
 
@@ -239,13 +239,15 @@ def test_content_probe_against_a_ridge_solved_by_numpy_and_its_two_limits():
 
 def test_the_content_table_is_printed_for_the_runs_vectors(corrector_run, capsys):
     run, _ = corrector_run
-    main(["--run", str(run), "--k", str(K), "--questions", str(QUESTIONS), "--content", "100", "--content-init", "tiny"])
+    main(["--run", str(run), "--k", str(K), "--questions", str(QUESTIONS), "--content", "100",
+          "--content-init", "tiny"])
     printed = capsys.readouterr().out
     table = printed.split("content kept")[1]
     for name in ("stale", "fresh", "corrector", "init tiny"):
         assert f"| {name} | " in table
     # the run started from the tiny random init with the run's seed: that init's buffer is the run's stale buffer
-    stale, init = (next(line for line in table.splitlines() if line.startswith(f"| {n} |")) for n in ("stale", "init tiny"))
+    stale, init = (next(line for line in table.splitlines() if line.startswith(f"| {n} |"))
+                   for n in ("stale", "init tiny"))
     assert stale.split("|")[2:] == init.split("|")[2:]
 
 

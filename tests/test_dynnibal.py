@@ -73,11 +73,13 @@ def violations(tree: SGTree, points: np.ndarray, members: np.ndarray, tol=1e-6) 
             continue
         if tree.centre[kids[0]] != tree.centre[node] or any(tree.level[k] >= tree.level[node] for k in kids):
             wrong.append(f"nesting at node {node}")
-        if sorted(np.concatenate([tree.order[tree.start[k]:tree.end[k]] for k in kids]).tolist()) != sorted(under.tolist()):
+        children = np.concatenate([tree.order[tree.start[k]:tree.end[k]] for k in kids])
+        if sorted(children.tolist()) != sorted(under.tolist()):
             wrong.append(f"children of {node} do not partition its points")
         for i in kids:
             for j in kids:
-                if i < j and np.linalg.norm(points[tree.centre[i]] - points[tree.centre[j]]) < tree.base ** (tree.level[i] - 1) - tol:
+                apart = np.linalg.norm(points[tree.centre[i]] - points[tree.centre[j]])
+                if i < j and apart < tree.base ** (tree.level[i] - 1) - tol:
                     wrong.append(f"separation between siblings {i}, {j}")
         stack.extend(kids)
     if sorted(leaf_points) != sorted(members.tolist()):
@@ -316,7 +318,8 @@ def test_config_errors_name_the_key(key, value):
 def test_a_forest_that_could_never_expand_is_refused():
     """A root splits into at least tree_children clusters: a per-tree cap below that is refused by name; the
     defaults (100 trees, 100 clusters per tree) and the toy's are accepted."""
-    with pytest.raises(ConfigError, match=r"strategy.max_clusters=15 is below strategy.tree_children=16: .*could expand"):
+    with pytest.raises(ConfigError,
+                       match=r"strategy.max_clusters=15 is below strategy.tree_children=16: .*could expand"):
         DynnibalConfig(name="dynnibal", max_clusters=15)
     assert DynnibalConfig(name="dynnibal").max_clusters == DynnibalConfig(name="dynnibal").trees == 100
     DynnibalConfig(name="dynnibal", trees=4, max_clusters=16)
@@ -385,7 +388,8 @@ def test_the_schedule_fires_at_the_configured_steps(scheduled):
     assert log["step"] == [1, 2, 3, 4, 5, 6]
     assert log["dynnibal/sampled"] == [0, 0, 0, 1, 1, 1]
     assert log["dynnibal/reencoded"] == REENCODED
-    assert all(c > 2 for c in log["dynnibal/clusters_per_query"][3:]) and log["dynnibal/clusters_per_query"][:3] == [0] * 3
+    clusters = log["dynnibal/clusters_per_query"]
+    assert all(c > 2 for c in clusters[3:]) and clusters[:3] == [0] * 3
     assert all(d > 0 for d in log["dynnibal/frontier_depth"][3:])
     summary = metrics["strategy_summary"]
     assert metrics["reembedded_passages"] == summary["reencoded"] == REENCODED[-1]

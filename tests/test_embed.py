@@ -53,7 +53,8 @@ def bert_world(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("bert")
     pieces = sorted({w.lower() for w in WORDS} | {"entity", "title", ":", "|", "zurich", "naive", "##s"})
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + pieces + [str(d) for d in range(10)] + [f"##{d}" for d in range(10)]
+    vocab = (["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + pieces
+             + [str(d) for d in range(10)] + [f"##{d}" for d in range(10)])
     (root / "vocab.txt").write_text("\n".join(vocab) + "\n", encoding="utf-8")
     BertTokenizerFast(vocab_file=str(root / "vocab.txt"), do_lower_case=True).save_pretrained(root / "model")
     torch.manual_seed(0)

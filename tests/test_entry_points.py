@@ -73,10 +73,12 @@ def test_the_script_is_one_call_inside_exit_on_fault(path):
 
 def test_the_checker_refuses_what_the_convention_forbids(tmp_path):
     cases = {
-        "logic.py": '"""x"""\nimport sys\nx = 1\nif __name__ == "__main__":\n    with exit_on_fault():\n        main()\n',
+        "logic.py": '"""x"""\nimport sys\nx = 1\n'
+                    'if __name__ == "__main__":\n    with exit_on_fault():\n        main()\n',
         "bare.py": '"""x"""\nfrom m import main\nif __name__ == "__main__":\n    main()\n',
         "two.py": '"""x"""\nif __name__ == "__main__":\n    with exit_on_fault():\n        a()\n        b()\n',
-        "good.py": '"""x"""\nfrom m import main\nif __name__ == "__main__":\n    with exit_on_fault():\n        main()\n',
+        "good.py": '"""x"""\nfrom m import main\n'
+                   'if __name__ == "__main__":\n    with exit_on_fault():\n        main()\n',
         "recipe.py": '"""x"""\nif __name__ == "__main__":\n    run_recipe(A, B, c, d)\n',
     }
     found = {}

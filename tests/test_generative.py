@@ -330,7 +330,8 @@ def test_two_processes_rebuild_the_same_ce_and_rank_every_question(recipe_toy_di
     cmd = launch_command(root / "scripts" / "train_generative.py", f"data.toy_dir={recipe_toy_dir}",
                          "data.toy_passages=300", "data.max_train_examples=32", "data.max_eval_examples=9",
                          "generator.tiny.d_model=32", "generator.tiny.d_ff=64", "generator.tiny.num_heads=4",
-                         "generator.tiny.num_layers=1", "generator.tiny.num_decoder_layers=1", "targets.context_length=24",
+                         "generator.tiny.num_layers=1", "generator.tiny.num_decoder_layers=1",
+                         "targets.context_length=24",
                          "np.variant=async", "np.rebuild_every_epochs=0.5", "train.steps=6", "train.batch_size=8",
                          "train.tracker=null", f"train.output_dir={tmp_path / 'two'}", "eval.num_beams=2",
                          "eval.recall_at=[1]", processes=2)

@@ -108,7 +108,8 @@ def test_a_folder_from_another_world_is_refused(recipe_toy_dir, lm_folder, tmp_p
         resolve_data(other, Accelerator(cpu=True), ["retrieval-train"], ["retrieval-dev"],
                      {"retriever.model": str(lm_folder)})
     same = DataConfig(toy_dir=str(recipe_toy_dir), toy_passages=300)
-    resolve_data(same, Accelerator(cpu=True), ["retrieval-train"], ["retrieval-dev"], {"retriever.model": str(lm_folder)})
+    resolve_data(same, Accelerator(cpu=True), ["retrieval-train"], ["retrieval-dev"],
+                 {"retriever.model": str(lm_folder)})
     # the stage itself: a cache whose world was replaced in the same toy_dir
     copy = tmp_path / "world1" / "lm"
     shutil.copytree(lm_folder, copy)

@@ -296,8 +296,8 @@ def test_a_t5_v1_1_checkpoint_keeps_its_own_output_layer_and_unscaled_logits(tmp
 
     from rag_train.config import ReaderConfig
 
-    config = T5Config(vocab_size=64, d_model=16, d_ff=32, d_kv=4, num_heads=4, num_layers=1, feed_forward_proj="gated-gelu",
-                      decoder_start_token_id=0)
+    config = T5Config(vocab_size=64, d_model=16, d_ff=32, d_kv=4, num_heads=4, num_layers=1,
+                      feed_forward_proj="gated-gelu", decoder_start_token_id=0)
     FiDReader(config).save_pretrained(tmp_path)
     weights = dict(load_file(str(tmp_path / "model.safetensors")))
     weights["lm_head.weight"] = torch.randn(64, 16)

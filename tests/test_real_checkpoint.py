@@ -98,7 +98,8 @@ def test_minilm_trains_builds_a_buffer_exports_and_serves(minilm, toy_dir, tmp_p
     run_dir = tmp_path / "run"
     overrides = {"data.toy_dir": toy_dir, "data.toy_passages": PASSAGES, "data.max_eval_examples": 10,
                  "data.max_train_examples": 40, "retriever.model": minilm,
-                 "retriever.max_passage_length": PASSAGE_TOKENS, "retriever.max_query_length": QUERY_TOKENS, "train.output_dir": run_dir, "train.steps": STEPS,
+                 "retriever.max_passage_length": PASSAGE_TOKENS, "retriever.max_query_length": QUERY_TOKENS,
+                 "train.output_dir": run_dir, "train.steps": STEPS,
                  "train.batch_size": 2, "train.lr": 2e-5, "train.tracker": "null", "train.eval_every": 0,
                  "strategy.name": "stale", "strategy.top_k": 2,
                  "strategy.uniform_negatives": 1, "buffer.dtype": "float32", "buffer.embed_batch_size": 64,

@@ -126,8 +126,9 @@ def test_report_from_given_metrics(tmp_path):
            "stale 99.0 = corrector 99.0 = exhaustive 99.0" in text
     assert ("the stale → exhaustive R@1 gap is 35.0 points from the LM-pretrained init and 0.0 from the "
             "retrieval-pretrained init (from random init, which the paper never ran: 20.0); paper 9.7 (T5)") in text
-    assert ("(no counterpart in the paper).** The initial model's R@1 (step 0) is 0.0. Measured R@1 order: stale 50.0 < "
-            "corrector 60.0 < exhaustive 70.0.\n- The corrector closes 50% of the stale → exhaustive R@1 gap "
+    assert ("(no counterpart in the paper).** The initial model's R@1 (step 0) is 0.0. Measured R@1 order: "
+            "stale 50.0 < corrector 60.0 < exhaustive 70.0.\n"
+            "- The corrector closes 50% of the stale → exhaustive R@1 gap "
             "(50.0 → 70.0), with 0 re-embedded passages.") in text
     assert "smaller is faster: **undecided**" in text  # one seed per size: no paired test
     assert "## How verdicts are decided\n\n\"A beats B\" is a verdict only if a paired test over seeds" in text
@@ -163,8 +164,8 @@ def test_report_from_given_metrics(tmp_path):
     assert "From random init, the corrector is within 10.0 R@1 points" in text
     assert "From retrieval-pretrained init, the corrector is within 0.0 R@1 points" in text
     assert "(furthest behind at step 20: 0.0; at the end 0.0), and not above stale at the end." in text
-    # the RLM: EM (nq, tqa, hpqa) = (e, e + 0.02, e / 2), closed book (5, 7, 2.5); answer recall 2x the EM; HPQA gold recall@4 at the
-    # last evaluation (step 5) is the hotpotqa em, at step 0 zero
+    # the RLM: EM (nq, tqa, hpqa) = (e, e + 0.02, e / 2), closed book (5, 7, 2.5); answer recall 2x the EM; HPQA gold
+    # recall@4 at the last evaluation (step 5) is the hotpotqa em, at step 0 zero
     assert (f"{ANALYSIS} what the RLM runs show. Mean EM over the three families: closed_book 4.8, frozen 25.7, "
             "corrector 34.0, exhaustive 35.7. NQ-like answer recall@4: 60.0 with the warm-started retriever (frozen), "
             "80.0 (corrector), 84.0 (exhaustive) at the end. TQA-like answer recall@4: 64.0 with the warm-started "
@@ -252,9 +253,11 @@ def test_described_section_plans_every_row_from_three_inits_on_each_world(tmp_pa
                   for init in ("random", "lm", "pretrained")}  # the folders do not exist: not loaded here
         assert models == {"random": [], "lm": [f"retriever.model={lm.folder()}"],
                           "pretrained": [f"retriever.model={plan.described_pretrain().out / 'retriever'}"]}
-        cfg = {row: load_config(RetrieverTrainConfig, RETRIEVER_CONFIG, plan.described_run(world, "random", row, 2).overrides)
+        cfg = {row: load_config(RetrieverTrainConfig, RETRIEVER_CONFIG,
+                                plan.described_run(world, "random", row, 2).overrides)
                for row in ("in_batch", "corrector", "corrector-mse", "dynnibal-plus0", "dynnibal", "exhaustive")}
-        assert all(c.data.toy_dir == lm.data.toy_dir and c.train.seed == 2 and c.train.steps == 4000 for c in cfg.values())
+        assert all(c.data.toy_dir == lm.data.toy_dir and c.train.seed == 2 and c.train.steps == 4000
+                   for c in cfg.values())
         assert (cfg["corrector"].strategy.corrector.loss, cfg["corrector-mse"].strategy.corrector.loss) == ("ce", "mse")
         plus0, scheduled = cfg["dynnibal-plus0"].strategy, cfg["dynnibal"].strategy
         assert (plus0.warm_start_steps, plus0.full_refresh_step, plus0.refresh_every) == (0, 0, 0)
@@ -291,13 +294,15 @@ def test_described_report_gives_each_rows_share_of_the_gap_per_seed_and_the_verd
     assert "| exhaustive | 2 | 1,000 | 75.0 ± 7.1 |" in tuned_part
     assert "stale 45.0, exhaustive 75.0 (a gap of 30.0 points)" in tuned_part
     assert "corrector (CE, Eq. 6) 83% (per seed: 80%, 90%); SNM 50% (per seed: 50%, 50%)" in tuned_part
-    assert ("**undecided** here: 83%; R@1, the corrector against SNM (the verdict rule): undecided (corrector 70.0 ± 2.8 "
-            "vs SNM 60.0 ± 0.0, n 2 paired seeds; per-seed differences +12.0 / +8.0; paired t 5.00, p 0.126;") in tuned_part
+    assert ("**undecided** here: 83%; R@1, the corrector against SNM (the verdict rule): undecided "
+            "(corrector 70.0 ± 2.8 vs SNM 60.0 ± 0.0, n 2 paired seeds; per-seed differences +12.0 / +8.0; "
+            "paired t 5.00, p 0.126;") in tuned_part
     # at every k (retriever_metrics: R@5 = R@1 + 10, R@20 = R@100 = 100: no gap), beside the paper's T5-base row
     assert "| corrector (CE, Eq. 6): per seed | 80%, 90% | 80%, 90% | n/a, n/a | n/a, n/a |" in tuned_part
     assert "| corrector (CE, Eq. 6): paper, T5-base init | 93% | 89% | 87% | 94% |" in tuned_part
     assert " (not tuned on): LM-pretrained init" in untuned_part and "**not reproduced** here: 50%" in untuned_part
-    assert "**reproduced** here: 86%; R@1, the corrector against SNM (the verdict rule): corrector beats SNM" in third_part
+    assert ("**reproduced** here: 86%; R@1, the corrector against SNM (the verdict rule): corrector beats SNM"
+            in third_part)
     assert "| 20 | 22.5 | 35.0 | 37.5 |" in tuned_part  # the curve at step 20: R@1 / 2 (retriever_metrics' history)
     assert "random init" not in text  # inits without runs are left out
     assert "_(not run: `--only described`)_" in "\n".join(described_section(None))
@@ -351,9 +356,9 @@ def test_probe_table_averages_the_steps_after_the_first_then_the_seeds():
 @pytest.mark.xdist_group("seed_sections")
 def test_quick_large_batches_section_runs_seed_002s_table(seed_sections):
     """`reproduce.py --quick --only large_batches` end to end (`seed_sections`): the runs, the table in
-    reproduction.md and the per-step gradient-ratio curve. GradCache N x K computes the full-batch gradient, so its run equals in-batch at
-    N_total (same seed, same batches) to every metric; the tower ratio is logged at every step, and the probed
-    ContAccum run's probe with the banks is the run's own gradient at every step."""
+    reproduction.md and the per-step gradient-ratio curve. GradCache N x K computes the full-batch gradient, so its
+    run equals in-batch at N_total (same seed, same batches) to every metric; the tower ratio is logged at every
+    step, and the probed ContAccum run's probe with the banks is the run's own gradient at every step."""
     runs = seed_sections
     folder = runs / "large_batches"
     cache, full = (json.loads((folder / f"{name}-seed0" / "metrics.json").read_text())
@@ -376,11 +381,11 @@ def test_quick_large_batches_section_runs_seed_002s_table(seed_sections):
 
 @pytest.mark.xdist_group("seed_sections")
 def test_quick_dynnibal_section_runs_seed_001s_rows(seed_sections):
-    """`reproduce.py --quick --only dynnibal --jobs 2` end to end (`seed_sections`; 8 steps: uniform warm start for 3, every target
-    encoded after step 3, Nyström refreshes after steps 4, 6 and 8 (w = 2), every target encoded again after step 5):
-    each row re-embeds what its schedule says (the control refreshes exhaustively once per warm-start length), SNM
-    holds 3 d' + s' targets, the GTR-like rows start from the pretrained retriever, and the report's cells and gap
-    shares are those of the runs' metrics, computed by hand."""
+    """`reproduce.py --quick --only dynnibal --jobs 2` end to end (`seed_sections`; 8 steps: uniform warm start for 3,
+    every target encoded after step 3, Nyström refreshes after steps 4, 6 and 8 (w = 2), every target encoded again
+    after step 5): each row re-embeds what its schedule says (the control refreshes exhaustively once per warm-start
+    length), SNM holds 3 d' + s' targets, the GTR-like rows start from the pretrained retriever, and the report's cells
+    and gap shares are those of the runs' metrics, computed by hand."""
     runs = seed_sections
     passages, landmarks, samples = 300, 8, 32  # QUICK's world and Nyström sizes
     folder = runs / "dynnibal"
@@ -456,11 +461,11 @@ def test_run_all_stops_launching_after_a_failure_and_lets_runs_in_flight_finish(
 
 @pytest.mark.xdist_group("seed_sections")
 def test_quick_generative_section_runs_seed_003s_four_tables(seed_sections):
-    """`reproduce.py --quick --only generative --jobs 2` end to end (`seed_sections`): every run reads its split (the fraction's training
-    file, seen and unseen dev) and its size's LM (d 128 or d 64, both pretrained on the section's described world),
-    ASYNC rebuilds on its schedule and CONTRA after its contrastive steps, the dual encoder's title-level figures are
-    those of `dense_title_metrics`, the multi-hop runs read the bridge files and report Recall@2, and the report's rows
-    and computed Np gain are the runs' metrics, by hand."""
+    """`reproduce.py --quick --only generative --jobs 2` end to end (`seed_sections`): every run reads its split (the
+    fraction's training file, seen and unseen dev) and its size's LM (d 128 or d 64, both pretrained on the section's
+    described world), ASYNC rebuilds on its schedule and CONTRA after its contrastive steps, the dual encoder's
+    title-level figures are those of `dense_title_metrics`, the multi-hop runs read the bridge files and report
+    Recall@2, and the report's rows and computed Np gain are the runs' metrics, by hand."""
     from rag_lab.analysis.generative_compare import dense_title_metrics
 
     runs = seed_sections
@@ -482,7 +487,8 @@ def test_quick_generative_section_runs_seed_003s_four_tables(seed_sections):
             assert json.loads((lm / "config.json").read_text())["d_model"] == (64 if "small" in name else 128)
     assert [b["step"] for b in metrics["async-seed0"]["ce_builds"]] == [0, 2]
     assert [b["step"] for b in metrics["contra-seed0"]["ce_builds"]] == [0, 2]
-    assert [b["step"] for b in metrics["base-seed0"]["ce_builds"]] == [0] and metrics["vanilla-seed0"]["ce_rows"] is None
+    assert [b["step"] for b in metrics["base-seed0"]["ce_builds"]] == [0]
+    assert metrics["vanilla-seed0"]["ce_rows"] is None
     titles = json.loads((folder / "dense-seed0" / "title_metrics.json").read_text())
     assert titles == {"datasets": json.loads(json.dumps(dense_title_metrics(folder / "dense-seed0", [1, 5, 10])))}
 
@@ -521,7 +527,8 @@ def test_quick_described_section_runs_seed_000s_table1_from_three_inits(seed_sec
     folder, passages = runs / "described" / "w300-s1", 300
     inits, rows = ("random", "lm", "pretrained"), ("in_batch", "stale", "corrector", "corrector-mse", "dynnibal-plus0",
                                                    "dynnibal", "snm", "exhaustive")
-    metrics = {(i, r): json.loads((folder / i / f"{r}-seed0" / "metrics.json").read_text()) for i in inits for r in rows}
+    metrics = {(i, r): json.loads((folder / i / f"{r}-seed0" / "metrics.json").read_text())
+               for i in inits for r in rows}
     lm = next(folder.glob("lm-*"))
     for init, model in (("lm", lm), ("pretrained", runs / "described" / "pretrain" / "retriever")):
         assert f"model: {model}\n" in (folder / init / "stale-seed0" / "config.yaml").read_text()

@@ -70,8 +70,9 @@ def test_a_finished_or_partial_run_is_never_overwritten(recipe_toy_dir, tmp_path
     out = copy_run(finished, tmp_path / "run")
     shutil.rmtree(out / "checkpoints")  # a routine disk clean-up
     before = snapshot(out)
-    with pytest.raises(ConfigError, match=r"already holds a run \(config.yaml, metrics.json, retriever, eval, plots\): pass "
-                                          r"train.resume=true to continue it, train.overwrite=true to replace it"):
+    with pytest.raises(ConfigError,
+                       match=r"already holds a run \(config.yaml, metrics.json, retriever, eval, plots\): pass "
+                             r"train.resume=true to continue it, train.overwrite=true to replace it"):
         train_retriever(config(recipe_toy_dir, out, **{"train.lr": 0.5}))
     assert snapshot(out) == before
 
@@ -517,7 +518,8 @@ def test_recall_at_a_k_above_the_corpus_size_keeps_its_key():
         def text(self, row: int) -> str:
             return f"passage number {row}"
 
-    ranked = SearchResult(scores=torch.tensor([[4.0, 3.0, 2.0, 1.0]] * 2), rows=torch.tensor([[0, 1, 2, 3], [2, 3, 0, 1]]))
+    ranked = SearchResult(scores=torch.tensor([[4.0, 3.0, 2.0, 1.0]] * 2),
+                          rows=torch.tensor([[0, 1, 2, 3], [2, 3, 0, 1]]))
     # q0: its judged passage p1 at rank 2, answer "1" in p1 (rank 2); q1: judged p0 at rank 3, answer "9" nowhere
     data = EvalSet(["q0", "q1"], ["q0", "q1"], [{"p1": 1}, {"p0": 1}], [["1"], ["9"]])
     metrics = retrieval_metrics(Corpus(), ranked, data, [5000, 1])
@@ -559,8 +561,8 @@ def test_exit_statuses_under_a_two_process_accelerate_launch(tmp_path):
     the failed rank's own status as the root cause."""
     from rag_train.launch import launch_command
 
-    cmd = launch_command(ROOT / "scripts" / "train_retriever.py", "train.stepz=3", f"train.output_dir={tmp_path / 'run'}",
-                         processes=2)
+    cmd = launch_command(ROOT / "scripts" / "train_retriever.py", "train.stepz=3",
+                         f"train.output_dir={tmp_path / 'run'}", processes=2)
     proc = subprocess.run(cmd, cwd=ROOT, env=env(OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "error: override 'train.stepz=3': unknown config key 'train.stepz'" in proc.stderr

@@ -193,7 +193,8 @@ def test_escaped_non_ascii_questions_within_the_limits_are_answered(server, char
 
 
 def test_validation_detail_never_fails_and_never_echoes():
-    errors = [{"loc": ("queries", 0), "msg": "bad", "type": "value_error", "input": "\ud800", "ctx": {"error": ValueError()}},
+    errors = [{"loc": ("queries", 0), "msg": "bad", "type": "value_error", "input": "\ud800",
+               "ctx": {"error": ValueError()}},
               {"loc": ("k",), "msg": "not int", "type": "int_type", "input": float("nan")}]
     assert validation_detail(errors) == [{"loc": ["body", "queries", 0], "msg": "bad", "type": "value_error"},
                                          {"loc": ["body", "k"], "msg": "not int", "type": "int_type"}]

@@ -56,7 +56,8 @@ def make(world, name: str, temperature: float = 0.5, search: str = "full", **cha
     model = copy.deepcopy(world["model"])
     cfg = StrategyConfig(name=name, **{"top_k": 5, "uniform_negatives": 0, **changes})
     buffer = BufferConfig(chunk_rows=7, embed_batch_size=8, search=search, rerank_candidates=12)
-    ctx = StrategyContext(world["accelerator"], model, world["corpus"], buffer, world["buffer_dir"], temperature, seed=3)
+    ctx = StrategyContext(world["accelerator"], model, world["corpus"], buffer, world["buffer_dir"], temperature,
+                          seed=3)
     return build_strategy(cfg, ctx), model
 
 
@@ -258,7 +259,8 @@ def test_standardized_corrector_reads_the_buffers_moments_and_searches_through_h
     strategy, model = make(world, "corrector", corrector=CorrectorConfig(hidden=12, standardize=True))
     stale = stale_matrix(world).double()
     torch.testing.assert_close(strategy.corrector.input_mean.double(), stale.mean(0), rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(strategy.corrector.input_std.double(), stale.std(0, unbiased=False), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(strategy.corrector.input_std.double(), stale.std(0, unbiased=False),
+                               rtol=1e-5, atol=1e-6)
     perturb(strategy.corrector, scale=0.5, seed=41)
     queries = queries_of(model)
     with torch.no_grad():

@@ -90,7 +90,8 @@ for key, value in flatten(dataclasses.asdict(StrategyConfig()), "strategy").item
         out["accepted"].append(key)
     except ConfigError as exc:
         out["refused"][key] = str(exc)
-cfg = load_config(RetrieverTrainConfig, config, [*args, "strategy.first_row=7", "train.output_dir=" + sys.argv[1] + "/run"])
+cfg = load_config(RetrieverTrainConfig, config,
+                  [*args, "strategy.first_row=7", "train.output_dir=" + sys.argv[1] + "/run"])
 metrics = train_retriever(cfg)
 out.update(steps=metrics["steps"], strategy=metrics["strategy"], saved=open(sys.argv[1] + "/run/config.yaml").read())
 print("RESULT " + json.dumps(out))
@@ -117,7 +118,8 @@ def test_a_new_strategy_is_one_file(recipe_toy_dir, tmp_path):
               if f"strategy.{spec.name}" not in stale_reads} | {"strategy.first_row"}
     assert set(out["accepted"]) == stale_reads
     assert {key.rsplit(".", 1)[0] if key.startswith("strategy.corrector.") else key for key in out["refused"]} == others
-    assert "strategy 'stale' does not read strategy.first_row (a key of first_rows)" in out["refused"]["strategy.first_row"]
+    assert ("strategy 'stale' does not read strategy.first_row (a key of first_rows)"
+            in out["refused"]["strategy.first_row"])
     assert out["steps"] == 2 and out["strategy"] == "first_rows"
     assert "first_row: 7" in out["saved"]  # the resolved config saved in the run holds its key
 
@@ -156,7 +158,8 @@ def test_keys_keep_their_spelling_and_are_validated_by_their_strategy():
     assert (type(own).__name__, own.cache_size, own.cache_refresh, own.top_k) == ("NegativeCacheConfig", 40, 4, 4)
     assert cfg.strategy.corpus_limits() == [("strategy.top_k", 4), ("strategy.cache_size", 40)]
     with pytest.raises(ConfigError, match=r"strategy.cache_refresh=0 must be > 0"):
-        load_config(RetrieverTrainConfig, RETRIEVER_CONFIG, ["strategy.name=negative_cache", "strategy.cache_refresh=0"])
+        load_config(RetrieverTrainConfig, RETRIEVER_CONFIG,
+                    ["strategy.name=negative_cache", "strategy.cache_refresh=0"])
     with pytest.raises(ConfigError, match=r"strategy.corrector.hidden=0 must be > 0"):
         load_config(RetrieverTrainConfig, RETRIEVER_CONFIG, ["strategy.corrector.hidden=0"])
     with pytest.raises(ConfigError, match=r"strategy.name='nope' is not one of \['closed_book', 'corrector'"):
@@ -187,7 +190,8 @@ def test_buffer_search_is_checked_against_the_strategy():
         cfg = load_config(RLMConfig, RLM_CONFIG, [f"strategy.name={name}", "buffer.search=rerank"])
         assert cfg.buffer.search == "rerank"
     for name in ("exhaustive", "snm"):
-        with pytest.raises(ConfigError, match=rf"buffer.search='rerank': strategy '{name}' searches with \['full'\] only"):
+        with pytest.raises(ConfigError,
+                           match=rf"buffer.search='rerank': strategy '{name}' searches with \['full'\] only"):
             load_config(RetrieverTrainConfig, RETRIEVER_CONFIG, [f"strategy.name={name}", "buffer.search=rerank"])
     load_config(RetrieverTrainConfig, RETRIEVER_CONFIG, ["strategy.name=in_batch", "buffer.search=rerank"])  # no index
     with pytest.raises(ConfigError, match=r"buffer.search='exact' is not one of \['full', 'rerank'\]"):

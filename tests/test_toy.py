@@ -119,8 +119,9 @@ def test_question_families_gold_passages_state_the_answer(toy_world, passages):
     assert kinds["comparison"] == 2000 // 3 + 200 // 3 and kinds["bridge"] == 2200 - kinds["comparison"]  # k % 3 == 2
     # the people a bridge question can name, against a brute-force count over the passages
     for split, dev in (("train", False), ("dev", True)):
-        alone = {p["title"] for p in passages.values() if mentor_in(p) and apprentices[(mentor_in(p), p["title"].split()[0])]
-                 == 1 and (int(p["id"][1:]) // 2 % 10 == 0) == dev}
+        alone = {p["title"] for p in passages.values()
+                 if mentor_in(p) and apprentices[(mentor_in(p), p["title"].split()[0])] == 1
+                 and (int(p["id"][1:]) // 2 % 10 == 0) == dev}
         assert set(world.names(world.bridge_people(split))) == alone
 
 

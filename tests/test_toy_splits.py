@@ -103,7 +103,8 @@ def test_same_settings_reuse_the_folder_and_other_ones_are_refused(described_wor
     shutil.copytree(splits["manifest"].parent, copy)
     (copy / "notes.txt").write_text("mine")
     replaced = make_splits(described_world["manifest"].parent, copy, dev_questions=7, overwrite=True)
-    assert len(read_jsonl(replaced["seen-dev"])) == 7 and json.loads(replaced["manifest"].read_text())["dev_questions"] == 7
+    assert len(read_jsonl(replaced["seen-dev"])) == 7
+    assert json.loads(replaced["manifest"].read_text())["dev_questions"] == 7
     assert read_jsonl(replaced["seen-dev"]) == read_jsonl(splits["seen-dev"])[:7]  # the same order, cut shorter
     assert (copy / "notes.txt").read_text() == "mine"  # only the splits' own files are replaced
 

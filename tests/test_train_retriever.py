@@ -41,8 +41,8 @@ def overrides(toy_dir: Path, out: Path, name: str, steps: int = STEPS, **extra) 
         "strategy.top_k": 4, "strategy.uniform_negatives": 2, "strategy.refresh_every": REFRESH,
         "strategy.snm_targets": SNM_TARGETS, "strategy.cache_size": 32, "strategy.cache_refresh": CACHE_REFRESH,
         "strategy.landmarks": LANDMARKS, "strategy.nystrom_samples": NYSTROM_SAMPLES, "strategy.trees": 2,
-        "strategy.mh_chains": 8, "strategy.corrector.hidden": 16, "buffer.shard_rows": 128, "buffer.embed_batch_size": 64,
-        "eval.batch_size": 64})}
+        "strategy.mh_chains": 8, "strategy.corrector.hidden": 16, "buffer.shard_rows": 128,
+        "buffer.embed_batch_size": 64, "eval.batch_size": 64})}
     if name == "dynnibal":  # from step 0 and without a full refresh, unless a test schedules them
         values.update({"strategy.warm_start_steps": 0, "strategy.full_refresh_step": 0})
     values.update(extra)
@@ -127,7 +127,8 @@ def test_resume_reaches_the_uninterrupted_run(recipe_toy_dir, tmp_path):
     whole = train_retriever(config(recipe_toy_dir, tmp_path / "whole", "corrector", **{"train.save_every": 3, **extra}))
     assert (tmp_path / "whole" / "checkpoints" / "step-00000003").is_dir()
     train_retriever(config(recipe_toy_dir, tmp_path / "split", "corrector", steps=3, **extra))
-    resumed = train_retriever(config(recipe_toy_dir, tmp_path / "split", "corrector", **{"train.resume": "true", **extra}))
+    resumed = train_retriever(config(recipe_toy_dir, tmp_path / "split", "corrector",
+                                     **{"train.resume": "true", **extra}))
     assert resumed["steps"] == STEPS
     assert resumed["recall"] == whole["recall"] and resumed["mrr@10"] == whole["mrr@10"]
     a, b = weights(tmp_path / "whole"), weights(tmp_path / "split")

@@ -1,7 +1,7 @@
 """The suite's warnings mean something (issue 31): `pyproject.toml` makes the warnings that mean a bug (any
-UserWarning, the project's included; transformers' deprecated `past_key_values`) errors, so they fail the test that raised
-them unless it asserts them. Checked by running pytest, with the project's settings, on a small test file in a
-fresh process."""
+UserWarning, the project's included; transformers' deprecated `past_key_values`) errors, so they fail the test that
+raised them unless it asserts them. Checked by running pytest, with the project's settings, on a small test file in
+a fresh process."""
 
 from __future__ import annotations
 
@@ -43,6 +43,7 @@ def test_an_unexpected_warning_fails_its_test(tmp_path):
                           env=dict(os.environ, PYTHONPATH=str(ROOT)))
     outcome = {line.split("::")[-1].split()[0]: line.split()[0] for line in proc.stdout.splitlines()
                if line.startswith(("PASSED", "FAILED"))}
-    assert outcome == {"test_quiet": "PASSED", "test_deprecated_transformers_argument": "FAILED",
-                       "test_user_warning": "FAILED", "test_expected_user_warning_asserted": "PASSED"}, proc.stdout[-3000:]
+    expected = {"test_quiet": "PASSED", "test_deprecated_transformers_argument": "FAILED",
+                "test_user_warning": "FAILED", "test_expected_user_warning_asserted": "PASSED"}
+    assert outcome == expected, proc.stdout[-3000:]
     assert "UserWarning: train.lr=0.001 is far above" in proc.stdout

@@ -173,7 +173,8 @@ def fit_offline(stale: torch.Tensor, fresh: torch.Tensor, queries: torch.Tensor,
     questions shared by them, as the strategy's subset is; None: 512 uniform rows per step (the uniform-row probe,
     which rarely holds a question's gold or its near-duplicates).
     A source of another width than g (the passages' token bags) gets the corrector's two layers without its identity.
-    `moments` (the whole buffer's mean and sd): the corrector standardizes its input (strategy.corrector.standardize)."""
+    `moments` (the whole buffer's mean and sd): the corrector standardizes its input
+    (strategy.corrector.standardize)."""
     generator = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     if stale.shape[1] == fresh.shape[1]:
@@ -276,8 +277,9 @@ def diagnose(run: Path, k: Optional[int] = None, limit: int = 500, fit_hidden: t
     for option, rows in (("--fit-content-hidden", len(corpus) if fit_content_hidden else 0),
                          ("--content", min(content_rows, len(corpus)))):
         if rows * vocabulary > MAX_BAG_CELLS:  # before the corpus pass, not after it
+            remedy = "pass fewer rows" if option == "--content" else "use --content"
             raise ConfigError(f"{option} needs a dense [{rows} passages, {vocabulary} tokens] bag matrix, over "
-                              f"{MAX_BAG_CELLS:,} cells; {'pass fewer rows' if option == '--content' else 'use --content'}")
+                              f"{MAX_BAG_CELLS:,} cells; {remedy}")
     buffer = Buffer.open(run / "buffer")
     stale = buffer.tensor().float()  # bfloat16 decoded from its stored bits
     with torch.no_grad():
@@ -436,7 +438,8 @@ def print_tables(report: dict) -> None:
         cells = " | ".join(f"{stats[n]['cosine']:.3f} | {stats[n]['relative_error']:.3f}" for n in names)
         print(f"| {group} | {stats['n']} | {cells} |")
     k = report["k"]
-    print(f"\n| questions | searched | overlap@{k} with fresh | on seen rows | on unseen rows | gold at 1 | gold in top-{k} |")
+    print(f"\n| questions | searched | overlap@{k} with fresh | on seen rows | on unseen rows | gold at 1 "
+          f"| gold in top-{k} |")
     print("|---|---|---|---|---|---|---|")
     for r in report["rankings"]:
         print(f"| {r['questions']} | {r['searched']} | {r['overlap']:.3f} | {r['overlap_seen']:.3f} | "
@@ -459,13 +462,15 @@ def main(argv: list[str] | None = None) -> None:
                              "512 uniform seen rows per step (rarely a question's gold: not the achievable fit)")
     parser.add_argument("--fit-steps", type=int, default=1500, help="Adam steps of each offline fit")
     parser.add_argument("--fit-standardized", action="store_true",
-                        help="with --fit-hidden: also fit each width with its input standardized by the buffer's moments")
+                        help="with --fit-hidden: also fit each width with its input standardized by the buffer's "
+                             "moments")
     parser.add_argument("--fit-content-hidden", type=int, nargs="*", default=[],
                         help="uniform-row probe from the passages' token bags instead of B (what B could hold)")
     parser.add_argument("--content", type=int, default=0, metavar="ROWS",
                         help="also probe what the stale, fresh and corrected vectors keep of ROWS random passages")
     parser.add_argument("--content-init", nargs="*", default=[], metavar="MODEL",
-                        help="with --content: also the stale vectors each retriever.model value would give (tiny: the run's random init)")
+                        help="with --content: also the stale vectors each retriever.model value would give "
+                             "(tiny: the run's random init)")
     parser.add_argument("--checkpoints", type=int, nargs="*", default=None, metavar="STEP",
                         help="instead: what the loop feeds, at each checkpoint (every checkpoints/step-*, or these "
                              "steps): gold@1 and overlap@k with the fresh top-k of the in-loop corrector, the "

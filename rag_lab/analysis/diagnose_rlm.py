@@ -94,7 +94,8 @@ def distractors(run: Path, corpus: Corpus, files) -> None:
             rows = corpus.rows(p["passages"]).tolist()
             gold_row = int(corpus.rows(gold_of[p["id"]][:1])[0])
             gold = corpus.passages([gold_row])[0]
-            found = [distractor_kind(gold, q, gold_row, r) for r, q in zip(rows, corpus.passages(rows)) if r != gold_row]
+            found = [distractor_kind(gold, q, gold_row, r) for r, q in zip(rows, corpus.passages(rows))
+                     if r != gold_row]
             kinds.update(found)
             case = (gold_row in rows, sum(k in ("same first name", "same family name") for k in found))
             by_case[case][0] += int(p["em"])

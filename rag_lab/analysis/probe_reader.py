@@ -121,10 +121,11 @@ def main(argv=None) -> None:
             em = {}
             with torch.no_grad():
                 for family, questions in dev.items():
-                    out = reader.generate(**batch_tensors(questions, eval_passages, args.eval_distractor or args.distractor),
-                                         max_new_tokens=8)
+                    inputs = batch_tensors(questions, eval_passages, args.eval_distractor or args.distractor)
+                    out = reader.generate(**inputs, max_new_tokens=8)
                     predictions = tokenizer.batch_decode(out, skip_special_tokens=True)
-                    em[family] = sum(exact_match(p, q["answers"]) for p, q in zip(predictions, questions)) / len(questions)
+                    em[family] = (sum(exact_match(p, q["answers"]) for p, q in zip(predictions, questions))
+                                  / len(questions))
             reader.train()
             print(f"step {step + 1} passages {k} loss {loss.item():.3f} dev EM@{eval_passages} "
                   + " ".join(f"{f} {100 * v:.0f}" for f, v in em.items()) + f"  ({time.time() - started:.0f} s)",

@@ -203,7 +203,8 @@ def recipe_config(args: argparse.Namespace, out_dir: Path) -> RLMConfig:
     """The RLM config of the benchmarked step: corrector strategy, gate open from step 0, no tracker."""
     values = {
         "train.output_dir": out_dir, "train.batch_size": args.batch, "train.lr": args.lr, "train.seed": args.seed,
-        "train.temperature": args.temperature, "train.mixed_precision": "bf16" if args.dtype == "bf16" else "'no'",  # quoted: YAML reads no as false
+        "train.temperature": args.temperature,
+        "train.mixed_precision": "bf16" if args.dtype == "bf16" else "'no'",  # quoted: YAML reads no as false
         "train.tracker": "null", "reader_temperature": args.reader_temperature, "strategy.name": "corrector",
         "strategy.top_k": args.passages, "strategy.corrector.hidden": args.corrector_hidden,
         "strategy.corrector.candidates": args.candidates, "reader.max_input_length": args.passage_length,
@@ -300,7 +301,8 @@ def check_reuse(reader: FiDReader, batch: dict, dtype: str, single: int = 4) -> 
             pairs = [(b, p) for b in range(B) for p in range(P)][:single]
             plain = []
             for b, p in pairs:  # 2-D input: plain T5 forward, one (question, passage) pair alone
-                logits = reader(input_ids=batch["input_ids"][b, p][None], attention_mask=batch["attention_mask"][b, p][None],
+                logits = reader(input_ids=batch["input_ids"][b, p][None],
+                                attention_mask=batch["attention_mask"][b, p][None],
                                 labels=batch["labels"][b][None]).logits
                 plain.append(-F.cross_entropy(logits.float()[0], batch["labels"][b], reduction="sum"))
             plain = torch.stack(plain)
@@ -379,7 +381,8 @@ def gib(n: int) -> str:
 
 
 def report(result: dict) -> str:
-    env, shape, t, lk, chk = result["environment"], result["shape"], result["step"], result["likelihoods"], result["check"]
+    env, shape, t = result["environment"], result["shape"], result["step"]
+    lk, chk = result["likelihoods"], result["check"]
     where = env.get("gpu") or f"{env['cpu']} ({env['torch_threads']} torch threads)"
     lines = [
         f"# rlm step (RLMRecipe.train_step): {where}, device {env['device']}, torch {env['torch']}, "

@@ -165,7 +165,8 @@ def in_memory_part(args, peak: float) -> None:
     score_gap = float(np.abs(ours.scores.numpy() - faiss_scores).max())
     print(f"exact           ours {exact_s:.3f} s  faiss.IndexFlatIP {faiss_s:.3f} s  ratio {exact_s / faiss_s:.2f}  "
           f"(same ids {same:.4f}, max |score diff| {score_gap:.1e}); by CPU time "
-          f"{CPU_SECONDS['exact']:.3f} vs {CPU_SECONDS['faiss']:.3f} CPU-s, ratio {CPU_SECONDS['exact'] / CPU_SECONDS['faiss']:.2f}")
+          f"{CPU_SECONDS['exact']:.3f} vs {CPU_SECONDS['faiss']:.3f} CPU-s, "
+          f"ratio {CPU_SECONDS['exact'] / CPU_SECONDS['faiss']:.2f}")
     print(f"peak RSS (process so far) {peak_rss_bytes() / 2**30:.2f} GiB")
 
 

@@ -99,9 +99,9 @@ def table1_curves_analysis(table1: dict[str, dict[str, list[dict]]]) -> str:
         worst = max(steps, key=behind.get)
         above = _stays_above(corrector, stale, steps)
         parts.append(
-            f"From {INIT_LABELS[init].split(' (')[0]}, the corrector is within {max(abs(v) for v in behind.values()):.1f} "
-            f"R@1 points of exhaustive at every evaluation (furthest behind at step {worst}: {behind[worst]:.1f}; at the "
-            f"end {behind[steps[-1]]:.1f})"
+            f"From {INIT_LABELS[init].split(' (')[0]}, the corrector is within "
+            f"{max(abs(v) for v in behind.values()):.1f} R@1 points of exhaustive at every evaluation "
+            f"(furthest behind at step {worst}: {behind[worst]:.1f}; at the end {behind[steps[-1]]:.1f})"
             + (f" and above stale from step {above} on." if above is not None else ", and not above stale at the end."))
     return " ".join(parts) if len(parts) > 1 else ""
 
@@ -111,7 +111,8 @@ def rlm_analysis(table3: dict[str, list[dict]]) -> str:
     parts = [f"{ANALYSIS} what the RLM runs show."]
     ems = {s: mean_of([mean_em(m) for m in runs]) for s, runs in table3.items() if runs}
     if ems:
-        parts.append("Mean EM over the three families: " + ", ".join(f"{s} {100 * v:.1f}" for s, v in ems.items()) + ".")
+        parts.append("Mean EM over the three families: "
+                     + ", ".join(f"{s} {100 * v:.1f}" for s, v in ems.items()) + ".")
     frozen = table3.get("frozen") or []
     trained = {s: table3.get(s) or [] for s in ("corrector", "exhaustive")}
     if frozen and all(trained.values()):
@@ -153,7 +154,8 @@ def rlm_curves_analysis(table3: dict[str, list[dict]]) -> str:
              f"All three start at {100 * statistics.mean(c[steps[0]] for c in curves.values()):.1f} mean EM (step "
              f"{steps[0]}); corrector and exhaustive run within {100 * apart:.1f} points of each other at every "
              "evaluation"
-             + (f", both above frozen from step {above} on." if above is not None else ", not both above frozen at the end.")]
+             + (f", both above frozen from step {above} on." if above is not None
+                else ", not both above frozen at the end.")]
     hpqa = {s: mean_of([m["em"].get("hotpotqa") for m in table3[s]]) for s in curves}
     for s in ("corrector", "exhaustive"):
         gap = curves[s][steps[-1]] - frozen[steps[-1]]

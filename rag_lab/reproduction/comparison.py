@@ -126,7 +126,8 @@ def table3_comparison(table3: dict[str, list[dict]], paper_table: dict = PAPER_T
                                              ("exhaustive", "frozen"), ("exhaustive", "corrector")], em, "EM points")
         if all(table3.get(s) for s in ("frozen", "corrector", "exhaustive")):
             m = {s: statistics.mean(em(x) for x in table3[s]) for s in ("frozen", "corrector", "exhaustive")}
-            lines.append(f"- The corrector closes {percent(gap_closed(m['frozen'], m['corrector'], m['exhaustive']))} of "
+            lines.append(f"- The corrector closes "
+                         f"{percent(gap_closed(m['frozen'], m['corrector'], m['exhaustive']))} of "
                          f"the frozen → exhaustive gap; paper "
                          f"{percent(gap_closed(paper['frozen'], paper['corrector'], paper['exhaustive']))}.")
         lines.append("")

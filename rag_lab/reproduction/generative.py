@@ -36,7 +36,8 @@ DENSE_TITLES = "title_metrics.json"  # a dual-encoder run's metrics at the title
 
 
 def dense_titles(run_dir: Path) -> Optional[dict]:
-    """A finished dual-encoder run's title-level metrics (computed once into its folder); None if it has not finished."""
+    """A finished dual-encoder run's title-level metrics (computed once into its folder); None if it has not
+    finished."""
     path = run_dir / DENSE_TITLES
     if not path.is_file() and (run_dir / "metrics.json").is_file():
         atomic_write_json(path, {"datasets": dense_title_metrics(run_dir, [int(k) for k in KS])})

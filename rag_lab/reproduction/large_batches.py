@@ -23,7 +23,8 @@ def large_batches_section(out: Path) -> list[str]:
         return lines + ["_(not run: `--only large_batches`)_", ""]
     lines += [table.read_text().strip(), ""]
     if sweep.is_file():
-        lines += ["Figure 3's sweep: R@1 mean ± sd (R@20 mean) by K and bank size M:", "", sweep.read_text().strip(), ""]
+        lines += ["Figure 3's sweep: R@1 mean ± sd (R@20 mean) by K and bank size M:", "",
+                  sweep.read_text().strip(), ""]
     if figure.is_file():
         lines += [f"![gradient-norm ratio per step]({os.path.relpath(figure, out)})", ""]
     if probe.is_file():

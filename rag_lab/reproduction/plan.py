@@ -370,8 +370,9 @@ class Plan:
         of its cause) with its scoring (raw dot products, temperature 1, in-batch negatives only) from the
         LM-pretrained init (its BERT)."""
         table, sweep, figure, probe = large_batches_outputs(self.out)
-        return [*self.budget.large_batches, "--seeds", *map(str, self.seeds), "--runs", str(self.runs / "large_batches"),
-                "--out", str(table), "--sweep-out", str(sweep), "--figure", str(figure), "--probe-out", str(probe),
+        return [*self.budget.large_batches, "--seeds", *map(str, self.seeds),
+                "--runs", str(self.runs / "large_batches"), "--out", str(table), "--sweep-out", str(sweep),
+                "--figure", str(figure), "--probe-out", str(probe),
                 *self.common, f"retriever.model={self.lm().folder()}", "strategy.name=in_batch",
                 "strategy.uniform_negatives=0", "retriever.normalize=false", "train.temperature=1.0",
                 *self.budget.large_batches_runs]
@@ -446,7 +447,8 @@ class Plan:
                               for v in generative.COMPARED} for f in FRACTIONS},
             "sizes": {size: {v: found([self.generative_run(v, s, size=size) for s in self.seeds])
                              for v in generative.COMPARED} for size in generative.SIZES},
-            "bridge": {v: found([self.generative_run(v, s, bridge=True) for s in self.seeds]) for v in generative.COMPARED},
+            "bridge": {v: found([self.generative_run(v, s, bridge=True) for s in self.seeds])
+                       for v in generative.COMPARED},
             "dense": [m for m in map(self.dense_titles, self.seeds) if m],
         }
 

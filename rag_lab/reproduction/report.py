@@ -163,12 +163,13 @@ def _paragraph(text: str) -> list[str]:
 def invocation_table(invocations: list[dict]) -> list[str]:
     if not invocations:
         return []
-    lines = ["| command | started | wall min | per section, min | runs launched / reused | threads per run x runs at once | "
-             "load avg before / after |", "|" + "---|" * 7]
+    lines = ["| command | started | wall min | per section, min | runs launched / reused "
+             "| threads per run x runs at once | load avg before / after |", "|" + "---|" * 7]
     for i in invocations:
         sections = ", ".join(f"{k} {v / 60:.1f}" for k, v in i["sections"].items())
         lines.append(f"| `{i['command']}` | {i['date']} | {i['wall_seconds'] / 60:.1f} | {sections} | "
-                     f"{i['launched']} / {i['reused']} | {i.get('threads', '-')} x {i.get('jobs', 1)} | {i['load'][0]} / {i['load'][1]} |")
+                     f"{i['launched']} / {i['reused']} | {i.get('threads', '-')} x {i.get('jobs', 1)} | "
+                     f"{i['load'][0]} / {i['load'][1]} |")
     notes = [f"- `{i['command']}`: {i['note']}" for i in invocations if i.get("note")]  # added by hand, e.g. recovery
     return lines + [""] + (notes + [""] if notes else [])
 

@@ -100,7 +100,8 @@ def search(
             empty = torch.empty(queries.shape[0], 0, device=queries.device)
             local = _pad_to_k(empty, empty.long(), empty, k)
         elif mode == "corrector_rerank":
-            local = _rerank(queries, rows, k, corrector, exclude, noise, row_offset, faiss_index, candidates, chunk_rows)
+            local = _rerank(queries, rows, k, corrector, exclude, noise, row_offset, faiss_index, candidates,
+                            chunk_rows)
         else:
             local = _scan(queries, rows, k, corrector if mode == "corrector_full" else None, exclude, noise,
                           row_offset, chunk_rows)
@@ -473,8 +474,11 @@ def _rerank(queries, rows, k, corrector, exclude, noise, row_offset, faiss_index
         vectors = torch.cat([corrector(tile.float()) for tile in vectors.split(per_tile)])
     scores = torch.bmm(vectors, queries.float().unsqueeze(2)).squeeze(2)
     global_rows = torch.where(valid, local_ids + row_offset, torch.full_like(local_ids, PAD_ROW))
-    keys = scores.clone() if noise is None else _candidate_noise(noise, queries.shape[0], wanted, row_offset,
-                                                                 queries.device).add_(scores, alpha=1 / noise.temperature)
+    if noise is None:
+        keys = scores.clone()
+    else:
+        keys = _candidate_noise(noise, queries.shape[0], wanted, row_offset, queries.device)
+        keys.add_(scores, alpha=1 / noise.temperature)
     keys[~valid] = float("-inf")
     if exclude is not None and exclude.numel():
         keys[(global_rows.unsqueeze(2) == exclude.unsqueeze(1)).any(2)] = float("-inf")

@@ -93,7 +93,8 @@ class SGTree:
         child_lo, child_hi = [0], [0]
         frontier = [0] if len(perm) > leaf_size and radius0 > 0 else []
         while frontier:
-            frontier = cls._split_round(points, perm, frontier, nodes, child_lo, child_hi, base, max_children, leaf_size)
+            frontier = cls._split_round(points, perm, frontier, nodes, child_lo, child_hi, base, max_children,
+                                        leaf_size)
         arrays = {k: np.asarray(v) for k, v in nodes.items()}
         return cls(base=base, centre=arrays["centre"].astype(np.int64), level=arrays["level"].astype(np.int64),
                    radius=arrays["radius"].astype(np.float64), start=arrays["start"].astype(np.int64),
@@ -234,7 +235,8 @@ class SGTree:
                 raise ValueError("mind was never measured: call tree.remember_mind(points) after building")
             radius, mind = self.radius + bound, self.mind - bound
             covers = radius <= self.base ** self.level.astype(np.float64)
-        child_level = np.where(self.child_hi > self.child_lo, self.level[np.minimum(self.child_lo, len(self.level) - 1)], 0)
+        child_level = np.where(self.child_hi > self.child_lo,
+                               self.level[np.minimum(self.child_lo, len(self.level) - 1)], 0)
         separates = mind >= self.base ** (child_level - 1).astype(np.float64) * (1 - 1e-12)
         roots = set()
         for node in np.flatnonzero(~covers | ~separates):
@@ -428,7 +430,8 @@ def find_clustering(forest: list[SGTree], points: np.ndarray, query: np.ndarray,
         if start is not None and tree.level[node] > start:
             heapq.heappush(heap, (0, -bound, t, node))  # above l: part of the initial clustering's descent
             return
-        if tree.level[node] <= deepest or np.linalg.norm(query - c) > tree.base ** tree.level[node] + tree.base ** deepest:
+        reach = tree.base ** tree.level[node] + tree.base ** deepest
+        if tree.level[node] <= deepest or np.linalg.norm(query - c) > reach:
             return
         heapq.heappush(heap, (1, -bound, t, node))
 
@@ -478,7 +481,8 @@ def _draw_members(clustering: Clustering, clusters: np.ndarray, rng: np.random.G
     return np.array([clustering.members[c][i] for c, i in zip(clusters, picks)], dtype=np.int64)
 
 
-def sample_proposal(clustering: Clustering, beta: float, count: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+def sample_proposal(clustering: Clustering, beta: float, count: int,
+                    rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
     """`count` draws from Q(y|x): (targets, their clusters)."""
     clusters = _draw_clusters(proposal_logits(clustering, beta), count, rng)
     return _draw_members(clustering, clusters, rng), clusters

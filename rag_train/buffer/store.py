@@ -163,7 +163,8 @@ class Buffer:
         directory = Path(directory)
         path = directory / MANIFEST
         if not path.is_file():
-            raise BufferError(f"{path}: not found; {directory} is not a buffer (build one with scripts/embed_corpus.py)")
+            raise BufferError(f"{path}: not found; {directory} is not a buffer "
+                              "(build one with scripts/embed_corpus.py)")
         manifest = read_manifest(path)
         if manifest["format_version"] != FORMAT_VERSION:
             raise BufferError(f"{path}: field 'format_version': {manifest['format_version']!r} is not {FORMAT_VERSION}")
@@ -188,7 +189,8 @@ class Buffer:
         for i, shard in enumerate(manifest["shards"]):
             where = f"{path}: field 'shards[{i}]'"
             if shard.get("start") != expected_start or shard.get("end", -1) <= shard["start"]:
-                raise BufferError(f"{where}: rows {shard.get('start')}..{shard.get('end')} do not continue at {expected_start}")
+                raise BufferError(f"{where}: rows {shard.get('start')}..{shard.get('end')} "
+                                  f"do not continue at {expected_start}")
             file = directory / shard["file"]
             if not file.is_file():
                 raise BufferError(f"{where}: shard file {file} is missing")
@@ -205,7 +207,8 @@ class Buffer:
             arrays.append(array)
             expected_start = shard["end"]
         if expected_start != manifest["rows"]:
-            raise BufferError(f"{path}: field 'rows': shards cover {expected_start} rows, manifest says {manifest['rows']}")
+            raise BufferError(f"{path}: field 'rows': shards cover {expected_start} rows, "
+                              f"manifest says {manifest['rows']}")
         return arrays
 
     @classmethod

@@ -70,8 +70,9 @@ def load_folder(path: Path):
         try:
             files = [entry["filename"] for entry in json.loads(state.read_bytes().decode("utf-8"))["_data_files"]]
         except (UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
-            raise data_error(state, None, "_data_files", f"not readable ({type(exc).__name__}: {exc}): a damaged "
-                                                         "datasets.save_to_disk folder; save the dataset again") from None
+            raise data_error(state, None, "_data_files",
+                             f"not readable ({type(exc).__name__}: {exc}): a damaged "
+                             "datasets.save_to_disk folder; save the dataset again") from None
         for name in files:
             if not (path / name).is_file():
                 raise data_error(path / name, None, None, f"missing (listed in {state}): a damaged "

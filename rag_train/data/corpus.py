@@ -66,7 +66,8 @@ def _detect_layout(path: Path, first_line: str, line: int) -> tuple[_Layout, boo
     if suffix in (".jsonl", ".json") or (suffix != ".tsv" and first_line.lstrip().startswith("{")):
         return _Layout("jsonl"), False
     if suffix != ".tsv" and "\t" not in first_line:
-        raise data_error(path, line, None, "expected passages as JSONL ({id,title,text}) or TSV (id<TAB>text[<TAB>title])")
+        raise data_error(path, line, None,
+                         "expected passages as JSONL ({id,title,text}) or TSV (id<TAB>text[<TAB>title])")
     names = [name.strip().lower() for name in first_line.rstrip("\r\n").split("\t")]
     id_col = next((i for i, n in enumerate(names) if n in _HEADER_ID), None)
     text_col = next((i for i, n in enumerate(names) if n in _HEADER_TEXT), None)
@@ -74,9 +75,11 @@ def _detect_layout(path: Path, first_line: str, line: int) -> tuple[_Layout, boo
         title_col = next((i for i, n in enumerate(names) if n in _HEADER_TITLE), None)
         return _Layout("tsv", len(names), id_col, text_col, title_col, quoted=True), True
     if id_col is not None or text_col is not None:
-        raise data_error(path, line, None, f"header {names} needs an id column {_HEADER_ID} and a text column {_HEADER_TEXT}")
+        raise data_error(path, line, None,
+                         f"header {names} needs an id column {_HEADER_ID} and a text column {_HEADER_TEXT}")
     if len(names) not in (2, 3):
-        raise data_error(path, line, None, f"headerless TSV needs 2 (id, text) or 3 (id, text, title) columns, got {len(names)}")
+        raise data_error(path, line, None,
+                         f"headerless TSV needs 2 (id, text) or 3 (id, text, title) columns, got {len(names)}")
     return _Layout("tsv", len(names), 0, 1, 2 if len(names) == 3 else None), False
 
 
@@ -227,7 +230,8 @@ def _write_index(path: Path, index_dir: Path, stat) -> None:
     duplicates = np.flatnonzero(sorted_ids[1:] == sorted_ids[:-1])
     if duplicates.size:
         first, second = sorted(int(r) for r in order[duplicates[0]: duplicates[0] + 2])
-        message = f"duplicate passage id {ids[second].decode()!r} (first seen on %s); {duplicates.size} duplicate(s) in all"
+        message = (f"duplicate passage id {ids[second].decode()!r} (first seen on %s); "
+                   f"{duplicates.size} duplicate(s) in all")
         if layout.kind == "arrow":
             raise data_error(row_ref(path, second), None, "id", message % f"row {first}")
         raise data_error(path, _line_number(path, int(offsets_np[second])), "id",

@@ -38,7 +38,8 @@ def check_toy_init(key: str, model: str, manifest: Path) -> None:
     if made_on != world_fingerprint(manifest):
         raise ConfigError(f"{key}={model!r} was pretrained on another toy world ({record}: field 'world' is "
                           f"{str(made_on)[:12]}..., {manifest} hashes to {world_fingerprint(manifest)[:12]}...); "
-                          f"pretrain it on this world: python scripts/pretrain_toy_lm.py data.toy_dir={manifest.parent}")
+                          "pretrain it on this world: "
+                          f"python scripts/pretrain_toy_lm.py data.toy_dir={manifest.parent}")
 
 
 def resolve_data(cfg: DataConfig, accelerator: Accelerator, train_keys: list[str], dev_keys: list[str],

@@ -121,7 +121,8 @@ def _load_dpr(path: Path, corpus: Optional[Corpus], limit: Optional[int]) -> lis
         example_id = next((str(record[k]) for k in ("id", "question_id", "qid") if record.get(k) is not None),
                           f"{path.stem}-{seen}")
         if example_id in id_lines:
-            raise data_error(path, line, "id", f"duplicate question id {example_id!r} (first on line {id_lines[example_id]})")
+            raise data_error(path, line, "id",
+                             f"duplicate question id {example_id!r} (first on line {id_lines[example_id]})")
         id_lines[example_id] = line
         examples.append(RetrievalExample(question, positives, hard_negatives, answers, example_id))
     if skipped:

@@ -132,14 +132,16 @@ def hub_reachable(timeout: float = 3.0) -> bool:
         return False
     url = urlparse(hub_constants.ENDPOINT)
     try:
-        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout=timeout).close()
+        port = url.port or (443 if url.scheme == "https" else 80)
+        socket.create_connection((url.hostname, port), timeout=timeout).close()
     except OSError:
         return False
     return True
 
 
 def load_tokenizer(name_or_path: Union[str, Path]) -> PreTrainedTokenizerFast:
-    """Load a tokenizer from a local folder, the local HF cache, or the hub; offline, fail at once saying what to provide."""
+    """Load a tokenizer from a local folder, the local HF cache, or the hub; offline, fail at once saying what to
+    provide."""
     path = Path(name_or_path)
     if path.exists():
         if not path.is_dir():

@@ -4,8 +4,9 @@ People with synthetic names have six random facts; each person has two short pas
 facts each. Question families mirror NQ (single fact), TriviaQA (paraphrased wording) and HotpotQA (bridge
 questions whose answer passage names the question's entity, and comparison questions over two entities);
 `mentor_bridge` keeps the first HotpotQA-like family (two hops through the mentor, the second unreachable from
-the question). Writing a world to disk, and its cache: rag_train/data/toy_files.py. Every fact is a counter-based hash of (seed, person, fact), so any
-passage can be rendered from its row alone: generation streams to disk with flat memory at any size,
+the question). Writing a world to disk, and its cache: rag_train/data/toy_files.py. Every fact is a counter-based
+hash of (seed, person, fact), so any passage can be rendered from its row alone: generation streams to disk with
+flat memory at any size,
 the same seed gives byte-identical files, and answers cannot be guessed without the passage.
 """
 
@@ -412,6 +413,7 @@ class ToyWorld:
             for step in range(1, 17):
                 candidate = self.name_sharer(persons, keep_first, step)
                 found = np.where((found < 0) & (candidate >= 0), candidate, found)
-            fallback = (persons + 1 + seeded_uniform(seeded_key(self.seed, "neg"), persons, self.persons - 1)) % self.persons
+            offset = seeded_uniform(seeded_key(self.seed, "neg"), persons, self.persons - 1)
+            fallback = (persons + 1 + offset) % self.persons
             negatives.append(np.where(found >= 0, found, fallback) * SECTIONS + sections)
         return np.stack(negatives, axis=1)

@@ -249,13 +249,15 @@ def ensure_toy_world(data_cfg: DataConfig, tokenizer_vocab: int = 2000, workers:
 
 def main(argv: Optional[list[str]] = None) -> None:
     """`scripts/make_toy_data.py`: generate a toy world into --out and print its files."""
-    parser = argparse.ArgumentParser(description="Generate a toy world: its passages, QA and retrieval files, tokenizer.")
+    parser = argparse.ArgumentParser(
+        description="Generate a toy world: its passages, QA and retrieval files, tokenizer.")
     parser.add_argument("--out", required=True, help="output folder")
     parser.add_argument("--passages", type=int, required=True, help="number of passages (two per person)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--questions", type=int, default=None,
                         help="train questions per family (default min(passages, 100000))")
-    parser.add_argument("--dev-questions", type=int, default=None, help="dev questions per family (default min(max(100, passages // 10), 5000))")
+    parser.add_argument("--dev-questions", type=int, default=None,
+                        help="dev questions per family (default min(max(100, passages // 10), 5000))")
     parser.add_argument("--tokenizer-vocab", type=int, default=2000, help="0 = do not train a tokenizer")
     parser.add_argument("--workers", type=int, default=1, help="processes rendering the passages (same bytes)")
     parser.add_argument("--retrieval", choices=("named", "described"), default="named",

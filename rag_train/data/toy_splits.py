@@ -112,8 +112,8 @@ def make_splits(world_dir: str | Path, out_dir: str | Path, dev_questions: int =
     world_dir, paths = Path(world_dir), split_paths(out_dir)
     world_manifest = world_dir / "manifest.json"
     if not world_manifest.is_file() or not (world_dir / "passages.jsonl").is_file():
-        raise FileNotFoundError(f"{world_dir}: not a toy world (no manifest.json and passages.jsonl; make one: python scripts/make_toy_data.py "
-                                "--retrieval described ...)")
+        raise FileNotFoundError(f"{world_dir}: not a toy world (no manifest.json and passages.jsonl; make one: "
+                                "python scripts/make_toy_data.py --retrieval described ...)")
     info = read_json(world_manifest)
     if info.get("retrieval") != "described":
         raise ValueError(f"{world_manifest}: field 'retrieval' is {info.get('retrieval')!r}; the splits need a "
@@ -122,15 +122,16 @@ def make_splits(world_dir: str | Path, out_dir: str | Path, dev_questions: int =
         raise ValueError(f"dev_questions={dev_questions}: must be >= 1")
     world = ToyWorld(info["passages"], info["seed"])
     train_count = info["counts"]["described-train"]
-    expected = {"version": SPLITS_VERSION, "world": world_fingerprint(world_manifest), "world_dir": str(world_dir.resolve()),
-                "dev_questions": dev_questions, "fractions": list(FRACTIONS)}
+    expected = {"version": SPLITS_VERSION, "world": world_fingerprint(world_manifest),
+                "world_dir": str(world_dir.resolve()), "dev_questions": dev_questions, "fractions": list(FRACTIONS)}
     if paths["manifest"].is_file():
         found = read_json(paths["manifest"])
         if {key: found.get(key) for key in expected} == expected and all(p.is_file() for p in paths.values()):
             return paths
         if not overwrite:
             raise FileExistsError(f"{paths['manifest']}: splits of other settings or another world are there "
-                                  f"(field 'world' {str(found.get('world'))[:12]}...); pass --overwrite to replace them")
+                                  f"(field 'world' {str(found.get('world'))[:12]}...); "
+                                  "pass --overwrite to replace them")
     elif Path(out_dir).is_dir() and any(Path(out_dir).iterdir()) and not overwrite:
         raise FileExistsError(f"{out_dir}: not empty and not a splits folder; pass --overwrite or pick another --out")
     Path(out_dir).mkdir(parents=True, exist_ok=True)
@@ -175,5 +176,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         parser.error(str(exc))
     manifest = read_json(paths["manifest"])
     for name, path in paths.items():
-        extra = f"  ({manifest['counts'][name]} questions, {manifest['people'][name]} people)" if name in manifest["counts"] else ""
+        extra = ""
+        if name in manifest["counts"]:
+            extra = f"  ({manifest['counts'][name]} questions, {manifest['people'][name]} people)"
         print(f"{name}: {path}{extra}")

@@ -23,7 +23,8 @@ from rag_train.eval.trec import Qrels, Run
 T = TypeVar("T")
 
 # DPR SimpleTokenizer: runs of letters / numbers / marks, or any other single non-space character.
-_DPR_TOKEN = regex.compile(r"([\p{L}\p{N}\p{M}]+)|([^\p{Z}\p{C}])", flags=regex.IGNORECASE | regex.UNICODE | regex.MULTILINE)
+_DPR_TOKEN = regex.compile(r"([\p{L}\p{N}\p{M}]+)|([^\p{Z}\p{C}])",
+                           flags=regex.IGNORECASE | regex.UNICODE | regex.MULTILINE)
 
 
 def exact_match(prediction: str, answers: Iterable[str]) -> float:

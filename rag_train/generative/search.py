@@ -51,7 +51,8 @@ def rank_targets(model, tokenizer, questions: Sequence[str], trie: Trie, end_ids
     return ranked
 
 
-def ranking_metrics(ranked: Sequence[Sequence[Hashable]], gold: Sequence[Sequence[Hashable]], ks: Sequence[int]) -> dict:
+def ranking_metrics(ranked: Sequence[Sequence[Hashable]], gold: Sequence[Sequence[Hashable]],
+                    ks: Sequence[int]) -> dict:
     """R-precision (KILT's; with one gold target it is precision@1) and recall@k of target rankings against gold
     target sets, by ir_measures as the project's other retrieval metrics. A question whose beams held no target
     ranks one never-relevant placeholder, so it counts as a miss instead of being left out."""

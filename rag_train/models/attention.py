@@ -4,7 +4,8 @@ T5 always adds a float bias to its attention scores (the relative position bias)
 as a float mask, rebuilt as [B, H, L, L] from bias and padding in every layer; no fused kernel wins that back.
 * CPU, forward + backward (`python scripts/bench_attention.py`, two threads, the same weights both ways;
   docs/rlm_toy.md): eager 1.15-1.20x faster at the toy towers' and reader's sizes (d 64, d 128), 1.02-1.10x from
-  d 256 to T5-base. Every T5 of a process that runs on CPU runs eager (`eager_t5_attention_on_cpu`), on a GPU machine too.
+  d 256 to T5-base. Every T5 of a process that runs on CPU runs eager (`eager_t5_attention_on_cpu`), on a GPU
+  machine too.
 * CUDA, the encoder's forward without gradient under bf16 autocast, as `embed_rows` runs it (one H200, T5-base
   shape, 1,024 rows with half of them padded, interleaved rounds; docs/gpu_report.md): eager
   1.29x faster at 256 tokens (475 against 613 ms), 1.18x at 64. The corpus passes run eager

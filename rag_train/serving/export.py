@@ -111,16 +111,17 @@ def _open_corpus(config: dict, run_dir: Path, override: Optional[str]) -> Corpus
 
 def _summary(config: dict, metrics: dict) -> tuple[dict, dict]:
     """The config keys and headline metrics a model card shows (no per-step history)."""
-    train = config.get("train", {})
+    train, data = config.get("train", {}), config.get("data", {})
     keys = {"strategy": config.get("strategy", {}).get("name"),
             **{f"train.{k}": train.get(k) for k in ("steps", "batch_size", "lr", "temperature", "seed")},
             **{f"retriever.{k}": v for k, v in config.get("retriever", {}).items() if not isinstance(v, dict)},
-            "data": config.get("data", {}).get("passages") or ("toy world" if config.get("data", {}).get("toy") else None)}
+            "data": data.get("passages") or ("toy world" if data.get("toy") else None)}
     headline = {}
     for name, value in metrics.items():
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             headline[name] = value
-        elif isinstance(value, dict) and value and all(isinstance(v, (int, float)) for v in value.values() if v is not None):
+        elif isinstance(value, dict) and value and all(isinstance(v, (int, float))
+                                                       for v in value.values() if v is not None):
             headline.update({f"{name}@{k}" if not name.endswith(str(k)) else name: v for k, v in value.items()})
     return keys, headline
 

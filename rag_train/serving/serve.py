@@ -75,10 +75,12 @@ class ExportedRetriever:
         self.corpus = Corpus.open(corpus_path)
         if self.corpus.fingerprint != manifest["corpus"]["fingerprint"]:
             raise ExportError(f"{corpus_path}: content differs from the corpus the index was built from "
-                              f"(fingerprint {self.corpus.fingerprint[:12]} != {manifest['corpus']['fingerprint'][:12]})")
+                              f"(fingerprint {self.corpus.fingerprint[:12]} "
+                              f"!= {manifest['corpus']['fingerprint'][:12]})")
         self.index = faiss.read_index(str(export_dir / manifest["faiss"]["file"]))
         if self.index.ntotal != len(self.corpus):
-            raise ExportError(f"{export_dir / manifest['faiss']['file']}: {self.index.ntotal} rows, corpus has {len(self.corpus)}")
+            raise ExportError(f"{export_dir / manifest['faiss']['file']}: {self.index.ntotal} rows, "
+                              f"corpus has {len(self.corpus)}")
         if "IVF" in manifest["faiss"]["factory"]:
             faiss.ParameterSpace().set_index_parameter(self.index, "nprobe", int(manifest["faiss"]["nprobe"]))
         self.ids = np.load(export_dir / manifest["faiss"]["ids"], mmap_mode="r")
@@ -164,7 +166,9 @@ class MicroBatcher:
                     if not item[2].done():
                         item[2].set_exception(exc)
                 continue
-            self.batches, self.requests, self.queries = self.batches + 1, self.requests + len(live), self.queries + len(queries)
+            self.batches += 1
+            self.requests += len(live)
+            self.queries += len(queries)
             start = 0
             for item_queries, k, future in live:
                 mine = results[start : start + len(item_queries)]
@@ -272,7 +276,8 @@ async def read_json_body(request: Any, limits: ServeLimits) -> Any:
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise BadRequest(400, f"body is not valid UTF-8: byte {exc.start} (0x{body[exc.start]:02x}) {exc.reason}") from None
+        raise BadRequest(400, f"body is not valid UTF-8: byte {exc.start} (0x{body[exc.start]:02x}) "
+                              f"{exc.reason}") from None
     try:
         return json.loads(text, parse_constant=_not_json_constant, parse_int=_parse_int)
     except json.JSONDecodeError as exc:

@@ -3,7 +3,8 @@
 Importing this package imports every module in it; each registers its strategy (`@register`). The registry
 and the `strategy` config section follow from those declarations: `StrategyConfig` holds the keys every
 strategy reads (`BaseStrategyConfig`) plus each strategy's own keys, spelled `strategy.<key>`, and validates the
-selected strategy's keys with its own config class (`rag_train.config.plugin_section`, as for batching options). Adding a strategy is adding one module (and its test).
+selected strategy's keys with its own config class (`rag_train.config.plugin_section`, as for batching options).
+Adding a strategy is adding one module (and its test).
 `build_strategy` is the only place a name is read.
 """
 

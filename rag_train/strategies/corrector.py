@@ -143,7 +143,8 @@ class CorrectorStrategy(Stale):
         return {"corrector": self.corrector}
 
     def param_groups(self) -> list[dict]:
-        # "auxiliary": optimizer_step leaves it out of the clipping norm and drops its update when the corrector diverges
+        # "auxiliary": optimizer_step leaves it out of the clipping norm and drops its update when the corrector
+        # diverges
         return [{"params": list(self.corrector.parameters()), "lr": self.cfg.corrector.lr, "weight_decay": 0.0,
                  "auxiliary": True}]
 
@@ -179,7 +180,8 @@ class CorrectorStrategy(Stale):
         self.count_seen(rows)
         pair = Pair(queries.detach(), rows, fresh_vectors.detach())
         loss, stale, corrected, corrected_scores = self.pair_loss(pair, fresh_scores)
-        self.tracked = tracking_values(stale, corrected.detach(), fresh_vectors, corrected_scores.detach(), fresh_scores)
+        self.tracked = tracking_values(stale, corrected.detach(), fresh_vectors, corrected_scores.detach(),
+                                       fresh_scores)
         self.trained = True
         if self.keeps_pairs:
             self.pending.append(pair)

@@ -80,8 +80,8 @@ class DynnibalConfig(BaseStrategyConfig):
         super().__post_init__()
         for key in ("landmarks", "nystrom_samples", "trees", "tree_children", "tree_leaf", "max_clusters", "mh_chains"):
             check_positive("strategy", key, getattr(self, key))
-        for key in ("refresh_every", "nystrom_ridge", "mh_steps", "top_clusters", "sampling_temperature", "warm_start_steps",
-                    "full_refresh_step", "allowed_error"):
+        for key in ("refresh_every", "nystrom_ridge", "mh_steps", "top_clusters", "sampling_temperature",
+                    "warm_start_steps", "full_refresh_step", "allowed_error"):
             check_positive("strategy", key, getattr(self, key), allow_zero=True)
         if not self.tree_base > 1:
             raise ConfigError(f"strategy.tree_base={self.tree_base!r} must be > 1")

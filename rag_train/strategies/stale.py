@@ -40,7 +40,8 @@ class Stale(IndexedStrategy):
         self.row_offset = start
         if self.ctx.buffer_cfg.search == "rerank":
             self.vectors = self.buffer.shard(start, end)
-            self.faiss_index = build_faiss_index(self.vectors, self.ctx.buffer_cfg.faiss_index, self.ctx.buffer_cfg.chunk_rows)
+            self.faiss_index = build_faiss_index(self.vectors, self.ctx.buffer_cfg.faiss_index,
+                                                 self.ctx.buffer_cfg.chunk_rows)
             return
         device = search_device(self.ctx)
         rows = self.buffer.tensor(start, end)

@@ -36,7 +36,8 @@ from rag_train.train.schema import RLMConfig
 def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run", required=True, help="RLM run directory (config.yaml, retriever/, reader/)")
-    parser.add_argument("--data", nargs="*", default=None, help="QA files {question, answers}; default: the run's dev sets")
+    parser.add_argument("--data", nargs="*", default=None,
+                        help="QA files {question, answers}; default: the run's dev sets")
     parser.add_argument("--passages", type=int, default=None, help="passages per question (default: the run's)")
     parser.add_argument("--limit", type=int, default=None, help="evaluate at most this many questions per file")
     parser.add_argument("--batch-size", type=int, default=None)

@@ -150,7 +150,8 @@ def train_generative(cfg: GenerativeConfig) -> dict:
     total = contrastive + cfg.train.steps
     rebuild_every = (rebuild_interval(cfg.np.rebuild_every_epochs, len(train_questions), cfg.train.batch_size)
                      if cfg.np.variant == "async" else 0)
-    ce_builds = run.totals.setdefault("ce_builds", [])  # checkpointed with the run: a resumed run keeps the earlier ones
+    # checkpointed with the run: a resumed run keeps the earlier ones
+    ce_builds = run.totals.setdefault("ce_builds", [])
 
     def use_table(table: CETable, record: bool = True) -> OutputSpace:
         generator.set_ce(table.vectors, table.row_token, cfg.np.decoder_inputs)

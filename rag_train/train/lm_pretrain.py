@@ -116,7 +116,8 @@ def _passage_ids(corpus: Corpus, tokenizer, max_length: int, batch: int = 4096) 
 
 
 def span_corruption_batch(passages: list[np.ndarray], rows: np.ndarray, cfg: LMPretrainConfig,
-                          sentinels: list[int], eos: int, pad: int, rng: np.random.Generator) -> dict[str, torch.Tensor]:
+                          sentinels: list[int], eos: int, pad: int,
+                          rng: np.random.Generator) -> dict[str, torch.Tensor]:
     """Padded `input_ids`, `attention_mask` and `labels` (-100 on padding) for the passages `rows`."""
     pairs = [corrupt(passages[r], noise_mask(len(passages[r]), cfg.noise_density, cfg.mean_span_length, rng),
                      sentinels, eos) for r in rows.tolist()]

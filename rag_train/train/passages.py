@@ -31,7 +31,8 @@ def ensure_buffer(run: TrainingRun, cfg: BufferConfig, model: nn.Module, corpus:
         buffer = Buffer.open(directory, model_fingerprint=vectors_fingerprint(model),
                              corpus_fingerprint=corpus.fingerprint)
         if buffer.dtype != cfg.dtype:
-            raise BufferError(f"{directory / MANIFEST}: field 'dtype': {buffer.dtype!r}, but buffer.dtype={cfg.dtype!r}")
+            raise BufferError(f"{directory / MANIFEST}: field 'dtype': {buffer.dtype!r}, "
+                              f"but buffer.dtype={cfg.dtype!r}")
     else:
         run.agree(corpus_fingerprint=corpus.fingerprint, initial_model=model.fingerprint())
         # A user-named buffer is reused when it matches and never overwritten; the run's own is rebuilt.

@@ -47,7 +47,8 @@ def train_retriever(cfg: RetrieverTrainConfig, final_eval: bool = True) -> dict:
     """Algorithm 1. `final_eval=False` skips the closing corpus pass (the RLM's warm start: its dev recall
     comes from the stale buffer, which is this retriever's embedding of the corpus)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    option = check_batching(cfg.batching, strategy_class(cfg.strategy.name), cfg.train.batch_size, world)  # before any work
+    # before any work
+    option = check_batching(cfg.batching, strategy_class(cfg.strategy.name), cfg.train.batch_size, world)
     run = TrainingRun(cfg, "retriever")
     acc = run.accelerator
     if option.own_backward and deepspeed_stage(acc) is not None:
@@ -60,12 +61,14 @@ def train_retriever(cfg: RetrieverTrainConfig, final_eval: bool = True) -> dict:
     for k in sorted(k for k in set(cfg.eval.recall_at) if k > len(corpus)):
         acc.print(f"warning: eval.recall_at={k} is larger than the corpus {corpus.path} ({len(corpus)} passages): "
                   f"recall@{k} is reported over the whole corpus (= recall@{len(corpus)})")
-    train_set = [ex for path in files.train for ex in load_retrieval(path, corpus=corpus)][: cfg.data.max_train_examples]
+    train_set = [ex for path in files.train
+                 for ex in load_retrieval(path, corpus=corpus)][: cfg.data.max_train_examples]
     dev_sets = {dataset_name(p): load_eval_set(p, corpus, limit=cfg.data.max_eval_examples,
                                                empty_answers=cfg.data.empty_answers) for p in files.dev}
 
     model = DualEncoder.from_config(cfg.retriever, tokenizer=cfg.retriever.tokenizer or files.tokenizer)
-    buffer_dir = ensure_buffer(run, cfg.buffer, model, corpus) if strategy_class(cfg.strategy.name).needs_buffer else None
+    needs_buffer = strategy_class(cfg.strategy.name).needs_buffer
+    buffer_dir = ensure_buffer(run, cfg.buffer, model, corpus) if needs_buffer else None
     ctx = StrategyContext(acc, model, corpus, cfg.buffer, buffer_dir, cfg.train.temperature, cfg.train.seed)
     strategy = build_strategy(cfg.strategy, ctx)
     run.guard.aux_max_loss = strategy.auxiliary_max_loss
@@ -74,10 +77,12 @@ def train_retriever(cfg: RetrieverTrainConfig, final_eval: bool = True) -> dict:
                "weight_decay": cfg.train.weight_decay}] + strategy.param_groups()
     optimizer = torch.optim.AdamW(params, lr=cfg.train.lr)
     scheduler = linear_warmup(optimizer, cfg.train.warmup_steps)
-    trainable, optimizer, scheduler = run.prepare(Trainable(retriever=model, **strategy.modules()), optimizer, scheduler)
+    trainable, optimizer, scheduler = run.prepare(Trainable(retriever=model, **strategy.modules()), optimizer,
+                                                  scheduler)
     model = ctx.model = acc.unwrap_model(trainable).retriever  # the same module, on the device
     ctx.gather = lambda *modules: full_weights(acc, trainable, *modules)
-    batching = option(cfg.batching.selected(), StepParts(acc, trainable, model, strategy, corpus, cfg.train.temperature))
+    batching = option(cfg.batching.selected(),
+                      StepParts(acc, trainable, model, strategy, corpus, cfg.train.temperature))
     guard = run.guard
     step = run.resume()
     if step:

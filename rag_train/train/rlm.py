@@ -88,7 +88,8 @@ class RLMRecipe:
 
     def __init__(self, cfg: RLMConfig):
         self.cfg = cfg
-        self.run = TrainingRun(cfg, "rlm", find_unused_parameters=True)  # the retriever has no gradient before its gate opens
+        # find_unused_parameters: the retriever has no gradient before its gate opens
+        self.run = TrainingRun(cfg, "rlm", find_unused_parameters=True)
         self.accelerator = self.run.accelerator
         self.step = 0
         self.history = self.run.history  # restored by run.resume(), checkpointed by run.save()
@@ -129,8 +130,8 @@ class RLMRecipe:
 
     def setup_training(self, reader: FiDReader, retriever, tokenizer, corpus: Corpus,
                        buffer_dir: Optional[Path] = None) -> None:
-        """The strategy (and its stale buffer `buffer_dir`, else built from `retriever` as it is now), one AdamW over everything
-        trained, the prepared module and the gate. Everything trained is one module with one optimizer
+        """The strategy (and its stale buffer `buffer_dir`, else built from `retriever` as it is now), one AdamW over
+        everything trained, the prepared module and the gate. Everything trained is one module with one optimizer
         (DeepSpeed: one engine); the parameter groups keep their own learning rates."""
         cfg, acc = self.cfg, self.accelerator
         self.tokenizer, self.corpus = tokenizer, corpus
@@ -253,7 +254,8 @@ class RLMRecipe:
             with torch.no_grad():
                 more = retriever.encode_passages([p for r in deeper.tolist() for p in self.corpus.passages(r)])
             aux_rows = torch.cat([rows, deeper], dim=1)
-            aux_vectors = torch.cat([aux_vectors, more.view(len(batch.questions), deeper.shape[1], -1).to(aux_vectors)], 1)
+            more = more.view(len(batch.questions), deeper.shape[1], -1).to(aux_vectors)
+            aux_vectors = torch.cat([aux_vectors, more], 1)
         return self.strategy.auxiliary_loss(queries.detach(), aux_rows, aux_vectors,
                                             retrieval_scores(queries.detach(), aux_vectors))
 

@@ -182,7 +182,8 @@ class TrainingRun:
                 differ = [rank for rank, v in enumerate(values) if v != values[0]]
                 shown = ", ".join(f"rank {r}: {str(v)[:16]}" for r, v in enumerate(values))
                 raise ConfigError(
-                    f"processes disagree on the {key.replace('_', ' ')} (rank(s) {differ} differ from rank 0; {shown}); "
+                    f"processes disagree on the {key.replace('_', ' ')} "
+                    f"(rank(s) {differ} differ from rank 0; {shown}); "
                     "every process must run the same config on the same corpus and buffer. Nothing was trained.")
 
     def check_corpus(self, corpus: Any) -> None:
@@ -349,9 +350,10 @@ class TrainingRun:
             else:
                 why = (f"it needs about {size_text(needed)}, {free / 2**20 if free is not None else float('nan'):.1f} "
                        f"MiB are free on the filesystem of {self.dir} (a full disk or quota is the usual cause)")
+            kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
             error = StorageError(
                 f"writing checkpoint {final.name} into {tmp} failed: {text[:300]}. {why[0].upper() + why[1:]}. The "
-                f"unfinished folder was removed; {'the previous checkpoint ' + str(previous) + ' is intact' if previous else 'no earlier checkpoint exists'} "
+                f"unfinished folder was removed; {kept} "
                 "(free space, then train.resume=true).")
             error.errno = errno_of(exc) or (errno.ENOSPC if write_fault(exc) == "space" else errno.EACCES)
             raise error from exc
@@ -490,7 +492,8 @@ def is_input_fault(exc: BaseException) -> bool:
 
 
 def flat_metrics(entry: dict) -> dict[str, float]:
-    """Evaluation results as tracker scalars, for every recipe: {"nq": {"recall": {"5": .4}}} -> {"eval/nq/recall@5": .4}."""
+    """Evaluation results as tracker scalars, for every recipe:
+    {"nq": {"recall": {"5": .4}}} -> {"eval/nq/recall@5": .4}."""
     out = {}
     for name, values in entry.items():
         if not isinstance(values, dict):

@@ -36,7 +36,8 @@ def warn_if_lr_wrecks_pretrained(retriever: RetrieverConfig, key: str, lr: float
         warnings.warn(
             f"retriever.model={retriever.model!r} is a pretrained checkpoint, and {key}={lr:g} is far above the "
             f"rates pretrained encoders are fine-tuned at (1e-5 to 5e-5 with AdamW; > {FINE_TUNING_MAX_LR:g} here "
-            f"warns): a few such steps can undo the pretraining. Lower {key} (see configs/retriever/toy_minilm_finetune.yaml).",
+            f"warns): a few such steps can undo the pretraining. Lower {key} "
+            "(see configs/retriever/toy_minilm_finetune.yaml).",
             UserWarning, stacklevel=2)
 
 

@@ -23,8 +23,9 @@ def print_rlm_table(cfg, metrics: dict) -> None:
 def print_retriever_table(cfg, metrics: dict) -> None:
     recall = metrics.get("recall", {})
     ks = sorted(recall, key=int)
-    lines = [f"\nretriever ({cfg.strategy.name}, {metrics['steps']} steps, {metrics['reembedded_passages']} re-embedded) "
-             f"-> {cfg.train.output_dir}", "| " + " | ".join(f"R@{k}" for k in ks) + " | MRR@10 | nDCG@10 |",
+    lines = [f"\nretriever ({cfg.strategy.name}, {metrics['steps']} steps, "
+             f"{metrics['reembedded_passages']} re-embedded) -> {cfg.train.output_dir}",
+             "| " + " | ".join(f"R@{k}" for k in ks) + " | MRR@10 | nDCG@10 |",
              "|" + "---|" * (len(ks) + 2),
              "| " + " | ".join(f"{100 * recall[k]:.1f}" for k in ks) + f" | {100 * (metrics.get('mrr@10') or 0):.1f}"
              f" | {100 * (metrics.get('ndcg@10') or 0):.1f} |"]

@@ -219,7 +219,8 @@ def warm_start_reader(cfg: RLMConfig, reader: torch.nn.Module, tokenizer, corpus
     labelled = [ex for ex in train_set if ex.gold_ids]
     single_hop = [ex for ex in labelled if len(ex.gold_ids) == 1]
     if not labelled or (cfg.warm_start.reader_copy_steps and not single_hop):
-        raise ValueError("the reader warm start needs training questions with gold_ids (single-hop ones for copy steps)")
+        raise ValueError("the reader warm start needs training questions with gold_ids "
+                         "(single-hop ones for copy steps)")
     k_many = cfg.warm_start.reader_passages
     hard = None
     if cfg.warm_start.reader_distractors == "retrieved" and steps > cfg.warm_start.reader_copy_steps:

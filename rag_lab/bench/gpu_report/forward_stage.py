@@ -79,7 +79,7 @@ def stage_forward(ctx: Context) -> dict:
             with torch.inference_mode():
                 def autocast_forward():
                     with autocast_for(device):
-                        return model.encode_passage_features(features)
+                        return model.encode_passage_features(features)  # noqa: F821 (called before `del model`)
 
                 with t5_attention(model, "sdpa"):  # transformers' default kernel, against the one embed_rows runs
                     on_sdpa = autocast_forward().float()
@@ -90,8 +90,8 @@ def stage_forward(ctx: Context) -> dict:
                     shares = forward_profile(autocast_forward, device)
                     model.to(torch.bfloat16)
                     low = model.encode_passage_features(features).float()
-                    low_seconds = best_time(lambda: model.encode_passage_features(features), cfg["repeats"],
-                                            device=device)
+                    low_seconds = best_time(lambda: model.encode_passage_features(features),  # noqa: F821 (as above)
+                                            cfg["repeats"], device=device)
             sdpa_agreement = torch.nn.functional.cosine_similarity(on_sdpa, reference, dim=1).min().item()
             if not sdpa_agreement > 0.99:
                 raise StageCheckError(f"forward {shape} at {length} tokens: SDPA gives vectors at cosine "
@@ -151,9 +151,9 @@ def render_forward(record: dict) -> list[str]:
         lines.append(f"| {r['shape']} | {r['length']} | {r['attention']} | {r['autocast_seconds'] * 1e3:.1f} | "
                      f"{r['autocast_fraction_of_peak']:.3f} | {sdpa} | {r['bf16_seconds'] * 1e3:.1f} | "
                      f"{r['bf16_fraction_of_peak']:.3f} | {shares} |")
-    lines += ["", "Host tokenisation (`PassageTokenizer.encode`, the Rust batch call `embed_rows` makes; passages longer "
-              "than the length, truncated to it) in one process, with the Rust library's threads and with one thread "
-              "(as in each `embed_rows` DataLoader worker):", "",
+    lines += ["", "Host tokenisation (`PassageTokenizer.encode`, the Rust batch call `embed_rows` makes; "
+              "passages longer than the length, truncated to it) in one process, with the Rust library's threads "
+              "and with one thread (as in each `embed_rows` DataLoader worker):", "",
               "| tokens | passages | CPUs | Rust threads rows/s | one thread rows/s |", "|---|---|---|---|---|"]
     for t in record["tokenise"]:
         lines.append(f"| {t['length']} | {t['rows']:,} | {t['cpus']} | {t['rows_per_s']['Rust threads']:,.0f} | "

@@ -35,7 +35,8 @@ BatchingConfig, OWNERS = plugin_section(
     namespace={"__module__": __name__})
 
 
-def check_batching(cfg: BaseBatchingConfig, strategy: type[Strategy], batch_size: int, world: int) -> type[BatchingOption]:
+def check_batching(cfg: BaseBatchingConfig, strategy: type[Strategy], batch_size: int,
+                   world: int) -> type[BatchingOption]:
     """The option `cfg.name` names, after checking the combination (ConfigError naming the key): no key set that
     the option does not read (from the YAML file too: only keys of strategies may be set for all of them), K
     micro-batches that split the global batch evenly over the processes, and the option's own limits (which
