@@ -22,7 +22,7 @@ INPUT_FAULT_EXIT = 2  # bad config, data, buffer, checkpoint, model path or expo
 NUMERICAL_FAULT_EXIT = 3  # the run stopped after too many non-finite / diverged steps
 PEER_FAULT_EXIT = 4  # a collective failed: another process died, or hung past the collective timeout
 STORAGE_FAULT_EXIT = 5  # a write failed for lack of space (full disk, quota, file size limit) or permission (read-only)
-PREEMPTED_EXIT = 6  # SIGTERM / SIGUSR1 during training: the step was finished and checkpointed (resume continues)
+PREEMPTED_EXIT = 6  # SIGTERM / SIGUSR1: a training step or buffer shard finished and kept; rerunning continues
 _PEER_FAILURE = ("Timed out", "timed out", "Connection reset by peer", "Connection closed by peer", "Broken pipe")
 
 
@@ -30,13 +30,14 @@ _PEER_FAILURE = ("Timed out", "timed out", "Connection reset by peer", "Connecti
 def exit_on_fault() -> Iterator[None]:
     """For entry scripts: a known fault ends the process with `error: <message>` on stderr (the message names
     the file, line, field or key) and a non-zero status, without a traceback; a run stopped by a stop signal with
-    its checkpoint written prints that one line and ends with PREEMPTED_EXIT; anything else propagates."""
+    its work kept (a training step's checkpoint, a buffer's finished shards) prints that one line and ends with
+    PREEMPTED_EXIT; anything else propagates."""
     from rag_train.buffer.store import BufferError
     from rag_train.data.errors import DataError
     from rag_train.io import CheckError, CorruptFileError, StorageError
     from rag_train.models.reader import ReaderLoadError
+    from rag_train.preemption import Preempted
     from rag_train.serving.export import ExportError
-    from rag_train.train.run import Preempted
 
     prefix = f"[rank {os.environ['RANK']}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
 

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +19,7 @@ import torch
 from rag_train.buffer.build import build_buffer, plan_shards, shards_of_process
 from rag_train.buffer.embed import length_sorted_order
 from rag_train.buffer.store import Buffer, BufferError, vectors_fingerprint
+from rag_train.cli import PREEMPTED_EXIT
 from rag_train.config import RetrieverConfig, TinyModelConfig
 from rag_train.data.corpus import Corpus
 from rag_train.data.tokenizer import train_tokenizer
@@ -329,3 +334,132 @@ def test_embed_corpus_script_refuses_then_repairs_a_damaged_buffer(world, tmp_pa
     assert f"error: {tmp_path / 'buf' / 'manifest.json'}: field 'shards[1]': sha256 of " \
            f"{tmp_path / 'buf' / 'shard-00001.npy'} does not match" in stderr
     assert run("repair=true")[0] == 0 and shard_bytes(tmp_path / "buf") == clean
+
+
+# ---- a stop signal during scripts/embed_corpus.py -----------------------------------------------------------------
+
+STOP_SHARD_ROWS = 4  # 10 shards of one batch each: a shard boundary after the signal, whenever it comes
+SLOW = "0.5"  # seconds per encoder batch (tests/dist/embed_slow.py): 4.5 s of shards left when the first is seen
+
+
+def embed_args(world, out: Path) -> list[str]:
+    return [f"passages={world['corpus'].path}", f"model_dir={world['root'] / 'model'}", f"output={out}",
+            f"buffer.shard_rows={STOP_SHARD_ROWS}", f"buffer.embed_batch_size={BATCH}"]
+
+
+def embed_in_zygote(zygote, world, out: Path, script: str = "scripts/embed_corpus.py",
+                    **env: str) -> tuple[object, str, str]:
+    """`script` (scripts/embed_corpus.py or tests/dist/embed_slow.py) into `out`, forked from the zygote with `env`:
+    (status, stdout, stderr)."""
+    logs = {name: out.parent / f"{out.name}.{name}" for name in ("stdout", "stderr")}
+    answer = zygote.run({"argv": [script, *embed_args(world, out)], "cwd": str(ROOT), "env": env,
+                         **{name: str(path) for name, path in logs.items()}})
+    return answer["status"], logs["stdout"].read_text(), logs["stderr"].read_text()
+
+
+def folder_bytes(directory: Path) -> dict[str, bytes]:
+    """Every file of a buffer folder (shards, their records, the manifest; a lock file if one were left)."""
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(world, tmp_path_factory, zygote) -> dict[str, bytes]:
+    """The buffer of an uninterrupted scripts/embed_corpus.py run (10 shards), file by file."""
+    out = tmp_path_factory.mktemp("embed-uninterrupted") / "buf"
+    status, _, stderr = embed_in_zygote(zygote, world, out)
+    assert status == 0, stderr[-2000:]
+    return folder_bytes(out)
+
+
+def wait_for(condition, done, what: str, timeout: float = 180) -> None:
+    """Poll `condition` until it holds; fail if `done()` (the build ended first) or after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if done() or time.monotonic() > deadline:
+            pytest.fail(f"the build ended, or {timeout} s passed, before {what}")
+        time.sleep(0.01)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[str, str]:
+    try:
+        return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"the stopped build hung:\n{stderr[-3000:]}")
+
+
+def stopped_lines(stderr: str, out: Path) -> list[tuple[str, int]]:
+    """(prefix and who, shards written) of each `stopped by ...` line."""
+    pattern = (rf"^(.*stopped by .+): (\d+) of 10 shards of {re.escape(str(out))} are written, each with its "
+               r"record, and kept; run the same command again to embed the other (\d+) and finish the buffer$")
+    found = [re.match(pattern, line) for line in stderr.splitlines() if "stopped by" in line]
+    assert found and all(found), stderr[-3000:]
+    assert all(int(m[2]) + int(m[3]) == 10 for m in found)
+    return [(m[1], int(m[2])) for m in found]
+
+
+@pytest.mark.parametrize("name", ["TERM", "USR1"])
+def test_a_stop_signal_ends_embed_corpus_at_a_shard_boundary_and_the_rerun_is_byte_identical(
+        world, tmp_path, zygote, uninterrupted, name):
+    """SIGTERM / SIGUSR1 from outside once the first shard is on disk: the shard being encoded is finished, the
+    build stops before the next (shards left to do), one line says so and how to resume, exit 6, every finished
+    shard and its record kept; the same command again encodes only the rest and leaves the uninterrupted run's
+    files byte for byte (the manifest holds nothing time-dependent)."""
+    out, pids = tmp_path / "buf", tmp_path / "pids"
+    pids.mkdir()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # the build, forked from the zygote, in the background
+        build = pool.submit(embed_in_zygote, zygote, world, out, "tests/dist/embed_slow.py", EMBED_SLEEP=SLOW,
+                            EMBED_PID_DIR=str(pids))
+        wait_for(lambda: (out / "shard-00000.json").is_file() and (pids / "rank0.pid").is_file(), build.done,
+                 "the first shard")
+        os.kill(int((pids / "rank0.pid").read_text()), getattr(signal, f"SIG{name}"))
+        status, _, stderr = build.result()
+    assert status == PREEMPTED_EXIT and "Traceback" not in stderr and "error:" not in stderr, stderr[-3000:]
+    [(who, written)] = stopped_lines(stderr, out)
+    assert who == f"stopped by SIG{name}" and 1 <= written < 10
+    records = sorted(p.name for p in out.glob("shard-*.json"))
+    assert records == [f"shard-{i:05d}.json" for i in range(written)]
+    assert sorted(p.name for p in out.glob("shard-*.npy")) == [r.replace(".json", ".npy") for r in records]
+    assert all(folder_bytes(out)[r] == uninterrupted[r] for r in records)  # durable and final already
+    assert not json.loads((out / "manifest.json").read_text())["complete"]
+    assert not (out / ".lock").exists()
+
+    status, stdout, stderr = embed_in_zygote(zygote, world, out)
+    assert status == 0, stderr[-3000:]
+    assert f"stale buffer build: {ROWS - written * STOP_SHARD_ROWS} rows" in stdout  # only the shards left
+    assert folder_bytes(out) == uninterrupted
+
+
+@pytest.mark.slow
+def test_a_stop_signal_to_one_of_two_embedding_processes_stops_both_and_the_rerun_is_byte_identical(
+        world, tmp_path, uninterrupted):
+    """SIGTERM to rank 1 only (shards 5-9) once its first shard is on disk: both ranks agree at the next shard
+    boundary (one all-reduce per shard), each prints its line and exits 6; the two-process rerun finishes the
+    buffer byte for byte as the uninterrupted one-process run."""
+    out, pids = tmp_path / "buf", tmp_path / "pids"
+    pids.mkdir()
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", EMBED_SLEEP=SLOW, EMBED_PID_DIR=str(pids))
+    proc = subprocess.Popen(launch_command(ROOT / "tests/dist/embed_slow.py", *embed_args(world, out), processes=2),
+                            cwd=tmp_path, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True, env=env)
+    wait_for(lambda: (out / "shard-00005.json").is_file() and (pids / "rank1.pid").is_file(),
+             lambda: proc.poll() is not None, "the first shard of rank 1")
+    os.kill(int((pids / "rank1.pid").read_text()), signal.SIGTERM)
+    _, stderr = finish(proc)
+    assert proc.returncode != 0, stderr[-3000:]
+    assert "Traceback" not in stderr.split("failed (exitcode")[0], stderr[-3000:]  # the launcher's own comes after
+    lines = dict(stopped_lines(stderr, out))
+    assert set(lines) == {"[rank 1] stopped by SIGTERM", "[rank 0] stopped by a stop signal sent to another process"}
+    written = lines["[rank 0] stopped by a stop signal sent to another process"]
+    assert lines["[rank 1] stopped by SIGTERM"] == written and written % 2 == 0 and 2 <= written < 10
+    assert "exitcode  : 6" in stderr.split("Root Cause (first observed failure):")[1], stderr[-3000:]
+    half = written // 2  # both ranks stopped after the same round
+    assert sorted(p.name for p in out.glob("shard-*.json")) == [f"shard-{i:05d}.json" for i in
+                                                               [*range(half), *range(5, 5 + half)]]
+
+    rerun = launch_command(ROOT / "scripts/embed_corpus.py", *embed_args(world, out), processes=2)
+    proc = subprocess.run(rerun, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert folder_bytes(out) == uninterrupted

@@ -173,7 +173,7 @@ def test_a_stop_signal_checkpoints_its_step_and_resumes_to_the_uninterrupted_run
 def test_a_second_stop_signal_has_its_usual_effect():
     """The first SIGTERM is noted for the loop; a second one ends the process as SIGTERM does (a user who means
     it, or a process whose run is past its training steps)."""
-    code = ("import os, signal; from rag_train.train.run import StopSignal; stop = StopSignal(); "
+    code = ("import os, signal; from rag_train.preemption import StopSignal; stop = StopSignal(); "
             "os.kill(os.getpid(), signal.SIGTERM); print(stop.received, flush=True); "
             "os.kill(os.getpid(), signal.SIGTERM); print('still running', flush=True)")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env(), capture_output=True, text=True,

@@ -3,7 +3,9 @@
 Rows are cut into shards of `shard_rows`; each process encodes a contiguous range of shards. A finished
 shard is written atomically with a small sidecar (`shard-NNNNN.json`: rows, dtype, fingerprints,
 sha256), so a killed build restarts and skips every shard whose file still matches its sidecar. The
-main process writes the final `manifest.json` (complete: true) after all processes are done.
+main process writes the final `manifest.json` (complete: true) after all processes are done. Given a `StopSignal`,
+a build stops at the next shard boundary on SIGTERM / SIGUSR1 (every process at the same one), keeping every
+finished shard for the rerun.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from rag_train.buffer.store import (
     write_shard,
 )
 from rag_train.io import atomic_write_json, remove_stale_temporaries, sha256_file, write_step
+from rag_train.preemption import Preempted, StopSignal
 
 logger = logging.getLogger(__name__)
 
@@ -141,6 +144,15 @@ def _bad_shards(buffer: Buffer, rank: int, world: int, accelerator) -> list[int]
     return sorted(i for part in gather_object([mine]) for i in part)
 
 
+def _shares(mine: int, accelerator, world: int) -> list[int]:
+    """The number of shards each process has left to encode (this one's is `mine`)."""
+    if accelerator is None or world == 1:
+        return [mine]
+    from accelerate.utils import gather_object
+
+    return gather_object([mine])
+
+
 def _remove_unplanned_shards(out_dir: Path, num_shards: int) -> None:
     """Drop shard files left by an overwritten, larger buffer (they are not in the new manifest)."""
     for path in out_dir.glob("shard-*.*"):
@@ -152,7 +164,7 @@ def _remove_unplanned_shards(out_dir: Path, num_shards: int) -> None:
 def build_buffer(model, corpus, out_dir: Union[str, Path], batch_size: int = 256, shard_rows: int = 1_000_000,
                  dtype: str = "float16", accelerator=None, overwrite: bool = False, num_workers: int = 0,
                  batch_tokens: int = 0, passes: Optional[CorpusPasses] = None, verify: bool = False,
-                 repair: bool = False) -> Buffer:
+                 repair: bool = False, stop: Optional[StopSignal] = None) -> Buffer:
     """Embed every corpus row with `model.encode_passages` into a buffer at `out_dir`; resumes a killed build.
 
     `model` is a DualEncoder (or anything with `encode_passages`, `dim`, `fingerprint()`); `corpus` a
@@ -162,7 +174,8 @@ def build_buffer(model, corpus, out_dir: Union[str, Path], batch_size: int = 256
     see `embed_rows`; `passes` records the encoding as a corpus pass (nothing when every shard is reused).
     `verify`: a complete buffer is reused only if every shard matches its sha256 (BufferError naming the first that
     does not); `repair`: instead re-encode only the shards that do not, and rebuild a manifest that cannot be read
-    from the shards' records.
+    from the shards' records. `stop`: before each shard every process asks whether any of them got a stop signal;
+    if so all stop there (Preempted), the shards they finished kept, and the same call resumes.
     """
     if dtype not in STORAGE_DTYPES:
         raise BufferError(f"dtype {dtype!r} is not one of {list(STORAGE_DTYPES)}")
@@ -215,9 +228,20 @@ def build_buffer(model, corpus, out_dir: Union[str, Path], batch_size: int = 256
     model.eval()
     share = f" (rank 0's share of {world} processes)" if world > 1 else ""
     timed = passes.timed(f"stale buffer build{share}", progress.total) if passes and todo else contextlib.nullcontext()
+    # shards each process has to encode; with a stop signal every process checks it once per round, so the number
+    # of rounds is the largest share (a process whose shards are done still takes part in the checks)
+    counts = _shares(len(todo), accelerator, world) if stop is not None else [len(todo)]
     try:
         with torch.inference_mode(), timed:
-            for position, index in enumerate(todo):
+            for position in range(max(counts)):
+                if stop is not None and stop.agreed(accelerator):
+                    undone = sum(max(0, count - position) for count in counts)
+                    raise Preempted(f"stopped by {stop.by()}: {len(plan) - undone} of {len(plan)} shards of "
+                                    f"{out_dir} are written, each with its record, and kept; run the same command "
+                                    f"again to embed the other {undone} and finish the buffer")
+                if position >= len(todo):
+                    continue
+                index = todo[position]
                 start, end = plan[index]
                 vectors = encode_rows(model, corpus, start, end, batch_size, on_batch=progress.update,
                                       num_workers=num_workers, batch_tokens=batch_tokens)

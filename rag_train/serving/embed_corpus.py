@@ -1,9 +1,11 @@
 """Embedding a corpus once into a stale buffer, the recipe behind scripts/embed_corpus.py: its config schema
-and the driver that resolves the corpus and the model and calls `rag_train.buffer.build.build_buffer`."""
+and the driver that resolves the corpus and the model and calls `rag_train.buffer.build.build_buffer`, as the one
+writer of its output folder, stopping at a shard boundary on SIGTERM / SIGUSR1."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
 
 from rag_train.buffer.build import build_buffer
@@ -13,14 +15,16 @@ from rag_train.config import BufferConfig, ConfigError, DataConfig, RetrieverCon
 from rag_train.data.corpus import Corpus
 from rag_train.launch import make_accelerator
 from rag_train.models.retriever import DualEncoder
+from rag_train.preemption import StopSignal
+from rag_train.train.run_dir import lock_run_directory
 
 
 @dataclass
 class EmbedConfig:
     """scripts/embed_corpus.py: embed a corpus once into a stale buffer (multi-process, resumable).
 
-    The buffer goes to `output` (default `buffer.path`); rerunning the same command resumes a killed
-    build. Embeds with a saved DualEncoder (`model_dir`) or with `retriever` built from its config. A complete
+    The buffer goes to `output` (default `buffer.path`); rerunning the same command resumes a killed or stopped
+    build (SIGTERM / SIGUSR1 stop it at the next shard boundary, exit 6). Embeds with a saved DualEncoder (`model_dir`) or with `retriever` built from its config. A complete
     buffer already there is reused after its shards pass their sha256 (`buffer.verify`); a damaged one is an error
     naming the shard unless `repair`.
     """
@@ -45,8 +49,10 @@ class EmbedConfig:
             raise ConfigError("embed: set output=DIR (or buffer.path=DIR) for the buffer")
 
 
-def embed_corpus(cfg: EmbedConfig, accelerator=None) -> Buffer:
-    """Resolve corpus and model from an EmbedConfig and build the buffer (scripts/embed_corpus.py's work)."""
+def embed_corpus(cfg: EmbedConfig, accelerator=None, stop: Optional[StopSignal] = None) -> Buffer:
+    """Resolve corpus and model from an EmbedConfig and build the buffer (scripts/embed_corpus.py's work), holding
+    the output folder's lock (`<output>/.lock`: a second build there would remove the first one's temporary files
+    and write its manifest under it), taken once the inputs have loaded. `stop`: see `build_buffer`."""
     accelerator = accelerator or make_accelerator()
     passages, tokenizer = cfg.passages or cfg.data.passages, cfg.retriever.tokenizer
     needs_toy_tokenizer = cfg.model_dir is None and cfg.retriever.model == "tiny" and tokenizer is None
@@ -64,19 +70,33 @@ def embed_corpus(cfg: EmbedConfig, accelerator=None) -> Buffer:
         model = DualEncoder.load(cfg.model_dir)
     else:
         model = DualEncoder.from_config(cfg.retriever, tokenizer, seed=cfg.seed)
-    return build_buffer(model, corpus, cfg.output or cfg.buffer.path, batch_size=cfg.buffer.embed_batch_size,
-                        shard_rows=cfg.buffer.shard_rows, dtype=cfg.buffer.dtype, accelerator=accelerator,
-                        overwrite=cfg.overwrite, num_workers=cfg.buffer.embed_workers,
-                        batch_tokens=cfg.buffer.embed_batch_tokens, passes=CorpusPasses(accelerator.print),
-                        verify=cfg.buffer.verify, repair=cfg.repair)
+    out_dir = Path(cfg.output or cfg.buffer.path)
+    made = not out_dir.exists()
+    lock = lock_run_directory(out_dir, "embedding a corpus (embed_corpus)", accelerator)
+    try:
+        return build_buffer(model, corpus, out_dir, batch_size=cfg.buffer.embed_batch_size,
+                            shard_rows=cfg.buffer.shard_rows, dtype=cfg.buffer.dtype, accelerator=accelerator,
+                            overwrite=cfg.overwrite, num_workers=cfg.buffer.embed_workers,
+                            batch_tokens=cfg.buffer.embed_batch_tokens, passes=CorpusPasses(accelerator.print),
+                            verify=cfg.buffer.verify, repair=cfg.repair, stop=stop)
+    finally:
+        if lock is not None:
+            lock.release()
+            if made and out_dir.is_dir() and not any(out_dir.iterdir()):  # nothing written: the lock's folder goes
+                out_dir.rmdir()
 
 
 def embed_corpus_recipe(cfg: EmbedConfig) -> dict:
     """`scripts/embed_corpus.py` (through `rag_train.cli.run_recipe`): the buffer embedded (or resumed) by every
-    process of the launch; returns what the summary prints."""
-    accelerator = make_accelerator(timeout_s=cfg.collective_timeout)
-    buffer = embed_corpus(cfg, accelerator)
-    accelerator.wait_for_everyone()  # every shard written before any process ends the group
+    process of the launch; returns what the summary prints. A stop signal from the start on is noted, not obeyed:
+    the build stops at its next shard boundary (Preempted: exit 6)."""
+    stop = StopSignal()
+    try:
+        accelerator = make_accelerator(timeout_s=cfg.collective_timeout)
+        buffer = embed_corpus(cfg, accelerator, stop)
+        accelerator.wait_for_everyone()  # every shard written before any process ends the group
+    finally:
+        stop.restore()
     return {"path": str(buffer.path), "rows": buffer.rows, "dim": buffer.dim, "dtype": str(buffer.dtype),
             "processes": accelerator.num_processes, "main": accelerator.is_main_process}
 

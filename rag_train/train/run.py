@@ -14,8 +14,6 @@ import functools
 import hashlib
 import os
 import shutil
-import signal
-import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -46,6 +44,7 @@ from rag_train.io import (
     write_step,
 )
 from rag_train.launch import make_accelerator
+from rag_train.preemption import Preempted, StopSignal
 from rag_train.train.curves import STRATEGY_PLOT, plot_strategy_log
 from rag_train.train.run_dir import (
     CHECKPOINTS,
@@ -64,39 +63,6 @@ LATEST = "latest.json"  # informative pointer; the newest complete step-* folder
 STEP_FILE = "step.json"
 CHECKSUMS = "checksums.json"  # sha256 + size of every other file of a checkpoint, written last
 TRAINER_STATE = "trainer_state.json"  # fault counters (NonFiniteGuard) and the evaluation history
-
-
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # what schedulers and spot instances send before a kill
-
-
-class Preempted(Exception):
-    """The run stopped on a stop signal after a step, with a checkpoint of it (the entry scripts' exit status 6)."""
-
-
-class StopSignal:
-    """While a run trains, SIGTERM and SIGUSR1 only take note: the loop finishes its step, writes a checkpoint and
-    stops (`TrainingRun.stop_if_signalled`) instead of dying with up to `train.save_every` steps lost. A second
-    one gets the signal's usual effect at once (a user who means it, or a run outside its training steps)."""
-
-    def __init__(self) -> None:
-        self.received: Optional[str] = None
-        self.previous: dict = {}
-        if threading.current_thread() is threading.main_thread():  # handlers can only be set there
-            for number in STOP_SIGNALS:
-                self.previous[number] = signal.signal(number, self._note)
-
-    def _note(self, number: int, frame: Any) -> None:
-        if self.received is not None:
-            self.restore()
-            signal.raise_signal(number)
-            return
-        self.received = signal.Signals(number).name
-
-    def restore(self) -> None:
-        for number, handler in self.previous.items():
-            if handler is not None:  # None: a handler set outside Python, which cannot be put back
-                signal.signal(number, handler)
-        self.previous = {}
 
 
 class TrainingRun:
@@ -254,15 +220,12 @@ class TrainingRun:
     def stop_if_signalled(self, step: int, extra: Optional[Callable[[Path], None]] = None) -> None:
         """After each training step: did any process get a stop signal? (One small all-reduce, so every process
         stops after the same step.) If so, checkpoint this step (unless it was just saved) and raise Preempted."""
-        asked = torch.tensor([float(self.stop_signal.received is not None)], device=self.accelerator.device)
-        if self.accelerator.num_processes > 1:
-            asked = self.accelerator.reduce(asked, reduction="sum")
-        if not asked.item():
+        if not self.stop_signal.agreed(self.accelerator):
             return
         just_saved = self.saved is not None and self.saved.name == f"step-{step:08d}"
         path = self.saved if just_saved else self.save(step, extra)
-        raise Preempted(f"stopped by {self.stop_signal.received or 'a stop signal sent to another process'} after "
-                        f"step {step}: checkpoint {path} written; train.resume=true continues from it")
+        raise Preempted(f"stopped by {self.stop_signal.by()} after step {step}: checkpoint {path} written; "
+                        "train.resume=true continues from it")
 
     def checkpoints(self) -> list[Path]:
         """Finished checkpoints, oldest first. A folder only gets its `step-*` name once complete (it is
