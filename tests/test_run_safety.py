@@ -230,9 +230,11 @@ def test_a_lock_this_process_left_behind_passes_to_its_next_writer(tmp_path):
     assert not (tmp_path / ".lock").exists()
 
 
-def test_export_and_evaluate_take_the_lock_of_what_they_write(tmp_path, finished):
-    """An export into a folder another export is writing, and an evaluation of a run another process writes
-    into, are refused naming the holder (exit 2 in the scripts), before anything is written."""
+def test_export_evaluate_and_embed_corpus_take_the_lock_of_what_they_write(recipe_toy_dir, tmp_path, finished):
+    """An export into a folder another export is writing, an evaluation of a run another process writes into, and
+    a buffer build into a folder another build writes, are refused naming the holder (exit 2 in the scripts),
+    before anything is written."""
+    from rag_train.serving.embed_corpus import EmbedConfig, embed_corpus
     from rag_train.serving.export import export_retriever
     from rag_train.train.evaluate_run import main as evaluate
 
@@ -251,6 +253,13 @@ def test_export_and_evaluate_take_the_lock_of_what_they_write(tmp_path, finished
         with pytest.raises(RunLockedError, match=re.escape(f"{run} is in use: pid {pid} on host")):
             evaluate(["--run", str(run)])
     assert sorted(p.name for p in run.iterdir()) == [".lock", "config.yaml", "reader", "retriever"]
+    buffer = tmp_path / "buffer"
+    cfg = EmbedConfig(passages=str(recipe_toy_dir / "passages.jsonl"), model_dir=str(finished[0] / "retriever"),
+                      output=str(buffer))
+    with hold_lock(buffer) as pid:
+        with pytest.raises(RunLockedError, match=re.escape(f"{buffer} is in use: pid {pid} on host")):
+            embed_corpus(cfg)
+    assert [p.name for p in buffer.iterdir()] == [".lock"]  # the holder's
 
 
 def test_resuming_keeps_the_evaluation_history(recipe_toy_dir, tmp_path, finished):
