@@ -11,16 +11,20 @@ after torch has computed can hang, so the zygote computes nothing). Faults are i
     and the resume (rag_train/cli.py);
   * one line `error: ...` on stderr naming the path at fault (the file or folder being written, the damaged
     input), and no traceback;
-  * for the training entry points also: a SIGTERM while the first checkpoint is written (exit 6, one line naming
-    it, then the resume), the same command while another process holds the output folder's lock (2, naming the
-    holder) and a value only the final evaluation reads (`eval.recall_at=[]`: 2, naming the key, before any work);
+  * for the writers (the training entry points and embed_corpus, `Entry.writer`) also: a SIGTERM while the first
+    checkpoint (the first shard) is written (exit 6, one line naming what was kept, then the resume), the same
+    command while another process holds the output folder's lock (2, naming the holder) and, for training, a value
+    only the final evaluation reads (`eval.recall_at=[]`: 2, naming the key, before any work);
   * nothing already written lost or left half-written: no temporary leftovers, every checksummed file (checkpoints,
     buffer shards, saved models, exports) intact; and the same command run again (resumed) after the fault
     finishes with the uninterrupted run's results (metrics, weights, buffer, export files).
 
 `python tests/fault_matrix.py --full` runs every cell and writes docs/fault_matrix.json and the table in
 docs/reliability.md (generated from that file, between the `fault-matrix` markers); `--quick` runs the subset CI
-runs (`QUICK`), which tests/test_fault_matrix.py also runs and compares with the committed results.
+runs (`QUICK_SITES`, `QUICK_WRITER_CELLS`), which tests/test_fault_matrix.py also runs and compares with the
+committed results. `--update` merges the cells of a partial run (`--quick`, `--only`, `--faults`, `--sites`,
+`--new-sites`) into the committed results instead (the header lists each update), for a change that touches a few
+cells where the full run takes over half an hour.
 """
 
 from __future__ import annotations
@@ -222,6 +226,25 @@ class Entry:
     needs: Optional[str] = None  # an entry whose reference output this one reads
     sample: Optional[Callable[[str], bool]] = None  # the full disk is tried at these sites only (else at all)
     launches: bool = False  # runs other scripts: their own `error:` line comes before the entry point's
+    writer: Optional["Writer"] = None  # also tried preempted (SIGTERM) and beside another writer
+
+
+@dataclass
+class Writer:
+    """How an entry point that holds its output folder's lock and stops on SIGTERM is tried: the SIGTERM goes to it
+    at the first write of `stop_site` (a site, or the prefix of one); its one line starts with `stop_line` and names
+    the folder `kept` under the root; the lock another process holds is that of the folder `locks` under the root;
+    `final_stage`: also tried with a value only its final evaluation reads (`eval.recall_at=[]`)."""
+
+    stop_site: str
+    stop_where: str  # the cell's `where`
+    stop_line: str
+    kept: str
+    locks: str = ""
+    final_stage: bool = True
+
+
+TRAINING = Writer("checkpoints/step-N/", "the first checkpoint", "stopped by SIGTERM after step ", "checkpoints")
 
 
 def _tiny_retriever(out: Path, toy: Path) -> list[str]:
@@ -324,8 +347,10 @@ def compare_run(*models: str) -> Callable[[Path, Path], list[str]]:
 
 
 def compare_buffer(reference: Path, resumed: Path) -> list[str]:
-    a, b = (json.loads((p / "buffer" / "manifest.json").read_text()) for p in (reference, resumed))
-    return [] if a == b else [f"{resumed}/buffer/manifest.json differs from the uninterrupted build's"]
+    """Every file of the buffer folder (manifest, shards, their records; no lock file left) byte for byte."""
+    a, b = (snapshot(p / "buffer") for p in (reference, resumed))
+    differ = sorted(name for name in a.keys() | b.keys() if a.get(name) != b.get(name))
+    return [f"{resumed}/buffer: {', '.join(differ[:3])} differ(s) from the uninterrupted build's"] if differ else []
 
 
 def compare_export(reference: Path, resumed: Path) -> list[str]:
@@ -507,7 +532,8 @@ def damaged_reproduce_metrics(m: "Matrix", cell: Path) -> tuple[list[str], Path]
 
 ENTRIES = {
     "train_retriever": Entry(
-        "train_retriever", retriever_command, ["train.resume=true"], compare_run("retriever"), {
+        "train_retriever", retriever_command, ["train.resume=true"], compare_run("retriever"), writer=TRAINING,
+        damaged={
             "config file": damaged_config(retriever_command),
             "corpus": damaged_data(retriever_command, "data.passages", "passages.jsonl"),
             "training set": damaged_data(retriever_command, "data.train", "retrieval-train.jsonl"),
@@ -519,7 +545,8 @@ ENTRIES = {
             "initial model (a saved retriever)": damaged_initial_model(retriever_command),
         }),
     "train_rlm": Entry(
-        "train_rlm", rlm_command, ["train.resume=true"], compare_run("retriever", "reader"), {
+        "train_rlm", rlm_command, ["train.resume=true"], compare_run("retriever", "reader"), writer=TRAINING,
+        damaged={
             "config file": damaged_config(rlm_command),
             "corpus": damaged_data(rlm_command, "data.passages", "passages.jsonl"),
             "QA training set": damaged_data(rlm_command, "data.train", "nq-train.jsonl"),
@@ -535,7 +562,8 @@ ENTRIES = {
             "final reader, read by scripts/evaluate.py": damaged_final_reader,
         }),
     "train_generative": Entry(
-        "train_generative", generative_command, ["train.resume=true"], compare_run("generator"), {
+        "train_generative", generative_command, ["train.resume=true"], compare_run("generator"), writer=TRAINING,
+        damaged={
             "config file": damaged_config(generative_command),
             "corpus": damaged_data(generative_command, "data.passages", "passages.jsonl"),
             "training set": damaged_data(generative_command, "data.train", "retrieval-train.jsonl"),
@@ -556,7 +584,9 @@ ENTRIES = {
             "corpus ids that differ only by a trailing space": padded_ids,
             "a shard of the complete buffer in the output folder": damaged_complete_buffer("shard-00001.npy"),
             "the manifest of the complete buffer in the output folder": damaged_complete_buffer("manifest.json"),
-        }, needs="train_retriever"),
+        }, needs="train_retriever",
+        writer=Writer("buffer/shard-N.npy", "the first shard", "stopped by SIGTERM: ", "buffer", locks="buffer",
+                      final_stage=False)),
     "export": Entry(
         "export", export_command, [], compare_export, {
             "saved retriever": damaged_export_run("retriever/query/model.safetensors"),
@@ -591,7 +621,9 @@ QUICK_SITES = {
 }
 FAULT_KINDS = ("kill", "full", "readonly", "damaged", "writers")
 WRITER_FAULTS = ("SIGTERM (preemption), then resume", "second writer", "bad value of a final-stage key")
-TRAINING_ENTRIES = ("train_retriever", "train_rlm", "train_generative")  # also tried preempted and beside a writer
+# the writer cells CI runs (the others: tests/test_faults.py, test_run_safety.py and test_buffer_build.py): the
+# second writer of embed_corpus, a second or two
+QUICK_WRITER_CELLS = {("embed_corpus", "second writer")}
 QUICK_ENTRIES = tuple(QUICK_SITES)  # "reproduce (launching a run)" is full-only: one run is ~50 s
 
 
@@ -833,17 +865,19 @@ class Matrix:
         return self._done(cell)
 
     def preempted(self, entry: Entry) -> Cell:
-        """SIGTERM while the first checkpoint is written (after step 1, which it saves): exit 6 and one line naming
-        the checkpoint, nothing half-written; the resume equals the uninterrupted run."""
-        site = next(e["site"] for e in self.events[entry.name] if e["site"].startswith("checkpoints/step-N/"))
-        cell = Cell(entry.name, "SIGTERM (preemption), then resume", "the first checkpoint",
-                    "6, one line naming the checkpoint, then 0 and the uninterrupted result", detail=site)
+        """SIGTERM at the first write of the writer's `stop_site` (the first checkpoint: after step 1, which it saves;
+        the first shard of a buffer): exit 6 and one line naming what was kept, nothing half-written; the same
+        command (resumed) equals the uninterrupted run."""
+        writer = entry.writer
+        site = next(e["site"] for e in self.events[entry.name] if e["site"].startswith(writer.stop_site))
+        cell = Cell(entry.name, "SIGTERM (preemption), then resume", writer.stop_where,
+                    f"6, one line naming the {writer.kept} folder, then 0 and the uninterrupted result", detail=site)
         cell_dir = self.new_cell_dir(entry.name, "sigterm")
         root, log, (status, stderr, seconds) = self.run_injected(entry, cell_dir, mode="term", site=site)
         cell.status, cell.seconds = status, seconds
-        lines = [line for line in stderr.splitlines() if line.startswith("stopped by SIGTERM after step ")]
+        lines = [line for line in stderr.splitlines() if line.startswith(writer.stop_line)]
         cell.message = lines[-1] if lines else None
-        if status != 6 or not lines or str(root / "checkpoints") not in lines[-1] or "Traceback" in stderr:
+        if status != 6 or len(lines) != 1 or str(root / writer.kept) not in lines[-1] or "Traceback" in stderr:
             cell.problems.append(f"exit {status}, stopped line {cell.message!r}: {stderr.strip().splitlines()[-1:]}")
         cell.problems += integrity(root)
         if not cell.problems:
@@ -858,11 +892,12 @@ class Matrix:
         cell_dir = self.new_cell_dir(entry.name, "second-writer")
         root = self.root_of(cell_dir)
         root.mkdir()
+        locked = root / entry.writer.locks
         code = ("import sys, time; from pathlib import Path; from rag_train.train.run_dir import RunLock; "
                 "RunLock(Path(sys.argv[1]), 'the first writer').acquire(); print('locked', flush=True); "
                 "time.sleep(600)")
-        holder = subprocess.Popen([sys.executable, "-c", code, str(root)], cwd=ROOT, text=True, stdout=subprocess.PIPE,
-                                  env={**os.environ, "PYTHONPATH": str(ROOT)})
+        holder = subprocess.Popen([sys.executable, "-c", code, str(locked)], cwd=ROOT, text=True,
+                                  stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)})
         try:
             holder.stdout.readline()
             before = snapshot(root)
@@ -871,7 +906,7 @@ class Matrix:
             holder.kill()
             holder.wait()
         cell.status, cell.seconds = status, seconds
-        self._failed_as(cell, status, 2, stderr, [str(root)], None)
+        self._failed_as(cell, status, 2, stderr, [f"{locked} is in use"], None)
         if cell.message is not None and f"pid {holder.pid}" not in cell.message:
             cell.problems.append("the message does not name the holder's pid")
         if snapshot(root) != before:
@@ -890,6 +925,13 @@ class Matrix:
         if root.exists():
             cell.problems.append(f"{root} was created")
         return self._done(cell)
+
+    def writer_cells(self, entry: Entry) -> list[tuple[str, Callable[[Entry], Cell]]]:
+        """(fault, the method that runs its cell) for each writer cell of `entry` (none if it is not a writer)."""
+        if entry.writer is None:
+            return []
+        cells = [(WRITER_FAULTS[0], self.preempted), (WRITER_FAULTS[1], self.second_writer)]
+        return cells + ([(WRITER_FAULTS[2], self.final_stage_key)] if entry.writer.final_stage else [])
 
     def _failed_as(self, cell: Cell, status, expected: int, stderr: str, paths: list[str],
                    root: Optional[Path]) -> None:
@@ -911,8 +953,10 @@ class Matrix:
 
     # -- everything ---------------------------------------------------------------------------------------------
 
-    def run(self, entries: list[str], quick: bool,
-            kinds: tuple = ("kill", "full", "readonly", "damaged")) -> list[Cell]:
+    def run(self, entries: list[str], quick: bool, kinds: tuple = FAULT_KINDS,
+            at_sites: Optional[Callable[[str, str], bool]] = None) -> list[Cell]:
+        """The cells of `kinds` for `entries`: all of them, or the quick ones; `at_sites(entry, site)`: the full disk
+        only at the sites it accepts (an update of some cells, `--sites` / `--new-sites`)."""
         if "reproduce" in entries:
             make_reproduce_runs(self.reproduce_runs)
         for name in entries:
@@ -930,15 +974,15 @@ class Matrix:
                 self.cells.append(Cell(name, "disk full (ENOSPC) at a write", ", ".join(missing), "5",
                                        problems=["never written by the uninterrupted run"]))
             for site in sites if "full" in kinds else []:
-                self.full_disk(entry, site)
+                if at_sites is None or at_sites(name, site):
+                    self.full_disk(entry, site)
             if "readonly" in kinds:
                 self.read_only(entry)
             for kind in entry.damaged if "damaged" in kinds else []:
                 self.damaged(entry, kind)
-            if name in TRAINING_ENTRIES and "writers" in kinds:
-                self.preempted(entry)
-                self.second_writer(entry)
-                self.final_stage_key(entry)
+            for fault, cell in self.writer_cells(entry) if "writers" in kinds else []:
+                if not quick or (name, fault) in QUICK_WRITER_CELLS:
+                    cell(entry)
         return self.cells
 
 
@@ -1006,6 +1050,7 @@ def _shown(message: Optional[str], work: str) -> str:
     text = text.replace(work, "W")
     text = re.sub(r"\.[A-Za-z0-9_]{8}\.(tmp|partial)\b", r".XXXXXXXX.\1", text)
     text = re.sub(r"\d+(\.\d+)? (bytes|KiB|MiB|GiB)", r"N \2", text)
+    text = re.sub(r"pid \d+ on host \S+ \((.*), since [^)]*\)", r"pid P on host H (\1, since T)", text)  # a lock's holder
     text = text.replace("|", "\\|")
     return text if len(text) <= 230 else text[:227] + "..."
 
@@ -1013,11 +1058,20 @@ def _shown(message: Optional[str], work: str) -> str:
 def render(results: dict) -> str:
     """The markdown table of docs/reliability.md, from the matrix's results (docs/fault_matrix.json)."""
     cells = results["cells"]
+    updates = results.get("updates", [])
+    if updates:
+        generated = (f"Generated by `{results['command']}` on {results['date']} ({results['machine']}; seed "
+                     f"{results['seed']}, {results['full_cells']} cells in {results['seconds']:.0f} s), then updated "
+                     "(the cells run replaced or joined the recorded ones) by " + ", ".join(
+                         f"`{u['command']}` on {u['date']} ({u['cells']} cells, {u['seconds']:.0f} s)" for u in updates)
+                     + f": {len(cells)} cells, {sum(c['ok'] for c in cells)} as documented")
+    else:
+        generated = (f"Generated by `{results['command']}` on {results['date']} ({results['machine']}; seed "
+                     f"{results['seed']}, {len(cells)} cells, {sum(c['ok'] for c in cells)} as documented, "
+                     f"{results['seconds']:.0f} s)")
     lines = [START, "",
-             f"Generated by `{results['command']}` on {results['date']} ({results['machine']}; seed {results['seed']}, "
-             f"{len(cells)} cells, {sum(c['ok'] for c in cells)} as documented, {results['seconds']:.0f} s); "
-             "CI runs the cells marked *quick* "
-             f"(`tests/test_fault_matrix.py`, {results['quick_seconds']:.0f} s of them here). "
+             f"{generated}; CI runs the "
+             f"cells marked *quick* (`tests/test_fault_matrix.py`, {results['quick_seconds']:.0f} s of them here). "
              "In the error lines `OUT` is the cell's output folder, `CELL` the folder of its damaged inputs, "
              "`W` the matrix's work folder; sizes are shown as N.", "",
              "| entry point | fault | where | exit | error line | resumed = uninterrupted | verdict | quick |",
@@ -1052,28 +1106,98 @@ def write_results(cells: list[Cell], quick_keys: set[str], seconds: float, quick
     return results
 
 
+def is_quick(entry: str, fault: str, where: str) -> bool:
+    """Whether CI runs this cell (`--quick`, tests/test_fault_matrix.py)."""
+    if entry not in QUICK_ENTRIES:
+        return False
+    if fault in WRITER_FAULTS:  # most in tests/test_run_safety.py, test_faults.py, test_buffer_build.py
+        return (entry, fault) in QUICK_WRITER_CELLS
+    return not fault.startswith("disk full") or where in QUICK_SITES[entry]
+
+
 def quick_key(cell: Cell) -> Optional[str]:
-    if cell.entry not in QUICK_ENTRIES or cell.fault in WRITER_FAULTS:  # tests/test_run_safety.py, test_faults.py
-        return None
-    if cell.fault.startswith("disk full") and cell.where not in QUICK_SITES[cell.entry]:
-        return None
-    return cell.key()
+    return cell.key() if is_quick(cell.entry, cell.fault, cell.where) else None
+
+
+KINDS_OF_FAULT = {"kill -9, then resume": "kill", "disk full (ENOSPC) at a write": "full",
+                  "read-only output folder": "readonly", "damaged input": "damaged",
+                  **{fault: "writers" for fault in WRITER_FAULTS}}
+
+
+def update_results(cells: list[Cell], sites: dict[str, list[str]], seconds: float, work: Path, command: str) -> dict:
+    """Merge the cells of a partial run into docs/fault_matrix.json and rewrite the table: a recorded cell of the same
+    entry, fault and where is replaced, a new one takes its place in the order a full run would give it, and a
+    recorded full-disk cell at a site its entry no longer writes (`sites`: what each entry run here writes, as
+    sampled) is dropped. The header keeps the full run and lists each update."""
+    import platform
+
+    results = json.loads(RESULTS.read_text())
+    results.setdefault("full_cells", len(results["cells"]))
+    recorded = results["cells"]
+    fresh = [json.loads(json.dumps(dict(c.record(), quick=False)).replace(str(work), results["work"])) for c in cells]
+    keys = {f"{c['entry']} | {c['fault']} | {c['where']}" for c in fresh}
+    dropped = [c for c in recorded if c["entry"] in sites and KINDS_OF_FAULT[c["fault"]] == "full"
+               and c["where"] not in sites[c["entry"]]]
+    for cell in dropped:
+        print(f"dropped: {cell['entry']} | {cell['fault']} | {cell['where']} (a site no longer written)")
+    kept = [c for c in recorded if f"{c['entry']} | {c['fault']} | {c['where']}" not in keys and c not in dropped]
+    entries, kinds = list(ENTRIES), list(FAULT_KINDS)
+
+    def order(item: tuple[int, dict]) -> tuple:
+        position, cell = item
+        kind = KINDS_OF_FAULT[cell["fault"]]
+        if kind == "full" and cell["entry"] in sites and cell["where"] in sites[cell["entry"]]:
+            within = sites[cell["entry"]].index(cell["where"])
+        elif kind == "damaged" and cell["where"] in ENTRIES[cell["entry"]].damaged:
+            within = list(ENTRIES[cell["entry"]].damaged).index(cell["where"])
+        elif kind == "writers":
+            within = WRITER_FAULTS.index(cell["fault"])
+        else:
+            within = position
+        return entries.index(cell["entry"]), kinds.index(kind), within
+
+    merged = [cell for _, cell in sorted(enumerate(kept + fresh), key=order)]
+    for cell in merged:
+        cell["quick"] = is_quick(cell["entry"], cell["fault"], cell["where"])
+    results["cells"] = merged
+    results["quick_seconds"] = round(sum(c["seconds"] for c in merged if c["quick"]))
+    results.setdefault("updates", []).append({
+        "command": command, "date": time.strftime("%Y-%m-%d"), "cells": len(fresh), "seconds": round(seconds),
+        "machine": f"{os.cpu_count()} CPU cores, {platform.machine()}, Python {platform.python_version()}"})
+    RESULTS.write_text(json.dumps(results, indent=1) + "\n")
+    text = DOC.read_text()
+    DOC.write_text(text.replace(doc_table(text), render(results)))
+    return results
 
 
 def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--zygote", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--full", action="store_true", help="every cell; writes docs/fault_matrix.json and the table")
-    parser.add_argument("--quick", action="store_true", help="the CI subset (prints, writes nothing)")
-    parser.add_argument("--only", nargs="+", choices=sorted(ENTRIES), help="these entry points only (nothing written)")
+    parser.add_argument("--quick", action="store_true", help="the CI subset (prints; writes nothing without --update)")
+    parser.add_argument("--only", nargs="+", choices=sorted(ENTRIES),
+                        help="these entry points only (writes nothing without --update)")
     parser.add_argument("--faults", nargs="+", choices=list(FAULT_KINDS), default=list(FAULT_KINDS),
                         help="these kinds of cell only (writers: SIGTERM, a second writer, a bad final-stage key)")
+    parser.add_argument("--sites", nargs="+", metavar="SITE", help="the full disk at these write sites only")
+    parser.add_argument("--new-sites", action="store_true",
+                        help="the full disk only at the sites docs/fault_matrix.json holds no cell for")
+    parser.add_argument("--update", action="store_true",
+                        help="merge the cells run into docs/fault_matrix.json (same cell replaced, new ones placed as "
+                             "a full run would) and rewrite the table")
     parser.add_argument("--work", type=Path, default=Path("/tmp/fault-matrix"))
     args = parser.parse_args(argv)
     if args.zygote:
         return zygote()
     from rag_train.config import DataConfig
     from rag_train.data.toy_files import ensure_toy_world
+
+    recorded = {(c["entry"], c["where"]) for c in json.loads(RESULTS.read_text())["cells"]
+                if c["fault"].startswith("disk full")} if args.new_sites else set()
+    at_sites = None
+    if args.sites or args.new_sites:
+        def at_sites(entry: str, site: str) -> bool:
+            return (not args.sites or site in args.sites) and (entry, site) not in recorded
 
     shutil.rmtree(args.work, ignore_errors=True)
     toy = args.work / "toy"
@@ -1083,15 +1207,22 @@ def main(argv: Optional[list[str]] = None) -> None:
     try:
         matrix = Matrix(args.work, toy, zyg, random.Random(SEED))
         entries = args.only or (list(QUICK_ENTRIES) if args.quick else list(ENTRIES))
-        kinds = tuple(kind for kind in args.faults if not (args.quick and kind == "writers"))  # CI: full-only cells
-        cells = matrix.run(entries, quick=args.quick, kinds=kinds)
+        cells = matrix.run(entries, quick=args.quick, kinds=tuple(args.faults), at_sites=at_sites)
     finally:
         zyg.close()
     seconds = time.monotonic() - started
     quick_keys = {k for k in map(quick_key, cells) if k}
     quick_seconds = sum(c.seconds for c in cells if c.key() in quick_keys)
     print(f"{sum(c.ok for c in cells)} of {len(cells)} cells as documented in {seconds:.0f} s")
-    if args.full and not args.only and len(args.faults) == len(FAULT_KINDS):
+    if args.update:
+        given = list(argv if argv is not None else sys.argv[1:])
+        if "--work" in given:  # where the cells ran is no part of what ran
+            del given[given.index("--work"):given.index("--work") + 2]
+        sampled = {name: [site for site in found if ENTRIES[name].sample is None or ENTRIES[name].sample(site)]
+                   for name, found in matrix.sites.items()}
+        update_results(cells, sampled, seconds, args.work, " ".join(["python tests/fault_matrix.py", *given]))
+        print(f"merged {len(cells)} cells into {RESULTS} and rewrote the table in {DOC}")
+    elif args.full and not args.only and len(args.faults) == len(FAULT_KINDS) and at_sites is None:
         write_results(cells, quick_keys, seconds, quick_seconds, args.work,
                       "python tests/fault_matrix.py --full")
         print(f"wrote {RESULTS} and the table in {DOC}")

@@ -24,9 +24,9 @@ class EmbedConfig:
     """scripts/embed_corpus.py: embed a corpus once into a stale buffer (multi-process, resumable).
 
     The buffer goes to `output` (default `buffer.path`); rerunning the same command resumes a killed or stopped
-    build (SIGTERM / SIGUSR1 stop it at the next shard boundary, exit 6). Embeds with a saved DualEncoder (`model_dir`) or with `retriever` built from its config. A complete
-    buffer already there is reused after its shards pass their sha256 (`buffer.verify`); a damaged one is an error
-    naming the shard unless `repair`.
+    build (SIGTERM / SIGUSR1 stop it at the next shard boundary, exit 6). Embeds with a saved DualEncoder
+    (`model_dir`) or with `retriever` built from its config. A complete buffer already there is reused after its
+    shards pass their sha256 (`buffer.verify`); a damaged one is an error naming the shard unless `repair`.
     """
 
     data: DataConfig = field(default_factory=DataConfig)
