@@ -1050,7 +1050,7 @@ def _shown(message: Optional[str], work: str) -> str:
     text = text.replace(work, "W")
     text = re.sub(r"\.[A-Za-z0-9_]{8}\.(tmp|partial)\b", r".XXXXXXXX.\1", text)
     text = re.sub(r"\d+(\.\d+)? (bytes|KiB|MiB|GiB)", r"N \2", text)
-    text = re.sub(r"pid \d+ on host \S+ \((.*), since [^)]*\)", r"pid P on host H (\1, since T)", text)  # a lock's holder
+    text = re.sub(r"pid \d+ on host \S+ \((.*), since [^)]*\)", r"pid P on host H (\1, since T)", text)  # lock holder
     text = text.replace("|", "\\|")
     return text if len(text) <= 230 else text[:227] + "..."
 
