@@ -125,7 +125,7 @@ class RunLock:
         if earlier is not None:
             earlier.release()
         while True:
-            with write_step(f"taking the lock of {self.subject}", self.subject):  # a read-only folder: exit 5
+            with write_step("taking the lock of", self.subject):  # a read-only folder: exit 5
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             try:
@@ -139,7 +139,7 @@ class RunLock:
                 previous = _read_holder(self.path)
                 record = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "purpose": self.purpose,
                                      "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}).encode()
-                with write_step(f"taking the lock of {self.subject}", self.path):
+                with write_step("writing the lock file", self.path):
                     os.pwrite(fd, record, 0)
                     os.ftruncate(fd, len(record))
                     os.fsync(fd)
