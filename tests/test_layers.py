@@ -31,9 +31,10 @@ class Layer:
 
 
 LAYERS = [
-    Layer("0 utilities", ("rag_train", "rag_train.io", "rag_train.losses", "rag_train.launch"),
+    Layer("0 utilities", ("rag_train", "rag_train.io", "rag_train.losses", "rag_train.launch", "rag_train.preemption"),
           "`__init__.py` (the version), `io.py` (atomic writes, checksums), `losses.py`, `launch.py` (the one "
-          "`Accelerator` / `accelerate launch` command, and a CPU process's torch threads)", "nothing of the package"),
+          "`Accelerator` / `accelerate launch` command, and a CPU process's torch threads), `preemption.py` (SIGTERM / "
+          "SIGUSR1 noted, agreed between processes, and a loop stopped at a boundary)", "nothing of the package"),
     Layer("1 config", ("rag_train.config",),
           "`config.py`: the shared config sections (data, retriever, reader, buffer, train, eval), `load_config` "
           "(YAML + `key=value`, validation), `plugin_section` (the strategy and batching sections built from their "
@@ -63,8 +64,8 @@ LAYERS = [
           "sentence-transformers / FAISS / ONNX folders; `serve.py`: the HTTP search server)", "recipes"),
     Layer("8 command line", ("rag_train.cli",),
           "`cli.py`: `parse_cli`, `exit_on_fault`, `run_recipe` and the exit statuses (2 bad input, 3 numerical "
-          "stop, 4 dead or hung peer, 5 a write failed: no space left or read-only, 6 preempted: checkpointed and "
-          "stopped), the `rag-train` console script", "the library"),
+          "stop, 4 dead or hung peer, 5 a write failed: no space left or read-only, 6 preempted: a step checkpointed "
+          "or a buffer's shards kept, and stopped), the `rag-train` console script", "the library"),
     Layer("9 lab: experiment harness", ("rag_lab", "rag_lab.experiments", "rag_lab.reproduction.paper"),
           "`rag_lab/`, the second package, which the library never imports: `experiments.py` (runs launched as "
           "`accelerate launch`, strategy comparisons and their tables) and the seed paper's numbers it compares "
