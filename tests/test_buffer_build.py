@@ -390,10 +390,12 @@ def finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[str, str]:
 
 
 def stopped_lines(stderr: str, out: Path) -> list[tuple[str, int]]:
-    """(prefix and who, shards written) of each `stopped by ...` line."""
-    pattern = (rf"^(.*stopped by .+): (\d+) of 10 shards of {re.escape(str(out))} are written, each with its "
-               r"record, and kept; run the same command again to embed the other (\d+) and finish the buffer$")
-    found = [re.match(pattern, line) for line in stderr.splitlines() if "stopped by" in line]
+    """(rank prefix and who, shards written) of each `stopped by ...` line (another rank's progress bar may have
+    left its last redraw in front of it on the launcher's shared stderr)."""
+    pattern = (rf"((?:\[rank \d\] )?stopped by [^:]+): (\d+) of 10 shards of {re.escape(str(out))} are written, "
+               r"each with its record, and kept; run the same command again to embed the other (\d+) and finish the "
+               r"buffer$")
+    found = [re.search(pattern, line) for line in stderr.splitlines() if "stopped by" in line]
     assert found and all(found), stderr[-3000:]
     assert all(int(m[2]) + int(m[3]) == 10 for m in found)
     return [(m[1], int(m[2])) for m in found]
