@@ -2,7 +2,8 @@
 size in a fresh process, and each fragment's numbers are checked against an independent computation (token counts
 from the toy tokenizer, encoder FLOPs by hand, a float64 brute-force top-k, the reader's parameters from plain
 transformers, the toy world's own files); the process imports nothing the GPU image lacks beyond the carried wheels;
-`--assemble` lists exactly the stages whose fragments exist; wheels resolve and install as documented."""
+`--assemble` lists exactly the stages whose fragments exist; wheels resolve and install as documented; a new stage is
+one new `*_stage.py` file."""
 
 from __future__ import annotations
 
@@ -31,6 +32,8 @@ from rag_lab.bench.gpu_report import (
     step_stage,
     wheels,
 )
+
+from conftest import drop_in
 
 # one xdist worker runs the whole file: its stages run once, in the module fixture
 pytestmark = pytest.mark.xdist_group("test_gpu_report")
@@ -282,6 +285,75 @@ def test_list_and_bad_input(capsys, tmp_path, monkeypatch):
     assert exit_info.value.code == common.INPUT_FAULT_EXIT
     assert capsys.readouterr().err.strip().startswith("error: --device cpu runs only with --quick")
     assert not list(tmp_path.iterdir())  # no fragment written
+
+
+NEW_STAGE = '''
+"""Test stage: counts to three, at toy size or not."""
+
+from rag_lab.bench.gpu_report.common import Stage, register
+
+
+def stage_count(ctx):
+    return {"gemm_peak_flops": 2e12, "gemm_peak_how": "none", "settings": {"quick": ctx.quick},
+            "results": {"count": 3, "work": ctx.work.name}, "goals": []}
+
+
+def render_count(record):
+    return [f"counted to {record['results']['count']} in {record['results']['work']}"]
+
+
+STAGE = register(Stage(name="count", order=25, minutes=0.5, what="counts to three", run=stage_count,
+                       render=render_count, scales="constant"))
+'''
+
+# Runs in a fresh interpreter with the new module's folder added to the package's search path before the package
+# (and its discovery) is imported: exactly what a new `count_stage.py` in rag_lab/bench/gpu_report/ does.
+STAGE_DRIVER = drop_in("rag_lab.bench.gpu_report") + '''
+import json, sys
+from pathlib import Path
+
+from rag_lab.bench.gpu_report import cli, stages
+
+folder = Path(sys.argv[1])
+out = {"stages": list(stages.STAGES), "modules": sorted(m for m in sys.modules if m.startswith("rag_lab.bench.gpu"))}
+cli.main(["--stage", "list"])
+cli.main(["--stage", "count", "--device", "cpu", "--quick", "--out", str(folder / "out"), "--wheels-dir",
+          str(folder / "no-wheels")])
+cli.main(["--assemble", "--out", str(folder / "out"), "--doc", str(folder / "doc.md")])
+print("RESULT " + json.dumps(out))
+'''
+
+
+def test_a_new_stage_is_one_file(tmp_path):
+    """A `count_stage.py` dropped into the package is registered in its declared order, listed, run through the
+    command's stage selection and assembled; a module of the folder not named `*_stage.py` is not imported."""
+    (tmp_path / "count_stage.py").write_text(NEW_STAGE)
+    (tmp_path / "helpers.py").write_text("raise RuntimeError('not a stage: never imported')\n")
+    proc = subprocess.run([sys.executable, "-c", STAGE_DRIVER, str(tmp_path)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    assert out["stages"] == ["embed", "forward", "count", "search", "step", "scale"]  # order 25: after forward's 20
+    assert "rag_lab.bench.gpu_report.count_stage" in out["modules"]
+    assert "rag_lab.bench.gpu_report.helpers" not in out["modules"]
+    listed = [line.split()[0] for line in proc.stdout.splitlines()
+              if not line.startswith(("RESULT", "stage ", "wrote"))]
+    assert listed == out["stages"] + ["all"]
+    record = json.loads((tmp_path / "out" / "count.json").read_text())
+    assert record["stage"] == "count" and record["quick"] and record["results"] == {"count": 3, "work": "count"}
+    assert (tmp_path / "out" / "count.md").read_text().startswith("## count: counts to three\n")
+    doc = (tmp_path / "doc.md").read_text()
+    assert "counted to 3 in count" in doc and "| count | cpu (quick) |" in doc
+    assert "Missing stages: embed, forward, search, step, scale." in doc
+    assert "--stage count --device cuda" in doc  # the commands section names it too
+
+
+def test_registering_a_stage_name_twice_fails():
+    again = common.Stage(name="embed", order=99, minutes=1, what="again", run=lambda ctx: {}, render=lambda r: [],
+                         scales="-")
+    with pytest.raises(TypeError, match="gpu_report stage name 'embed' is registered twice"):
+        common.register(again)
+    assert stages.STAGES["embed"] is embed_stage.STAGE
 
 
 def test_wheel_requirements_follow_requirements_beyond_the_image():

@@ -15,7 +15,9 @@ fragments exist into docs/gpu_report.md. A stage times the code users run, throu
 A bare GPU image lacks some of the project's imports: `--wheels DIR` downloads them where the package index is
 reachable, and every stage first installs the ones missing from DIR (default `.whl/`) if it is there.
 
-One module per stage (`<name>_stage.py`: its sizes, run, check and table); `stages.py` lists them, `document.py`
-writes the fragments and the document, `wheels.py` carries what a bare GPU image lacks, `cli.py` is the command.
+One module per stage (`<name>_stage.py`: its sizes, run, check and table, and its `Stage` declaration, registered
+with `common.register`); `stages.py` finds them by scanning the package for `*_stage.py` (no list to keep) and orders
+them by their declared `order`, `document.py` writes the fragments and the document, `wheels.py` carries what a
+bare GPU image lacks, `cli.py` is the command.
 No module imports at load time what the bare image lacks: every stage imports its needs after the wheels.
 """

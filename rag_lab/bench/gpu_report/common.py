@@ -1,5 +1,5 @@
-"""What every stage shares: the exit statuses, the errors, the stage context, the environment record and the
-same-run GEMM peak every fraction is of."""
+"""What every stage shares: the `Stage` declaration and its `register`, the exit statuses, the errors, the stage
+context, the environment record and the same-run GEMM peak every fraction is of."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ import platform
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from rag_train.io import CheckError
+from rag_train.plugins import Registry
 
 if TYPE_CHECKING:
     import torch
@@ -34,6 +35,27 @@ class Context:
     quick: bool
     work: Path  # scratch space of this stage: <--work>/<stage>, or a temporary folder removed afterwards
     scale_rows: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage of the report, declared by its module (`<name>_stage.py`) with `register`."""
+
+    name: str  # the value of --stage, and the fragments' file names (<name>.json / .md)
+    order: int  # where it runs and appears among the stages (the smallest first)
+    minutes: float  # expected on one H100, all included
+    what: str  # the fragment's heading and its line in --stage list
+    run: Callable[[Context], dict]  # the record's figures (settings, results, goals, the GEMM peak)
+    render: Callable[[dict], list]  # the fragment's lines below its heading, from the record
+    scales: str  # how its time and memory grow with its sizes (--stage list)
+
+
+REGISTRY = Registry("gpu_report stage")  # filled by the *_stage.py modules; `stages.STAGES` imports them all
+
+
+def register(stage: Stage) -> Stage:
+    """Add a stage to the report (a `*_stage.py` module calls it at import); TypeError for a duplicate name."""
+    return REGISTRY.add(stage.name, stage, stage.run.__module__)
 
 
 def driver_version() -> Optional[str]:
@@ -75,7 +97,7 @@ def fraction_goal(text: str, value: Optional[float], threshold: float, device) -
     return {"goal": text, "value": value, "met": met}
 
 
-# --- embed ---------------------------------------------------------------------------------------------------
+# --- embed and forward -------------------------------------------------------------------------------------
 
 
 TOY_PASSAGES = {False: 2000, True: 300}  # the toy world whose passages are glued into long ones (by --quick)

@@ -5,7 +5,15 @@ from __future__ import annotations
 import math
 import time
 
-from rag_lab.bench.gpu_report.common import TOY_PASSAGES, Context, StageCheckError, fraction_goal, gemm_peak
+from rag_lab.bench.gpu_report.common import (
+    TOY_PASSAGES,
+    Context,
+    Stage,
+    StageCheckError,
+    fraction_goal,
+    gemm_peak,
+    register,
+)
 
 # sizes that ran in 142 s on an H100; 4x these outran a 300 s budget (ST.encode of 262,144 tiny rows
 # alone takes a minute: its tokenisation runs in one process)
@@ -144,3 +152,11 @@ def render_embed(record: dict) -> list[str]:
             f"{100 * share[k]:.1f}%" for k in ("reads", "tokenisation", "collation", "forward", "copies and the rest"))
             + " |")
     return lines
+
+
+STAGE = register(Stage(
+    name="embed", order=10, minutes=3,
+    what=("embed_rows vs SentenceTransformer.encode (GPU: tiny / small / base towers at 64 / 128 / 256 "
+          "tokens), host-side profile"),
+    run=stage_embed, render=render_embed,
+    scales="time linear in the passages per row (32k / 4k / 2k at 128 tokens for tiny / small / base)"))

@@ -7,7 +7,7 @@ import math
 import os
 import time
 
-from rag_lab.bench.gpu_report.common import TOY_PASSAGES, Context, StageCheckError, gemm_peak
+from rag_lab.bench.gpu_report.common import TOY_PASSAGES, Context, Stage, StageCheckError, gemm_peak, register
 
 FORWARD_GPU = {"shapes": ("tiny", "small", "base"), "lengths": (64, 256), "batch": 1024, "repeats": 10,
                "tokenise_rows": 32768}
@@ -161,4 +161,9 @@ def render_forward(record: dict) -> list[str]:
     return lines
 
 
-# --- search --------------------------------------------------------------------------------------------------
+STAGE = register(Stage(
+    name="forward", order=20, minutes=1.5,
+    what=("the passage tower's forward alone (GPU: tiny / small / base at 64 / 256 tokens, 1024 rows): "
+          "fraction of peak, with bf16 weights, device time by kernel class; host tokenisation rate"),
+    run=stage_forward, render=render_forward,
+    scales="time linear in the repeats and the rows per forward"))

@@ -8,7 +8,7 @@ import shutil
 import time
 from typing import Optional
 
-from rag_lab.bench.gpu_report.common import ROOT, Context, gemm_peak
+from rag_lab.bench.gpu_report.common import ROOT, Context, Stage, gemm_peak, register
 
 SCALE_GPU_ROWS, SCALE_QUICK_ROWS = 5_000_000, 600
 SCALE_GPU = {"steps": 50, "threads": 0, "overrides": [
@@ -133,3 +133,10 @@ def render_scale(record: dict) -> list[str]:
              "at this run's rates times the rows (fixed costs included, so a small world overstates them); warm "
              "starts and the rest of a step as measured."]
     return lines
+
+
+STAGE = register(Stage(
+    name="scale", order=50, minutes=8,
+    what=("train_rlm end to end on a toy world built from scratch (GPU: 5M passages), 28M projected"),
+    run=stage_scale, render=render_scale,
+    scales="generation, indexing and the corpus passes linear in --scale-rows"))

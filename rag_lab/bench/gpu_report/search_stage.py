@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rag_lab.bench.gpu_report.common import Context, StageCheckError, fraction_goal
+from rag_lab.bench.gpu_report.common import Context, Stage, StageCheckError, fraction_goal, register
 
 SEARCH_GPU = ["--rows", "28000000", "--dim", "768", "--hidden", "8192", "--batch", "64", "--k", "32", "--chunk",
               "262144", "--dtype", "bf16", "--repeats", "3", "--seed", "0"]
@@ -50,3 +50,10 @@ def render_search(record: dict) -> list[str]:
     for name, seconds in f["corrector_breakdown_seconds"].items():
         lines.append(f"| {name} | {1e3 * seconds:.1f} | {100 * seconds / c['seconds']:.0f}% |")
     return lines
+
+
+STAGE = register(Stage(
+    name="search", order=30, minutes=1,
+    what=("exact and corrector-full search of a buffer held on the device (GPU: 28M x 768 bf16)"),
+    run=stage_search, render=render_search,
+    scales="time linear in the buffer rows; the buffer takes rows x 768 x 2 bytes"))

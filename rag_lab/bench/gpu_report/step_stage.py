@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gc
 
-from rag_lab.bench.gpu_report.common import Context, StageCheckError, gemm_peak
+from rag_lab.bench.gpu_report.common import Context, Stage, StageCheckError, gemm_peak, register
 
 STEP_GPU = ["--size", "base", "--passages", "32", "--passage-length", "256", "--dtype", "bf16", "--checkpointing",
             "--steps", "5", "--warmup", "2", "--corpus-rows", "4096", "--corrector-hidden", "8192"]
@@ -68,4 +68,8 @@ def render_step(record: dict) -> list[str]:
     return lines
 
 
-# --- scale ---------------------------------------------------------------------------------------------------
+STAGE = register(Stage(
+    name="step", order=40, minutes=2,
+    what=("RLMRecipe.train_step (GPU: base size, FiD 32 x 256 + GTR-base), 1 and 4 questions"),
+    run=stage_step, render=render_step,
+    scales="time linear in the steps timed; memory in questions x passages x tokens"))
