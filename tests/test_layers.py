@@ -31,10 +31,12 @@ class Layer:
 
 
 LAYERS = [
-    Layer("0 utilities", ("rag_train", "rag_train.io", "rag_train.losses", "rag_train.launch", "rag_train.preemption"),
+    Layer("0 utilities", ("rag_train", "rag_train.io", "rag_train.losses", "rag_train.launch", "rag_train.preemption",
+                          "rag_train.plugins"),
           "`__init__.py` (the version), `io.py` (atomic writes, checksums), `losses.py`, `launch.py` (the one "
           "`Accelerator` / `accelerate launch` command, and a CPU process's torch threads), `preemption.py` (SIGTERM / "
-          "SIGUSR1 noted, agreed between processes, and a loop stopped at a boundary)", "nothing of the package"),
+          "SIGUSR1 noted, agreed between processes, and a loop stopped at a boundary), `plugins.py` (`Registry`: the "
+          "one extension pattern's registration and module discovery)", "nothing of the package"),
     Layer("1 config", ("rag_train.config",),
           "`config.py`: the shared config sections (data, retriever, reader, buffer, train, eval), `load_config` "
           "(YAML + `key=value`, validation), `plugin_section` (the strategy and batching sections built from their "

@@ -10,18 +10,12 @@ Adding a strategy is adding one module (and its test).
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
 from typing import Any
 
 from rag_train.config import ConfigError, plugin_section
 from rag_train.strategies.base import REGISTRY, BaseStrategyConfig, Strategy, StrategyContext, Subset, register
 
-for _module in pkgutil.iter_modules(__path__):
-    importlib.import_module(f"{__name__}.{_module.name}")
-_registered = sorted(REGISTRY.items())  # by name, whatever order the modules import each other in
-REGISTRY.clear()
-REGISTRY.update(_registered)
+REGISTRY.discover(__name__, __path__)  # every module, each registering; then by name
 
 
 def _corpus_limits(self) -> list[tuple[str, int]]:

@@ -10,7 +10,8 @@ A strategy is one module in this package: a `Strategy` subclass decorated with `
 `strategy.<key>` keys it reads, validated in `__post_init__`), what it needs (`needs_buffer`), what it does
 (`retrieves`, `trains_retriever`, a corrector through `modules` / `auxiliary_loss`), which recipes can use it
 (`algorithms`) and the values that may not exceed the corpus (`config.corpus_limits`). `rag_train.strategies`
-imports every module of the package, so the registry and the config schema follow from these declarations.
+imports every module of the package (`rag_train.plugins.Registry.discover`, the pattern batching options and the GPU
+report's stages follow too), so the registry and the config schema follow from these declarations.
 
 Sharding: with N processes each process holds rows [start, end) of the index. Queries are gathered so every
 process searches its rows for the whole global batch, and `rag_train.buffer.search` merges the per-process
@@ -39,6 +40,7 @@ from rag_train.config import BufferConfig, check_choice, check_positive
 from rag_train.data.corpus import Corpus
 from rag_train.io import atomic_write_json
 from rag_train.losses import truncated_softmax_ce
+from rag_train.plugins import Registry
 
 
 @dataclass
@@ -70,7 +72,7 @@ class IndexedConfig(BaseStrategyConfig):
         check_choice("strategy", "sampling", self.sampling, ("topk", "gumbel"))
 
 
-REGISTRY: dict[str, type["Strategy"]] = {}
+REGISTRY: Registry = Registry("strategy")  # name -> class, filled by the modules' `@register`, ordered by name
 
 
 def register(cls: type["Strategy"]) -> type["Strategy"]:
@@ -78,14 +80,11 @@ def register(cls: type["Strategy"]) -> type["Strategy"]:
     name = cls.__dict__.get("name")
     if not isinstance(name, str) or not name:
         raise TypeError(f"{cls.__qualname__} must declare its own `name` to be registered")
-    if name in REGISTRY:
-        raise TypeError(f"strategy name {name!r} is registered twice: {REGISTRY[name].__module__} and {cls.__module__}")
     if not (is_dataclass(cls.config) and issubclass(cls.config, BaseStrategyConfig)):
         raise TypeError(f"{cls.__qualname__}.config must be a dataclass subclassing BaseStrategyConfig")
     if not cls.algorithms or not set(cls.algorithms) <= {1, 2}:
         raise TypeError(f"{cls.__qualname__}.algorithms must be a non-empty subset of {{1, 2}}")
-    REGISTRY[name] = cls
-    return cls
+    return REGISTRY.add(name, cls, cls.__module__)
 
 
 def _no_gathering(*modules: nn.Module) -> ContextManager:
