@@ -343,23 +343,6 @@ class TrainConfig:
 
 
 @dataclass
-class BaseBatchingConfig:
-    """The `batching` keys every option reads. How Algorithm 1 turns one optimizer step's global batch into a
-    gradient under a memory cap (seed 002) is `name`: one option of `rag_train/train/batching/`, each one file
-    declaring its own keys (a subclass of this); the section is built from them (`plugin_section`).
-    `train.batch_size` stays the global batch of one optimizer step (N_total)."""
-
-    name: str = "plain"
-    # CUDA: torch.cuda.set_per_process_memory_fraction (an explicit cap: exceeding it is an OOM); 0 = no cap.
-    # Peak memory per step is logged either way (CUDA: max allocated; CPU: the process's peak RSS).
-    memory_fraction: float = 0.0
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.memory_fraction <= 1:
-            raise ConfigError(f"batching.memory_fraction={self.memory_fraction} must be in [0, 1] (0 = no cap)")
-
-
-@dataclass
 class EvalConfig:
     batch_size: int = 64
     recall_at: list[int] = field(default_factory=lambda: [1, 5, 10, 20, 100])

@@ -24,7 +24,16 @@ from rag_train.data.supervised import load_retrieval
 from rag_train.launch import launch_command
 from rag_train.models.retriever import DualEncoder, format_passage
 from rag_train.strategies import REGISTRY, StrategyConfig, StrategyContext
-from rag_train.train.batching import OPTIONS, BatchingConfig, MicroBatch, StepParts, check_batching, tower_grad_norms
+from rag_train.train.batching import REGISTRY as OPTIONS
+from rag_train.train.batching import (
+    BatchingConfig,
+    BatchingOption,
+    MicroBatch,
+    StepParts,
+    check_batching,
+    register,
+    tower_grad_norms,
+)
 from rag_train.train.batching.cont_accum import Banks
 from rag_train.train.retriever import train_retriever
 from rag_train.train.trainable import Trainable
@@ -424,6 +433,26 @@ def test_config_refuses_what_an_option_cannot_run(name, strategy, keys, message)
         check_batching(BatchingConfig(name=good, micro_batches=2), REGISTRY["negative_cache"], 16, 1)
 
 
+
+def test_registering_an_option_twice_or_without_a_config_fails():
+    class Again(BatchingOption):
+        """Plain again."""
+
+        name = "plain"
+
+    class NoConfig(BatchingOption):
+        """No config."""
+
+        name = "no_config_option"
+        config = dict
+
+    with pytest.raises(TypeError, match="batching option name 'plain' is registered twice"):
+        register(Again)
+    with pytest.raises(TypeError, match="must be a dataclass subclassing BaseBatchingConfig"):
+        register(NoConfig)
+    assert "no_config_option" not in OPTIONS and OPTIONS["plain"].__name__ == "Plain"
+
+
 # -- in the recipe -------------------------------------------------------------------------------------------
 
 OPTION_KEYS = {
@@ -487,7 +516,8 @@ NEW_OPTION = '''
 
 from dataclasses import dataclass
 
-from rag_train.config import BaseBatchingConfig, ConfigError
+from rag_train.config import ConfigError
+from rag_train.train.batching.base import BaseBatchingConfig, register
 from rag_train.train.batching.plain import Plain
 
 
@@ -501,6 +531,7 @@ class ScaledConfig(BaseBatchingConfig):
             raise ConfigError(f"batching.loss_scale={self.loss_scale} must be > 0")
 
 
+@register
 class Scaled(Plain):
     """The whole batch in one forward, its loss scaled by loss_scale."""
 
@@ -511,9 +542,6 @@ class Scaled(Plain):
         result = super().step(micro_batches)
         result.loss = result.loss * self.cfg.loss_scale
         return result
-
-
-OPTION = Scaled
 '''
 
 # In a fresh interpreter, the new module's folder is added to the package's search path before the package (and
@@ -524,12 +552,15 @@ import json, sys
 import torch
 from rag_train.config import ConfigError, load_config
 from rag_train.models.retriever import DualEncoder
-from rag_train.train.batching import BatchingConfig
+from rag_train.train.batching import OWNERS, BatchingConfig
 from rag_train.train.retriever import train_retriever
 from rag_train.train.schema import RetrieverTrainConfig
 
 config, args = sys.argv[2], sys.argv[3:]
-out = {"documented": "scaled: The whole batch in one forward, its loss scaled by loss_scale." in BatchingConfig.__doc__}
+from rag_train.train.batching import REGISTRY
+
+out = {"documented": "scaled: The whole batch in one forward, its loss scaled by loss_scale." in BatchingConfig.__doc__,
+       "registered": list(REGISTRY), "loss_scale_read_by": OWNERS["loss_scale"]}
 for name, extra in [("bad_value", ["batching.name=scaled", "batching.loss_scale=-1"]),
                     ("plain_given_its_key", ["batching.name=plain", "batching.loss_scale=2"])]:
     try:
@@ -562,6 +593,8 @@ def test_a_new_option_is_one_file(recipe_toy_dir, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
     assert out["documented"]
+    assert out["registered"] == ["cont_accum", "grad_accum", "grad_cache", "plain", "scaled"]  # by name
+    assert out["loss_scale_read_by"] == ["scaled"]
     assert out["bad_value"] == "batching.loss_scale=-1.0 must be > 0"
     assert out["plain_given_its_key"] == ("override 'batching.loss_scale=2': batching 'plain' does not read "
                                           "batching.loss_scale (a key of scaled)")

@@ -1,37 +1,34 @@
 """Options of Algorithm 1's recipe for large effective batches under a memory cap (`batching.name`, seed 002).
 
-Each option is one module of this package exporting `OPTION`, a `BatchingOption` subclass that declares its
-name, its own config class (the `batching.*` keys it reads) and the strategies it takes; the registry and the
-`batching` config section (`BatchingConfig`, built by `rag_train.config.plugin_section` as the strategy section
-is) are derived from the modules, and nothing outside them reads an option's name. Adding one is one new file.
+Each option is one module of this package: a `BatchingOption` subclass registered with `@register` (the pattern
+of the strategies: `rag_train.plugins.Registry`), declaring its name, its own config class (the `batching.*` keys it
+reads) and the strategies it takes. Importing this package imports every module in it; the registry (`REGISTRY`)
+and the `batching` config section (`BatchingConfig`, built by `rag_train.config.plugin_section` as the strategy
+section is) are derived from the modules, and nothing outside them reads an option's name. Adding one is one new
+file.
 """
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
-
-from rag_train.config import BaseBatchingConfig, ConfigError, plugin_section
+from rag_train.config import ConfigError, plugin_section
 from rag_train.strategies.base import Strategy
-from rag_train.train.batching.base import BatchingOption, MicroBatch, StepParts, StepResult, tower_grad_norms
+from rag_train.train.batching.base import (
+    REGISTRY,
+    BaseBatchingConfig,
+    BatchingOption,
+    MicroBatch,
+    StepParts,
+    StepResult,
+    register,
+    tower_grad_norms,
+)
 
-
-def _discover() -> dict[str, type[BatchingOption]]:
-    found = {}
-    for info in pkgutil.iter_modules(__path__):
-        module = importlib.import_module(f"{__name__}.{info.name}")
-        option = getattr(module, "OPTION", None)
-        if option is not None:
-            found[option.name] = option
-    return dict(sorted(found.items()))
-
-
-OPTIONS: dict[str, type[BatchingOption]] = _discover()
+REGISTRY.discover(__name__, __path__)  # every module, each registering its option; then by name
 BatchingConfig, OWNERS = plugin_section(
-    "batching", BaseBatchingConfig, OPTIONS,
+    "batching", BaseBatchingConfig, REGISTRY,
     "How Algorithm 1 turns one optimizer step's global batch into a gradient under a memory cap (seed 002; an "
     "option: one module of rag_train/train/batching/).\n" + "\n".join(
-        f"  {name}: {' '.join(option.__doc__.split())}" for name, option in OPTIONS.items()),
+        f"  {name}: {' '.join(option.__doc__.split())}" for name, option in REGISTRY.items()),
     namespace={"__module__": __name__})
 
 
@@ -41,7 +38,7 @@ def check_batching(cfg: BaseBatchingConfig, strategy: type[Strategy], batch_size
     the option does not read (from the YAML file too: only keys of strategies may be set for all of them), K
     micro-batches that split the global batch evenly over the processes, and the option's own limits (which
     strategies it takes). `cfg` is the `batching` section (`BatchingConfig`), whose name is already checked."""
-    option = OPTIONS[cfg.name]
+    option = REGISTRY[cfg.name]
     defaults = BatchingConfig()
     for key in cfg.unread_keys():
         if getattr(cfg, key) != getattr(defaults, key):
@@ -57,5 +54,5 @@ def check_batching(cfg: BaseBatchingConfig, strategy: type[Strategy], batch_size
     return option
 
 
-__all__ = ["OPTIONS", "OWNERS", "BatchingConfig", "BatchingOption", "MicroBatch", "StepParts", "StepResult",
-           "check_batching", "tower_grad_norms"]
+__all__ = ["OWNERS", "REGISTRY", "BaseBatchingConfig", "BatchingConfig", "BatchingOption", "MicroBatch", "StepParts",
+           "StepResult", "check_batching", "register", "tower_grad_norms"]

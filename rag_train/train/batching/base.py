@@ -1,5 +1,12 @@
-"""What every option of `train.batching` shares: the interface, and the pieces of Algorithm 1's step
-(seed 000) that the options arrange differently.
+"""What every option of `batching` shares: the keys every option reads (`BaseBatchingConfig`), the interface
+(`BatchingOption`), its registration (`@register`, into `REGISTRY`), and the pieces of Algorithm 1's step (seed 000)
+that the options arrange differently.
+
+An option is one module of this package: a `BatchingOption` subclass decorated with `@register`, declaring its `name`,
+its own config dataclass (`config`, a `BaseBatchingConfig` subclass whose fields are the `batching.<key>` keys it
+reads, validated in `__post_init__`) and what it refuses (`check`). `rag_train.train.batching` imports every module of
+the package (`rag_train.plugins.Registry.discover`, as the strategies do), so the registry and the config section
+follow from these declarations.
 
 One optimizer step of Algorithm 1 takes the global batch as K micro-batches (K = 1 for `plain`), each a
 contiguous 1/K of the global batch of which every process holds its 1/N share, so the split does not depend on
@@ -11,16 +18,17 @@ from __future__ import annotations
 
 import contextlib
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, is_dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Optional
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from rag_train.config import BaseBatchingConfig, ConfigError, check_positive
+from rag_train.config import ConfigError, check_positive
 from rag_train.io import atomic_write_json
 from rag_train.losses import retrieval_scores
+from rag_train.plugins import Registry
 from rag_train.strategies.base import Strategy, Subset
 from rag_train.train.passages import gather_with_grad, my_share
 
@@ -54,6 +62,23 @@ class StepResult:
 
 
 @dataclass
+class BaseBatchingConfig:
+    """The `batching` keys every option reads. How Algorithm 1 turns one optimizer step's global batch into a
+    gradient under a memory cap (seed 002) is `name`: one option of `rag_train/train/batching/`, each one file
+    declaring its own keys (a subclass of this); the section is built from them (`rag_train.config.plugin_section`).
+    `train.batch_size` stays the global batch of one optimizer step (N_total)."""
+
+    name: str = "plain"
+    # CUDA: torch.cuda.set_per_process_memory_fraction (an explicit cap: exceeding it is an OOM); 0 = no cap.
+    # Peak memory per step is logged either way (CUDA: max allocated; CPU: the process's peak RSS).
+    memory_fraction: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.memory_fraction <= 1:
+            raise ConfigError(f"batching.memory_fraction={self.memory_fraction} must be in [0, 1] (0 = no cap)")
+
+
+@dataclass
 class MicroBatchesConfig(BaseBatchingConfig):
     """The key of the options that split the global batch: each micro-batch holds batch_size / micro_batches of
     it (N_local x processes)."""
@@ -66,10 +91,10 @@ class MicroBatchesConfig(BaseBatchingConfig):
 
 
 class BatchingOption:
-    """One way to make Algorithm 1's gradient from the micro-batches of a step. Subclasses set `name` (the
-    value of `batching.name`) and `config` (their own config dataclass: the `batching.*` keys they read; a key
-    only other options read must keep its default), and refuse in `check` what they cannot run. The class
-    docstring's first line is the option's line in the `batching` section's documentation."""
+    """One way to make Algorithm 1's gradient from the micro-batches of a step. A registered subclass
+    (`@register`) sets `name` (the value of `batching.name`) and `config` (its own config dataclass: the
+    `batching.*` keys it reads; a key only other options read must keep its default), and refuses in `check` what
+    it cannot run. The class docstring is the option's line in the `batching` section's documentation."""
 
     name: ClassVar[str] = ""
     config: ClassVar[type[BaseBatchingConfig]] = BaseBatchingConfig
@@ -117,6 +142,23 @@ class BatchingOption:
         if saved != self.name:
             raise ConfigError(f"{path}: written by batching.name={saved!r}, not {self.name!r}")
         self.load_state_tensors(load_file(str(path)))
+
+
+REGISTRY: Registry = Registry("batching option")  # name -> class, filled by the modules' `@register`, by name
+
+
+def register(cls: type[BatchingOption]) -> type[BatchingOption]:
+    """Class decorator: adds a batching option to `REGISTRY` under `cls.name`, after checking its declarations."""
+    name = cls.__dict__.get("name")
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"{cls.__qualname__} must declare its own `name` to be registered")
+    if not (is_dataclass(cls.config) and issubclass(cls.config, BaseBatchingConfig)):
+        raise TypeError(f"{cls.__qualname__}.config must be a dataclass subclassing BaseBatchingConfig")
+    if not cls.__doc__:
+        raise TypeError(f"{cls.__qualname__} must have a docstring: its line in the batching section's documentation")
+    if cls.min_micro_batches < 1:
+        raise TypeError(f"{cls.__qualname__}.min_micro_batches must be >= 1")
+    return REGISTRY.add(name, cls, cls.__module__)
 
 
 # -- the pieces of Algorithm 1's step ------------------------------------------------------------------

@@ -36,6 +36,7 @@ from rag_train.train.batching.base import (
     StepResult,
     my_passages,
     propose,
+    register,
     rng_devices,
     synced_on_last,
     tower_grad_norms,
@@ -152,6 +153,7 @@ class ContAccumConfig(MicroBatchesConfig):
         check_positive("batching", "bank_size", self.bank_size, allow_zero=True)
 
 
+@register
 class ContAccum(BatchingOption):
     """K micro-batches plus FIFO banks of past query / positive / hard-negative vectors that join each
     micro-batch's softmax as rows and columns (banked queries are loss rows)."""
@@ -307,6 +309,3 @@ class ContAccum(BatchingOption):
 
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         self.banks.load_state_tensors(tensors)
-
-
-OPTION = ContAccum

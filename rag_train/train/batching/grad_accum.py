@@ -14,11 +14,13 @@ from rag_train.train.batching.base import (
     mean_logged,
     my_passages,
     propose,
+    register,
     subset_losses,
     synced_on_last,
 )
 
 
+@register
 class GradAccum(BatchingOption):
     """K micro-batches, each one's loss over its own passages only, averaged (not the big batch's gradient:
     fewer negatives per query)."""
@@ -43,6 +45,3 @@ class GradAccum(BatchingOption):
             columns += len(subset.rows)
         return StepResult(sum(losses) / count, sum(auxes) / count if auxes else None, backward_done=True,
                           columns=columns / count, logged=mean_logged(logged))
-
-
-OPTION = GradAccum

@@ -25,6 +25,7 @@ from rag_train.train.batching.base import (
     MicroBatchesConfig,
     StepResult,
     propose,
+    register,
     rng_devices,
     synced_on_last,
 )
@@ -71,6 +72,7 @@ def _reencode(prepared: torch.nn.Module, questions: list[str], passages: list[di
     return surrogate if aux is None else surrogate + aux, aux
 
 
+@register
 class GradCache(BatchingOption):
     """Representations of all K chunks without gradient, the full-batch loss on them, its gradient per
     representation cached, each chunk re-encoded with gradient: exactly the full-batch gradient."""
@@ -122,6 +124,3 @@ class GradCache(BatchingOption):
             if last:
                 aux = None if chunk_aux is None else chunk_aux.detach()
         return StepResult(loss.detach(), aux, backward_done=True, columns=len(subset.rows), logged=logged)
-
-
-OPTION = GradCache

@@ -5,9 +5,18 @@ backward, runs this option). Takes every strategy."""
 
 from __future__ import annotations
 
-from rag_train.train.batching.base import BatchingOption, MicroBatch, StepResult, my_passages, propose, subset_losses
+from rag_train.train.batching.base import (
+    BatchingOption,
+    MicroBatch,
+    StepResult,
+    my_passages,
+    propose,
+    register,
+    subset_losses,
+)
 
 
+@register
 class Plain(BatchingOption):
     """The whole batch in one forward (K = 1, no bank): the in-batch / subset softmax of seed 000."""
 
@@ -19,6 +28,3 @@ class Plain(BatchingOption):
         subset = propose(self.parts, batch)  # 1. the shared subset S
         out = self.parts.trainable(subset_losses, self.parts, batch.questions, my_passages(self.parts, subset), subset)
         return StepResult(out["loss"], out["aux"], backward_done=False, columns=len(subset.rows), logged=out["logged"])
-
-
-OPTION = Plain
