@@ -41,6 +41,10 @@ class Budget:
     described_other_world: tuple[int, int]
     described_pretrain: tuple[str, ...]
     described: tuple[str, ...]
+    # the corrector fed as seed 000 feeds it (the `corrector_regime` section): the described worlds, every run's
+    # overrides (each row adds its feed's and its own: rag_train/reproduction/corrector_regime.py)
+    corrector_regime_worlds: tuple[tuple[int, int], ...]
+    corrector_regime: tuple[str, ...]
     seeds: tuple[int, ...]
     hidden: tuple[int, ...]  # corrector sizes of the ablation
     toy_passages: Optional[int] = None  # None: the configs' world (3,000 passages in data/toy)
@@ -74,6 +78,10 @@ FULL = Budget(
     described_pretrain=("train.steps=1000", "train.batch_size=32", "train.eval_every=0"),
     described=("train.steps=4000", "train.eval_every=500", "strategy.warm_start_steps=500",
                "strategy.full_refresh_step=1000"),
+    # a 3,000-passage world not tuned on, 2,000 steps (exhaustive levels off from about step 1,500 there); the 30
+    # runs take 5-30 min each on one core
+    corrector_regime_worlds=((3000, 1),),
+    corrector_regime=("train.steps=2000", "train.eval_every=250"),
     seeds=(0, 1, 2),
     hidden=(64, 256, 1024),
 )
@@ -105,6 +113,9 @@ QUICK = Budget(
     described=("train.steps=8", "train.eval_every=4", "strategy.refresh_every=2", "strategy.warm_start_steps=3",
                "strategy.full_refresh_step=5", "strategy.landmarks=8", "strategy.nystrom_samples=32",
                "strategy.trees=2", "strategy.snm_targets=100", "data.max_eval_examples=16"),
+    corrector_regime_worlds=((300, 1),),
+    corrector_regime=("train.steps=8", "train.eval_every=4", "strategy.refresh_every=2", "strategy.snm_targets=100",
+                      "data.max_eval_examples=16"),
     seeds=(0,),
     hidden=(64, 256),
     toy_passages=300,

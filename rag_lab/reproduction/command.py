@@ -36,11 +36,17 @@ Sections (--only):
             (zero-shot) people; generator and CE encoder the world's span-corruption toy T5
             (rag_lab/reproduction/generative.py). About 5-10 min per run on one core, 39 runs with 3 seeds
             (26 of them took 2 h with --jobs 2).
-  described seed 000's Table 1 in its regime: described worlds (the first tuned on, the others not),
+  described seed 000's Table 1 in its regime (issue 27): described worlds (the first tuned on, the others not),
             three inits (random; the world's span-corruption toy T5; a GTR-like one, another described world's toy
             T5 trained in-batch on its questions) and the paper's rows: in-batch, stale, corrector (CE and MSE),
             Dynnibal "+0" and scheduled, SNM, exhaustive, with the share of the stale -> exhaustive gap each closes
             (rag_lab/reproduction/described.py).
+  corrector_regime
+            the corrector fed as seed 000 feeds it, from the LM-pretrained init on a described world: stale,
+            exhaustive and the corrector at today's subset (16 questions, top-4 + 1 uniform) and at the paper's
+            proportions (16, top-8 + 8 uniform), where the corrector is also tried 10.7x D wide and with extra
+            updates and a replay, beside SNM and the trainable cache; closure at R@1/5/20/100 within each feed
+            (rag_lab/reproduction/corrector_regime.py). 30 runs of 5-30 min on one core.
 
 Cost on 2 CPU cores (estimated from single runs, one torch thread per run): table1 + ablation + curves with
 the default 3 seeds about 35 min (a 300-step run is 40-70 s); table3 is dominated by the shared reader warm start

@@ -20,7 +20,7 @@ from typing import Callable, Optional
 import torch
 
 from rag_lab.experiments import compare_batching_main, run_once
-from rag_lab.reproduction import described, dynnibal, evidence, generative
+from rag_lab.reproduction import corrector_regime, described, dynnibal, evidence, generative
 from rag_lab.reproduction.budgets import Budget
 from rag_lab.reproduction.large_batches import large_batches_outputs
 from rag_train.config import load_config
@@ -36,7 +36,7 @@ RLM_CONFIG = ROOT / "configs" / "toy" / "rlm.yaml"
 GENERATIVE_CONFIG = ROOT / "configs" / "toy" / "generative.yaml"
 LM_CONFIG = ROOT / "configs" / "toy" / "lm.yaml"
 SECTIONS = ("table1", "table3", "ablation", "curves", "synthetic", "large_batches", "dynnibal", "generative",
-            "described")
+            "described", "corrector_regime")
 INITS = ("random", "lm", "pretrained")
 INIT_LABELS = {"random": "random init (no counterpart in the paper)", "lm": "LM-pretrained init (paper: T5-base)",
                "pretrained": "retrieval-pretrained init (paper: GTR-base)"}
@@ -274,6 +274,16 @@ class Plan:
                    ["train.tracker=null", *self.described_args(world), *model, *budget, f"strategy.name={strategy}",
                     f"train.seed={seed}", *extra])
 
+    def corrector_regime_run(self, world: tuple[int, int], row: str, seed: int) -> Run:
+        """One row of the `corrector_regime` section (rag_lab/reproduction/corrector_regime.py) on `world`, from
+        its LM-pretrained init (the described section's world and LM: the same world is built once)."""
+        overrides = corrector_regime.row_overrides(row)
+        budget = overrides_read_by(corrector_regime.ROWS[row][2], self.budget.corrector_regime)
+        return Run("train_retriever.py", RETRIEVER_CONFIG,
+                   self.runs / "corrector_regime" / described.world_name(*world) / f"{row}-seed{seed}",
+                   ["train.tracker=null", *self.described_args(world),
+                    f"retriever.model={self.described_lm(world).folder()}", *budget, *overrides, f"train.seed={seed}"])
+
     def table1(self, init: str, strategy: str, seed: int, extra: tuple[str, ...] = ()) -> Run:
         model = init_model(init, self.lm, self.pretrain)
         budget = overrides_read_by(strategy, self.budget.retriever)
@@ -328,6 +338,9 @@ class Plan:
             return [self.described_pretrain()] + [self.described_run(w, i, r, seed)
                                                   for w in self.budget.described_worlds for i in described.INITS
                                                   for r in described.ROWS for seed in self.seeds]
+        if name == "corrector_regime":
+            return [self.corrector_regime_run(w, r, seed) for w in self.budget.corrector_regime_worlds
+                    for seed in self.seeds for r in corrector_regime.ROWS]
         if name in ("synthetic", "large_batches"):  # scripts of their own, run by execute
             return []
         raise ValueError(f"unknown section {name!r}; expected one of {SECTIONS}")
@@ -352,6 +365,9 @@ class Plan:
                 self.prepare_generative(threads)
             if section == "described":
                 for world in (*self.budget.described_worlds, self.budget.described_other_world):
+                    build_lm(self.described_lm(world), threads)
+            if section == "corrector_regime":
+                for world in self.budget.corrector_regime_worlds:
                     build_lm(self.described_lm(world), threads)
             runs = [run for run in self.section(section) if run.out not in done]
             done.update(run.out for run in runs)
@@ -422,6 +438,10 @@ class Plan:
                                                                      for r in described.ROWS}
                                                                  for i in described.INITS}
                                      for w in self.budget.described_worlds}},
+            "corrector_regime": {"worlds": {
+                described.world_name(*w): {r: found([self.corrector_regime_run(w, r, seed) for seed in self.seeds])
+                                           for r in corrector_regime.ROWS}
+                for w in self.budget.corrector_regime_worlds}},
         }
 
     def splits_manifest(self) -> Optional[dict]:
