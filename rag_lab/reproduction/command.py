@@ -36,7 +36,7 @@ Sections (--only):
             (zero-shot) people; generator and CE encoder the world's span-corruption toy T5
             (rag_lab/reproduction/generative.py). About 5-10 min per run on one core, 39 runs with 3 seeds
             (26 of them took 2 h with --jobs 2).
-  described seed 000's Table 1 in its regime (issue 27): described worlds (the first tuned on, the others not),
+  described seed 000's Table 1 in its regime: described worlds (the first tuned on, the others not),
             three inits (random; the world's span-corruption toy T5; a GTR-like one, another described world's toy
             T5 trained in-batch on its questions) and the paper's rows: in-batch, stale, corrector (CE and MSE),
             Dynnibal "+0" and scheduled, SNM, exhaustive, with the share of the stale -> exhaustive gap each closes

@@ -16,8 +16,7 @@ from __future__ import annotations
 import statistics
 from typing import Optional
 
-from rag_lab.experiments import (RECALL_AT, cell, closure, closure_table, curve_table, gap_share, recall,
-                                   retrieval_curve)
+from rag_lab.experiments import RECALL_AT, cell, closure, closure_table, curve_table, gap_share, recall, retrieval_curve
 from rag_lab.reproduction.paper import PAPER_INIT_LABELS, PAPER_TABLE1
 from rag_lab.reproduction.verdict import compare_variants, ordered
 
