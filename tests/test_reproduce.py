@@ -316,6 +316,7 @@ def test_corrector_regime_plans_each_feed_with_its_own_stale_and_exhaustive(tmp_
     plan = Plan(tmp_path, FULL, [0, 1, 2], [256], tmp_path / "docs")
     runs = plan.section("corrector_regime")
     assert len(runs) == len(FULL.corrector_regime_worlds) * 3 * len(corrector_regime.ROWS) == len({r.out for r in runs})
+    assert sorted(corrector_regime.RUN_ORDER) == sorted(corrector_regime.ROWS)  # every row runs, once
     for world in FULL.corrector_regime_worlds:
         lm = plan.described_lm(world)
         model = f"retriever.model={lm.folder()}"  # the folder does not exist: not loaded here

@@ -28,7 +28,7 @@ FEEDS = {  # name: (label, overrides)
 }
 WIDE = ("strategy.corrector.hidden_multiple=10.7",)
 MORE_UPDATES = ("strategy.corrector.updates=2", "strategy.corrector.replay_steps=4")
-ROWS = {  # folder: (label, feed, strategy, overrides after the feed's); the order runs and tables follow
+ROWS = {  # folder: (label, feed, strategy, overrides after the feed's), in the tables' order
     "b-stale": ("stale", "paper", "stale", ()),
     "b-corrector": ("(b) corrector, the paper's feed", "paper", "corrector", ()),
     "c-corrector": ("(c) = (b), 10.7x D wide", "paper", "corrector", WIDE),
@@ -43,6 +43,10 @@ ROWS = {  # folder: (label, feed, strategy, overrides after the feed's); the ord
 GAPS = {"paper": ("b-stale", "b-exhaustive", ("b-corrector", "c-corrector", "d-corrector", "b-snm",
                                               "b-trainable_cache")),
         "today": ("a-stale", "a-exhaustive", ("a-corrector",))}  # feed: (low, high, the rows whose closure counts)
+# the order the runs go in, seed by seed: the paper feed's gap ends and its correctors first, so that a section
+# stopped part way still gives closures
+RUN_ORDER = ("b-stale", "b-corrector", "b-exhaustive", "d-corrector", "c-corrector", "b-snm", "a-stale",
+             "a-exhaustive", "a-corrector", "b-trainable_cache")
 VARIANTS = ("b-corrector", "c-corrector", "d-corrector")  # the corrector variants the claim may pick among
 TRACKING = {"corrector/cos_stale": "cos(B[y], g(y))", "corrector/cos_corrected": "cos(h(B[y]), g(y))"}
 BAR = 0.8

@@ -340,7 +340,7 @@ class Plan:
                                                   for r in described.ROWS for seed in self.seeds]
         if name == "corrector_regime":
             return [self.corrector_regime_run(w, r, seed) for w in self.budget.corrector_regime_worlds
-                    for seed in self.seeds for r in corrector_regime.ROWS]
+                    for seed in self.seeds for r in corrector_regime.RUN_ORDER]
         if name in ("synthetic", "large_batches"):  # scripts of their own, run by execute
             return []
         raise ValueError(f"unknown section {name!r}; expected one of {SECTIONS}")
