@@ -339,6 +339,22 @@ def test_corrector_regime_plans_each_feed_with_its_own_stale_and_exhaustive(tmp_
         assert "strategy.refresh_every=2" not in plan.corrector_regime_run(world, "b-stale", 0).overrides
 
 
+def test_corrector_regime_collects_only_seeds_whose_every_row_finished(tmp_path):
+    """A seed part way through (seed 1: two rows finished) is left out of every row, so each mean is over the same
+    seeds; seeds 0 and 2 finished and are kept, in seed order."""
+    plan = Plan(tmp_path, QUICK, [0, 1, 2], [64], tmp_path / "docs")
+    world = QUICK.corrector_regime_worlds[0]
+    for seed, rows in ((0, corrector_regime.ROWS), (1, ("b-stale", "b-corrector")), (2, corrector_regime.ROWS)):
+        for index, row in enumerate(rows):
+            out = plan.corrector_regime_run(world, row, seed).out
+            out.mkdir(parents=True)
+            (out / "metrics.json").write_text(json.dumps(retriever_metrics(0.1 * seed + 0.01 * index)))
+    rows = plan.collect()["corrector_regime"]["worlds"]["w300-s1"]
+    assert set(rows) == set(corrector_regime.ROWS)
+    for index, row in enumerate(corrector_regime.ROWS):
+        assert [m["recall"]["1"] for m in rows[row]] == [0.01 * index, 0.2 + 0.01 * index]
+
+
 def test_corrector_regime_report_measures_closure_within_each_feed(tmp_path):
     """Closure is taken between the stale and exhaustive rows of the same feed, by hand: the paper feed's stale
     0.40 / 0.50 and exhaustive 0.80 / 0.70 (means 45 -> 75); (d) at 0.72 / 0.70 closes (71 - 45) / 30 = 87% of the

@@ -438,11 +438,17 @@ class Plan:
                                                                      for r in described.ROWS}
                                                                  for i in described.INITS}
                                      for w in self.budget.described_worlds}},
-            "corrector_regime": {"worlds": {
-                described.world_name(*w): {r: found([self.corrector_regime_run(w, r, seed) for seed in self.seeds])
-                                           for r in corrector_regime.ROWS}
-                for w in self.budget.corrector_regime_worlds}},
+            "corrector_regime": {"worlds": {described.world_name(*w): self.corrector_regime_rows(w)
+                                            for w in self.budget.corrector_regime_worlds}},
         }
+
+    def corrector_regime_rows(self, world: tuple[int, int]) -> dict[str, list[dict]]:
+        """The section's rows on `world`, each its runs in seed order, from the seeds whose every row has finished: a
+        seed part way through would pair its finished rows with other seeds' in the means."""
+        by_seed = [{row: self.metrics_of(self.corrector_regime_run(world, row, seed)) for row in corrector_regime.ROWS}
+                   for seed in self.seeds]
+        complete = [rows for rows in by_seed if all(m is not None for m in rows.values())]
+        return {row: [rows[row] for rows in complete] for row in corrector_regime.ROWS}
 
     def splits_manifest(self) -> Optional[dict]:
         if self.evidence is not None:
