@@ -129,13 +129,13 @@ def world_lines(rows: dict[str, list[dict]]) -> list[str]:
     labels = {row: f"{label} [{feed}]" for row, (label, feed, _, _) in ROWS.items()}
     paper = PAPER_TABLE1["lm"]
     lines = [rows_table(rows), "", "R@1 by training step (mean over seeds): has exhaustive stopped improving?", "",
-             curve_table({labels[r]: rows.get(r) or [] for r in ROWS if "stale" in r or "exhaustive" in r
-                          or "corrector" in r}, retrieval_curve), ""]
+             curve_table({labels[r]: rows.get(r) or [] for r, (_, _, strategy, _) in ROWS.items()
+                          if strategy in ("stale", "corrector", "exhaustive")}, retrieval_curve), ""]
     for feed, (low, high, closers) in GAPS.items():
         table = closure_table(rows, low, high, closers, labels,
                               {PAPER_INIT_LABELS["lm"]: {low: paper["stale"], high: paper["exhaustive"],
                                                          **{row: paper["corrector"] for row in closers
-                                                            if "corrector" in row}}})
+                                                            if ROWS[row][2] == "corrector"}}})
         if table:
             lines += [f"Closure on {FEEDS[feed][0]} (between that feed's stale and exhaustive):", "", table, ""]
     table = tracking_table(rows)
