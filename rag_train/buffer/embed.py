@@ -8,6 +8,8 @@ the main thread kept an H100 at 6%):
     into integer arrays;
   * rows are sorted by byte length, cut into chunks, and each chunk is split into batches of similar token
     length under a row cap (`batch_size`) and a padded-token budget (`batch_tokens`);
+  * with a token cache of the corpus (buffer/tokens.py, registered by `use_token_cache`, as a training run does),
+    the token ids are read from it instead: the same batches and the same bytes, without tokenising again;
   * on CUDA: pinned host memory, asynchronous host-to-device copies, bf16 autocast, and device-to-host
     copies of the vectors that are waited for a few batches later.
 The batch plan depends only on the rows and the tokenizer (not on worker timing), so the same rows give
@@ -18,11 +20,12 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -32,8 +35,12 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
 from rag_train.buffer.distributed import shard_range
+from rag_train.buffer.store import Buffer, definition_fingerprint
 from rag_train.data.corpus import Corpus
 from rag_train.models.attention import t5_attention
+
+if TYPE_CHECKING:
+    from rag_train.buffer.tokens import TokenCache
 
 CHUNK_BATCHES = 8  # rows a worker tokenises at once: this many row caps (amortises its per-call overhead)
 PENDING_COPIES = 4  # device -> host copies in flight before the oldest is waited for
@@ -90,16 +97,53 @@ class PassageTokenizer:
         ids = [encoding.ids for encoding in encode(texts, add_special_tokens=True)]
         return ids, np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
 
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """sha256 of the tokenizer's definition, as `store.vectors_fingerprint` takes it (not of the truncation and
+        padding set here: the token cache records `max_length` and `truncation_side` as fields of their own)."""
+        return definition_fingerprint(self.backend.to_str())
+
+    @property
+    def truncation_side(self) -> str:
+        return self.backend.truncation["direction"]
+
     def features(self, ids: list[list[int]], lengths: np.ndarray) -> dict[str, torch.Tensor]:
         """Right-padded input_ids / attention_mask (/ token_type_ids) of the texts with token ids `ids`."""
         padded = np.full((len(ids), int(lengths.max())), self.pad_id, dtype=np.int64)
         for row, (tokens, length) in enumerate(zip(ids, lengths)):
             padded[row, :length] = tokens  # one C-level copy per text, no per-token Python
+        return self.collate(padded, lengths)
+
+    def collate(self, padded: np.ndarray, lengths: np.ndarray) -> dict[str, torch.Tensor]:
+        """The features of int64 ids already right-padded with `pad_id` to the longest of `lengths`."""
         mask = np.arange(padded.shape[1]) < lengths[:, None]
         out = {"input_ids": torch.from_numpy(padded), "attention_mask": torch.from_numpy(mask.astype(np.int64))}
         if self.type_ids:  # single sequences: all segment 0, as the HF tokenizer returns them
             out["token_type_ids"] = torch.zeros_like(out["input_ids"])
         return out
+
+
+_TOKEN_CACHES: list["TokenCache"] = []  # registered by `use_token_cache`, newest last
+
+
+@contextlib.contextmanager
+def use_token_cache(cache: "TokenCache") -> Iterator["TokenCache"]:
+    """Inside, every `embed_rows` over the cache's corpus with its tokenizer and max length reads the ids from it:
+    a training run registers its cache once instead of handing it to every pass (buffer build, refreshes,
+    re-embedding strategies, evaluation)."""
+    _TOKEN_CACHES.append(cache)
+    try:
+        yield cache
+    finally:
+        _TOKEN_CACHES.remove(cache)
+
+
+def registered_token_cache(corpus: Corpus, tokenizer: PassageTokenizer) -> Optional["TokenCache"]:
+    """The newest registered cache made for `corpus` by `tokenizer` (definition, max length, truncation side)."""
+    for cache in reversed(_TOKEN_CACHES):
+        if cache.corpus_fingerprint == corpus.fingerprint and not cache.differences(tokenizer):
+            return cache
+    return None
 
 
 def plan_batches(lengths: np.ndarray, batch_size: int, batch_tokens: int) -> list[np.ndarray]:
@@ -119,7 +163,7 @@ def plan_batches(lengths: np.ndarray, batch_size: int, batch_tokens: int) -> lis
 @dataclass
 class _Chunks(Dataset):
     """Item i: the tokenised batches of chunk i of `rows` (in length-sorted order), each a dict of tensors
-    with `positions` (indices into `rows`, where its vectors go)."""
+    with `positions` (indices into `rows`, where its vectors go); with `tokens`, the ids come from that cache."""
 
     corpus: Corpus
     rows: np.ndarray
@@ -127,6 +171,7 @@ class _Chunks(Dataset):
     tokenizer: PassageTokenizer
     batch_size: int
     batch_tokens: int
+    tokens: Optional["TokenCache"] = None
 
     def __len__(self) -> int:
         return len(self.chunks)
@@ -135,11 +180,18 @@ class _Chunks(Dataset):
         from rag_train.models.retriever import format_passage
 
         positions = self.chunks[index]
-        texts = [format_passage(p) for p in self.corpus.passages(self.rows[positions])]
-        ids, lengths = self.tokenizer.encode(texts)
+        if self.tokens is None:
+            texts = [format_passage(p) for p in self.corpus.passages(self.rows[positions])]
+            ids, lengths = self.tokenizer.encode(texts)
+        else:
+            lengths = self.tokens.lengths(self.rows[positions])
         batches = []
         for picked in plan_batches(lengths, self.batch_size, self.batch_tokens):
-            batch = self.tokenizer.features([ids[i] for i in picked], lengths[picked])
+            if self.tokens is None:
+                batch = self.tokenizer.features([ids[i] for i in picked], lengths[picked])
+            else:
+                padded = self.tokens.padded(self.rows[positions[picked]], self.tokenizer.pad_id)
+                batch = self.tokenizer.collate(padded, lengths[picked])
             batch["positions"] = torch.from_numpy(positions[picked])
             batches.append(batch)
         return batches
@@ -161,16 +213,19 @@ def chunk_batches(rows: int, batch_size: int, num_workers: int) -> int:
 
 
 def passage_loader(corpus: Corpus, rows: np.ndarray, tokenizer: PassageTokenizer, batch_size: int,
-                   batch_tokens: int, num_workers: int, pin_memory: bool) -> DataLoader:
+                   batch_tokens: int, num_workers: int, pin_memory: bool,
+                   tokens: Optional["TokenCache"] = None) -> DataLoader:
     """A DataLoader over the tokenised, length-bucketed batches of `rows` (one item = one chunk's batches); in the
-    main process below WORKER_MIN_BATCHES batches, whatever `num_workers` says."""
+    main process below WORKER_MIN_BATCHES batches, whatever `num_workers` says, and always with a token cache
+    `tokens` (reading and padding cached ids is a vectorised gather: workers would cost more to start than it
+    takes). The chunks follow `num_workers` either way, so a cached pass makes the batches of an uncached one."""
     order = length_sorted_order(corpus.byte_lengths()[rows]) if len(rows) else np.zeros(0, dtype=np.int64)
     if len(rows) < WORKER_MIN_BATCHES * batch_size:
         num_workers = 0
     step = batch_size * chunk_batches(len(rows), batch_size, num_workers)
     chunks = [order[start: start + step] for start in range(0, len(order), step)]
-    dataset = _Chunks(corpus, rows, chunks, tokenizer, batch_size, batch_tokens)
-    workers = min(num_workers, len(chunks))
+    dataset = _Chunks(corpus, rows, chunks, tokenizer, batch_size, batch_tokens, tokens)
+    workers = 0 if tokens is not None else min(num_workers, len(chunks))
     # its own generator: iterating a DataLoader draws a seed, which must not move the global RNG of training
     return DataLoader(dataset, batch_size=None, shuffle=False, num_workers=workers, pin_memory=pin_memory,
                       worker_init_fn=_quiet_worker if workers else None, generator=torch.Generator(),
@@ -180,18 +235,25 @@ def passage_loader(corpus: Corpus, rows: np.ndarray, tokenizer: PassageTokenizer
 @torch.inference_mode()
 def embed_rows(model: nn.Module, corpus: Corpus, rows: np.ndarray, batch_size: int, device: torch.device,
                progress: bool = False, on_batch: Optional[Callable[[int], None]] = None, num_workers: int = 0,
-               batch_tokens: Optional[int] = None) -> torch.Tensor:
+               batch_tokens: Optional[int] = None, tokens: Optional["TokenCache"] = None) -> torch.Tensor:
     """[len(rows), D] fp32 vectors g(y) of `corpus` rows, in the order of `rows`, on `device`, from the passage
     tower of `model` (a DualEncoder) in eval mode; the same vectors as `model.encode_passages` (to float
-    rounding: batches differ). `batch_tokens` defaults to `batch_size` x `max_passage_length` (no extra cap)."""
+    rounding: batches differ). `batch_tokens` defaults to `batch_size` x `max_passage_length` (no extra cap).
+    Token ids come from `tokens`, else from a registered cache of this corpus and tokenizer (`use_token_cache`),
+    else from tokenising now: the same bytes each way."""
     rows = np.asarray(rows, dtype=np.int64)
     was_training = model.training
     model.eval()
     model_device = next(model.parameters()).device
     on_cuda = model_device.type == "cuda"
     tokenizer = PassageTokenizer.for_passages(model)
+    if tokens is not None:
+        tokens.check(corpus, tokenizer)
+    elif _TOKEN_CACHES:
+        tokens = registered_token_cache(corpus, tokenizer)
     budget = batch_tokens or batch_size * tokenizer.max_length
-    loader = passage_loader(corpus, rows, tokenizer, batch_size, budget, num_workers, pin_memory=on_cuda)
+    loader = passage_loader(corpus, rows, tokenizer, batch_size, budget, num_workers, pin_memory=on_cuda,
+                            tokens=tokens)
     out = torch.empty(len(rows), model.dim, device=device)
     pending: collections.deque = collections.deque()  # (positions, host vectors, copy-done event)
 
@@ -239,8 +301,6 @@ def embed_local_shard(model: nn.Module, corpus: Corpus, accelerator: Accelerator
 def buffer_local_shard(directory: Path, accelerator: Accelerator) -> tuple[torch.Tensor, int]:
     """The same share as `embed_local_shard`, read from the stale buffer at `directory` instead of embedded:
     (vectors, first global row); fp32 on CPU, the buffer's dtype on an accelerator (as the stale search)."""
-    from rag_train.buffer.store import Buffer
-
     buffer = Buffer.open(directory)
     start, end = shard_range(buffer.rows, accelerator.process_index, accelerator.num_processes)
     rows = buffer.tensor(start, end)

@@ -79,9 +79,13 @@ def _tokenizer_fingerprint(tokenizer: Any) -> str:
     truncation / padding state a fast tokenizer records from its last call."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
-        definition = sorted(tokenizer.get_vocab().items())
-    else:
-        definition = {k: v for k, v in json.loads(backend.to_str()).items() if k not in ("truncation", "padding")}
+        return hashlib.sha256(json.dumps(sorted(tokenizer.get_vocab().items())).encode()).hexdigest()
+    return definition_fingerprint(backend.to_str())
+
+
+def definition_fingerprint(backend_json: str) -> str:
+    """sha256 of a Rust tokenizer's JSON (`Tokenizer.to_str()`) without its truncation / padding state."""
+    definition = {k: v for k, v in json.loads(backend_json).items() if k not in ("truncation", "padding")}
     return hashlib.sha256(json.dumps(definition, sort_keys=True).encode()).hexdigest()
 
 

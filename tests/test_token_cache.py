@@ -1,0 +1,136 @@
+"""The token cache (buffer/tokens.py): its ids against the HF tokenizer's own call on each passage; a cache of another
+corpus / tokenizer / max length refused naming the field; a killed build resumed to the bytes of an uninterrupted one;
+0 and 2 workers give the same bytes; corpus passes from cached ids give the bytes of passes that tokenise."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+import rag_train.buffer.tokens as tokens_module
+from rag_train.buffer.embed import WORKER_MIN_BATCHES, PassageTokenizer, embed_rows, use_token_cache
+from rag_train.buffer.tokens import TokenCache, TokenCacheError, build_token_cache
+from rag_train.config import RetrieverConfig
+from rag_train.models.retriever import DualEncoder, format_passage
+
+from test_embed import MAX_LENGTH, TINY, write_corpus
+
+SHARD_ROWS = 16  # 60 rows: shards of 16, 16, 16, 12
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory, toy_world):
+    root = tmp_path_factory.mktemp("token-cache")
+    corpus = write_corpus(root / "passages.jsonl")
+    cfg = RetrieverConfig(model="tiny", tiny=TINY, projection_dim=16, max_passage_length=MAX_LENGTH)
+    model = DualEncoder.from_config(cfg, str(toy_world["tokenizer"])).eval()
+    return corpus, model, PassageTokenizer.for_passages(model), toy_world["tokenizer"]
+
+
+def folder_bytes(directory) -> dict[str, bytes]:
+    return {path.name: path.read_bytes() for path in sorted(directory.iterdir())}
+
+
+def test_cache_ids_equal_the_tokenizers_own_call(world, tmp_path):
+    corpus, _, tokenizer, tokenizer_dir = world
+    cache = build_token_cache(corpus, tokenizer, tmp_path / "tokens", shard_rows=SHARD_ROWS)
+    hf = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    texts = [format_passage(p) for p in corpus.passages(range(len(corpus)))]
+    theirs = [hf(text, truncation=True, max_length=MAX_LENGTH)["input_ids"] for text in texts]
+    assert cache.manifest["dtype"] == "uint16" and len(cache.manifest["shards"]) == 4
+    assert [cache.ids(row).tolist() for row in range(len(corpus))] == theirs
+    assert max(map(len, theirs)) == MAX_LENGTH and min(map(len, theirs)) < MAX_LENGTH  # truncated and padded rows
+    rows = np.array([59, 0, 17, 17, 33])  # across shards, repeated
+    padded = cache.padded(rows, pad_id=-1)
+    for line, row in zip(padded.tolist(), rows):
+        assert line == theirs[row] + [-1] * (padded.shape[1] - len(theirs[row]))
+    assert cache.lengths(rows).tolist() == [len(theirs[row]) for row in rows]
+
+
+def test_a_cache_of_another_corpus_tokenizer_or_max_length_is_refused(world, tmp_path):
+    corpus, model, tokenizer, tokenizer_dir = world
+    folder = tmp_path / "tokens"
+    build_token_cache(corpus, tokenizer, folder, shard_rows=SHARD_ROWS)
+    before = folder_bytes(folder)
+    other_corpus = write_corpus(tmp_path / "other.jsonl", rows=50)
+    longer = PassageTokenizer(model.passage_encoder[0].tokenizer, MAX_LENGTH + 8)
+    hf = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    hf.add_tokens(["zzyzx"])
+    other_tokenizer = PassageTokenizer(hf, MAX_LENGTH)
+    manifest = folder / "manifest.json"
+    for what, args, field in [("corpus", (other_corpus, tokenizer), "corpus_fingerprint"),
+                              ("tokenizer", (corpus, other_tokenizer), "tokenizer_fingerprint"),
+                              ("max length", (corpus, longer), "max_length")]:
+        for attempt in (lambda: build_token_cache(*args, folder, shard_rows=SHARD_ROWS),
+                        lambda: TokenCache.open(folder, *args)):
+            with pytest.raises(TokenCacheError, match=f"^{manifest}: field '{field}': .*another") as raised:
+                attempt()
+            assert field in str(raised.value), what
+    assert folder_bytes(folder) == before  # nothing overwritten
+    cache = TokenCache.open(folder, corpus, tokenizer)
+    with pytest.raises(TokenCacheError, match="field 'max_length'"):  # handed to a pass of another max length
+        embed_rows(DualEncoder.from_config(RetrieverConfig(model="tiny", tiny=TINY, projection_dim=16,
+                                                           max_passage_length=MAX_LENGTH + 8),
+                                           str(tokenizer_dir)), corpus, np.arange(4), 4, torch.device("cpu"),
+                   tokens=cache)
+    rebuilt = build_token_cache(corpus, longer, folder, shard_rows=SHARD_ROWS, overwrite=True)
+    assert rebuilt.manifest["max_length"] == MAX_LENGTH + 8
+
+
+def test_a_killed_build_resumes_to_the_bytes_of_an_uninterrupted_one(world, tmp_path, monkeypatch):
+    corpus, _, tokenizer, _ = world
+    build_token_cache(corpus, tokenizer, tmp_path / "straight", shard_rows=SHARD_ROWS)
+    tokenize = tokens_module.tokenize_rows
+    calls = []
+
+    def dies_at_the_third_shard(corpus, tokenizer, start, end, *args):
+        calls.append(start)
+        if len(calls) == 3:
+            raise KeyboardInterrupt("killed")
+        return tokenize(corpus, tokenizer, start, end, *args)
+
+    monkeypatch.setattr(tokens_module, "tokenize_rows", dies_at_the_third_shard)
+    with pytest.raises(KeyboardInterrupt):
+        build_token_cache(corpus, tokenizer, tmp_path / "killed", shard_rows=SHARD_ROWS)
+    assert json.loads((tmp_path / "killed" / "manifest.json").read_text())["complete"] is False
+    with pytest.raises(TokenCacheError, match="field 'complete': false"):
+        TokenCache.open(tmp_path / "killed")
+    calls.clear()
+    build_token_cache(corpus, tokenizer, tmp_path / "killed", shard_rows=SHARD_ROWS)
+    assert calls == [32, 48]  # only the shards not written before the kill
+    assert folder_bytes(tmp_path / "killed") == folder_bytes(tmp_path / "straight")
+
+
+def test_workers_0_and_2_give_the_same_bytes(world, tmp_path, monkeypatch):
+    corpus, _, tokenizer, _ = world
+    monkeypatch.setattr(tokens_module, "ROWS_PER_ITEM", 5)  # several items per shard, for both workers
+    build_token_cache(corpus, tokenizer, tmp_path / "in-process", shard_rows=SHARD_ROWS * 2, num_workers=0)
+    build_token_cache(corpus, tokenizer, tmp_path / "workers", shard_rows=SHARD_ROWS * 2, num_workers=2)
+    assert folder_bytes(tmp_path / "in-process") == folder_bytes(tmp_path / "workers")
+
+
+def test_passes_from_cached_ids_give_the_bytes_of_passes_that_tokenise(world, tmp_path, monkeypatch):
+    """Rows unsorted and repeated, enough for the chunked plan (and workers on the tokenising side); the cache handed
+    over or registered; with it no passage is tokenised."""
+    corpus, model, tokenizer, _ = world
+    cache = build_token_cache(corpus, tokenizer, tmp_path / "tokens", shard_rows=SHARD_ROWS)
+    rows = np.random.default_rng(2).integers(0, len(corpus), size=WORKER_MIN_BATCHES * 4 + 10)
+    tokenised = embed_rows(model, corpus, rows, 4, torch.device("cpu"), num_workers=0)
+    in_workers = embed_rows(model, corpus, rows, 4, torch.device("cpu"), num_workers=2)
+    whole = embed_rows(model, corpus, np.arange(len(corpus)), 8, torch.device("cpu"), batch_tokens=100)
+
+    def no_tokenising(*_):
+        raise AssertionError("a pass with a token cache tokenised")
+
+    monkeypatch.setattr(PassageTokenizer, "encode", no_tokenising)
+    assert torch.equal(embed_rows(model, corpus, rows, 4, torch.device("cpu"), num_workers=0, tokens=cache), tokenised)
+    with use_token_cache(cache):
+        assert torch.equal(embed_rows(model, corpus, rows, 4, torch.device("cpu"), num_workers=2), in_workers)
+        assert torch.equal(embed_rows(model, corpus, np.arange(len(corpus)), 8, torch.device("cpu"),
+                                      batch_tokens=100), whole)
+    with pytest.raises(AssertionError, match="tokenised"):  # unregistered again: this pass would tokenise
+        embed_rows(model, corpus, rows[:3], 4, torch.device("cpu"))
