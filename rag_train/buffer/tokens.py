@@ -7,7 +7,7 @@ A token cache is a folder beside the buffer (`tokens/` inside it), laid out like
 (`ids-NNNNN.npy`, uint16 when the vocabulary fits, else int32) and the rows' offsets into it (`offsets-NNNNN.npy`,
 int64, one more than the rows, from 0): both memory-mapped, so a row's ids are read without parsing anything. Ids
 are exactly what `PassageTokenizer.encode` gives (special tokens added, truncated at `max_length`). A finished
-shard is written atomically with its record (`shard-NNNNN.json`), so a killed build resumes from the written shards;
+shard is written atomically with its record (`ids-NNNNN.json`), so a killed build resumes from the written shards;
 a cache of another corpus, tokenizer or max length is refused, naming the file and field, and never overwritten
 without `overwrite`.
 """
@@ -263,7 +263,7 @@ def _files(index: int) -> dict:
 
 
 def _sidecar(out_dir: Path, index: int) -> Path:
-    return out_dir / f"shard-{index:05d}.json"
+    return out_dir / f"ids-{index:05d}.json"  # not shard-*.json: a buffer's records are named so
 
 
 def _finished(out_dir: Path, index: int, expected: dict) -> Optional[dict]:
@@ -356,7 +356,7 @@ def build_token_cache(corpus: Corpus, tokenizer: PassageTokenizer, out_dir: Unio
         atomic_write_json(out_dir / MANIFEST, _manifest(rows, dtype, shard_rows, shards, wanted, complete=True))
         for path in out_dir.glob("*-*.*"):  # shards of an overwritten, larger cache
             stem, _, number = path.stem.partition("-")
-            if stem in ("ids", "offsets", "shard") and number.isdigit() and int(number) >= len(plan):
+            if stem in ("ids", "offsets") and number.isdigit() and int(number) >= len(plan):
                 path.unlink()
     if accelerator is not None:
         accelerator.wait_for_everyone()

@@ -4,13 +4,15 @@ writer of its output folder, stopping at a shard boundary on SIGTERM / SIGUSR1."
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 from rag_train.buffer.build import build_buffer
-from rag_train.buffer.embed import CorpusPasses
+from rag_train.buffer.embed import CorpusPasses, PassageTokenizer, use_token_cache
 from rag_train.buffer.store import Buffer
+from rag_train.buffer.tokens import build_token_cache, token_cache_dir
 from rag_train.config import BufferConfig, ConfigError, DataConfig, RetrieverConfig, check_positive
 from rag_train.data.corpus import Corpus
 from rag_train.launch import make_accelerator
@@ -26,7 +28,9 @@ class EmbedConfig:
     The buffer goes to `output` (default `buffer.path`); rerunning the same command resumes a killed or stopped
     build (SIGTERM / SIGUSR1 stop it at the next shard boundary, exit 6). Embeds with a saved DualEncoder
     (`model_dir`) or with `retriever` built from its config. A complete buffer already there is reused after its
-    shards pass their sha256 (`buffer.verify`); a damaged one is an error naming the shard unless `repair`.
+    shards pass their sha256 (`buffer.verify`); a damaged one is an error naming the shard unless `repair`. With
+    `buffer.token_cache` the corpus's token ids go to `output/tokens` first (buffer/tokens.py) and the build reads
+    them; a training run whose `buffer.path` is `output` then reuses them.
     """
 
     data: DataConfig = field(default_factory=DataConfig)
@@ -36,7 +40,7 @@ class EmbedConfig:
     output: Optional[str] = None  # buffer directory; default buffer.path
     model_dir: Optional[str] = None  # a DualEncoder.save folder (e.g. a trained retriever)
     seed: int = 0  # init seed of `tiny` models: equal to the training run's so its buffer matches
-    overwrite: bool = False  # replace a complete buffer of another model / corpus in `output`
+    overwrite: bool = False  # replace a complete buffer (and token cache) of another model / corpus in `output`
     # re-encode only the shards of `output` that fail their sha256, and rebuild an unreadable manifest from the
     # shards' own records (shard-NNNNN.json), keeping every intact shard
     repair: bool = False
@@ -74,11 +78,18 @@ def embed_corpus(cfg: EmbedConfig, accelerator=None, stop: Optional[StopSignal] 
     made = not out_dir.exists()
     lock = lock_run_directory(out_dir, "embedding a corpus (embed_corpus)", accelerator)
     try:
-        return build_buffer(model, corpus, out_dir, batch_size=cfg.buffer.embed_batch_size,
-                            shard_rows=cfg.buffer.shard_rows, dtype=cfg.buffer.dtype, accelerator=accelerator,
-                            overwrite=cfg.overwrite, num_workers=cfg.buffer.embed_workers,
-                            batch_tokens=cfg.buffer.embed_batch_tokens, passes=CorpusPasses(accelerator.print),
-                            verify=cfg.buffer.verify, repair=cfg.repair, stop=stop)
+        passes = CorpusPasses(accelerator.print)
+        with contextlib.ExitStack() as registered:
+            if cfg.buffer.token_cache:  # beside the buffer: runs that name it as buffer.path tokenise no more
+                registered.enter_context(use_token_cache(build_token_cache(
+                    corpus, PassageTokenizer.for_passages(model), token_cache_dir(out_dir),
+                    shard_rows=cfg.buffer.shard_rows, num_workers=cfg.buffer.embed_workers, accelerator=accelerator,
+                    overwrite=cfg.overwrite, passes=passes)))
+            return build_buffer(model, corpus, out_dir, batch_size=cfg.buffer.embed_batch_size,
+                                shard_rows=cfg.buffer.shard_rows, dtype=cfg.buffer.dtype, accelerator=accelerator,
+                                overwrite=cfg.overwrite, num_workers=cfg.buffer.embed_workers,
+                                batch_tokens=cfg.buffer.embed_batch_tokens, passes=passes,
+                                verify=cfg.buffer.verify, repair=cfg.repair, stop=stop)
     finally:
         if lock is not None:
             lock.release()

@@ -1,6 +1,6 @@
-"""The passages both recipes' steps work with: the stale buffer B built at step 0 (`ensure_buffer`), and a
-passage set sharded over processes with gradients flowing back through the gather (`my_share`,
-`gather_with_grad`)."""
+"""The passages both recipes' steps work with: the stale buffer B built at step 0 (`ensure_buffer`), the corpus's
+token ids that every corpus pass reads (`ensure_token_cache`), and a passage set sharded over processes with gradients
+flowing back through the gather (`my_share`, `gather_with_grad`)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,31 @@ from accelerate import Accelerator
 from torch import nn
 
 from rag_train.buffer.build import build_buffer
+from rag_train.buffer.embed import PassageTokenizer, use_token_cache
 from rag_train.buffer.store import MANIFEST, Buffer, BufferError, vectors_fingerprint
+from rag_train.buffer.tokens import build_token_cache, token_cache_dir
 from rag_train.config import BufferConfig
 from rag_train.data.corpus import Corpus
 from rag_train.train.run import TrainingRun
+
+
+def buffer_dir(run: TrainingRun, cfg: BufferConfig) -> Path:
+    """The run's stale buffer folder: `buffer.path`, else its own."""
+    return Path(cfg.path) if cfg.path else run.dir / "buffer"
+
+
+def ensure_token_cache(run: TrainingRun, cfg: BufferConfig, model: nn.Module, corpus: Corpus) -> None:
+    """With `buffer.token_cache`, tokenise the corpus once for `model`'s passage tower into `tokens/` inside the
+    buffer folder (or reuse the cache there) and register it for the rest of the run: every corpus pass (buffer
+    build, refreshes, re-embedding strategies, evaluations) then reads its ids. The run's own cache is rebuilt when
+    it is of another corpus or tokenizer; one beside a named `buffer.path` is never overwritten (refused, naming
+    the field)."""
+    if not cfg.token_cache:
+        return
+    cache = build_token_cache(corpus, PassageTokenizer.for_passages(model), token_cache_dir(buffer_dir(run, cfg)),
+                              shard_rows=cfg.shard_rows, num_workers=cfg.embed_workers, accelerator=run.accelerator,
+                              overwrite=cfg.path is None, passes=run.passes)
+    run.registered.enter_context(use_token_cache(cache))
 
 
 def ensure_buffer(run: TrainingRun, cfg: BufferConfig, model: nn.Module, corpus: Corpus) -> Path:
@@ -25,7 +46,7 @@ def ensure_buffer(run: TrainingRun, cfg: BufferConfig, model: nn.Module, corpus:
     of another model is refused, naming both fingerprints). Before the build
     every process must hold the same corpus and initial model; after it, the same manifest, and (with
     `buffer.verify`) every shard's sha256 is checked, each process hashing its share."""
-    directory = Path(cfg.path) if cfg.path else run.dir / "buffer"
+    directory = buffer_dir(run, cfg)
     acc = run.accelerator
     if run.latest_checkpoint() is not None:  # resuming: `model` is the initial model, the buffer must be its
         buffer = Buffer.open(directory, model_fingerprint=vectors_fingerprint(model),

@@ -35,7 +35,7 @@ from rag_train.models.retriever import DualEncoder
 from rag_train.strategies import StrategyContext, build_strategy, strategy_class
 from rag_train.train.batching import MicroBatch, StepParts, check_batching, tower_grad_norms
 from rag_train.train.memory import PeakMemory
-from rag_train.train.passages import ensure_buffer
+from rag_train.train.passages import ensure_buffer, ensure_token_cache
 from rag_train.train.run import TrainingRun, flat_metrics, releases_on_input_fault
 from rag_train.train.schema import RetrieverTrainConfig
 from rag_train.train.step import global_batch, linear_warmup, local_slice, optimizer_step
@@ -68,6 +68,8 @@ def train_retriever(cfg: RetrieverTrainConfig, final_eval: bool = True) -> dict:
 
     model = DualEncoder.from_config(cfg.retriever, tokenizer=cfg.retriever.tokenizer or files.tokenizer)
     needs_buffer = strategy_class(cfg.strategy.name).needs_buffer
+    if needs_buffer or final_eval or cfg.train.eval_every:  # else no corpus pass (the RLM's warm start)
+        ensure_token_cache(run, cfg.buffer, model, corpus)
     buffer_dir = ensure_buffer(run, cfg.buffer, model, corpus) if needs_buffer else None
     ctx = StrategyContext(acc, model, corpus, cfg.buffer, buffer_dir, cfg.train.temperature, cfg.train.seed)
     strategy = build_strategy(cfg.strategy, ctx)

@@ -45,7 +45,7 @@ from rag_train.losses import perplexity_distillation, retrieval_scores
 from rag_train.models.reader import FiDReader
 from rag_train.strategies import StrategyContext, build_strategy, strategy_class
 from rag_train.train.gate import RetrieverGate
-from rag_train.train.passages import ensure_buffer
+from rag_train.train.passages import ensure_buffer, ensure_token_cache
 from rag_train.train.run import TrainingRun, flat_metrics, releases_on_input_fault, save_pretrained_atomic
 from rag_train.train.schema import RLMConfig
 from rag_train.train.step import global_batch, linear_warmup, local_slice, optimizer_step, seed_stage
@@ -115,6 +115,8 @@ class RLMRecipe:
         # The stale buffer is the warm-started retriever's embedding of the corpus: built once, it also gives that
         # retriever's dev recall (and the reader's retrieved distractors) without another corpus pass.
         retriever = warm_start_retriever(cfg, files, self.run)
+        if strategy_class(cfg.strategy.name).retrieves:  # a closed-book run makes no corpus pass
+            ensure_token_cache(self.run, cfg.buffer, retriever, corpus)
         needs_buffer = strategy_class(cfg.strategy.name).needs_buffer
         buffer_dir = ensure_buffer(self.run, cfg.buffer, retriever, corpus) if needs_buffer else None
         self.warm_recall = warm_start_recall(cfg, files, self.run, retriever, corpus, buffer_dir)

@@ -15,7 +15,7 @@ import hashlib
 import os
 import shutil
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
@@ -89,6 +89,7 @@ class TrainingRun:
         self.model: Optional[torch.nn.Module] = None  # the prepared module (`prepare`)
         self.resumed_from: Optional[Path] = None  # the checkpoint `resume` loaded: saving its step again is a no-op
         self.passes = CorpusPasses(self.accelerator.print)  # whole-corpus embedding passes, for metrics.json
+        self.registered = ExitStack()  # what the run registers for its lifetime (its token cache), undone at close
         self.started = time.time()
         self.accelerator.register_save_state_pre_hook(drop_tied_aliases)
         claim_directory(cfg, self.dir)  # every process reads; nothing is written before all of them have looked
@@ -396,8 +397,9 @@ class TrainingRun:
         self.close()
 
     def close(self) -> None:
-        """Release the directory's lock and the stop signals; safe to call again."""
+        """Release the directory's lock, the stop signals and what the run registered; safe to call again."""
         self.stop_signal.restore()
+        self.registered.close()
         if self.lock is not None:
             self.lock.release()
 

@@ -30,7 +30,8 @@ RUN_OUTPUTS = (CONFIG_FILE, "metrics.json", CHECKPOINTS, "retriever", "reader", 
 # the CPU thread count changes only the order of float reductions).
 RESUME_SAFE_KEYS = ("train.resume", "train.overwrite", "train.output_dir", "train.steps", "train.eval_every",
                     "train.log_every", "train.save_every", "train.keep_checkpoints", "train.tracker",
-                    "train.collective_timeout", "train.cpu_threads", "train.max_bad_steps", "buffer.verify")
+                    "train.collective_timeout", "train.cpu_threads", "train.max_bad_steps", "buffer.verify",
+                    "buffer.token_cache")
 # Sections only the evaluations read (during training and the final one), never the trained weights: a run whose
 # final evaluation failed is finished by resuming it with these keys corrected.
 RESUME_SAFE_SECTIONS = ("eval.",)
