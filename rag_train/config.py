@@ -268,7 +268,7 @@ class BufferConfig:
     # DataLoader worker processes that read and tokenise passages while the model encodes (0: in the main
     # process). On a GPU host give it several cores (e.g. 8); on a 2-core CPU host 1 (docs/embed_benchmark.md)
     embed_workers: int = 1
-    # tokenise the corpus once into a token cache (`tokens/` in the buffer folder, buffer/tokens.py) that every later
+    # tokenise the corpus once into a token cache (`<buffer folder>.tokens`, buffer/tokens.py) that every later
     # corpus pass reads instead of tokenising again (the same vectors); false: every pass tokenises
     token_cache: bool = True
     # how a strategy with an index searches it: `full` scores every row (<q, b>, or <q, h(b)> through the

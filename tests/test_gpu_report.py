@@ -133,6 +133,11 @@ def test_embed_counts_every_passage_at_exactly_its_length_and_the_rates_follow(q
         assert r["ours_fraction_of_peak"] == pytest.approx(flops * r["passages"] / r["ours_seconds"] / peak)
         assert r["max_abs_diff"] < 1e-4  # embed_rows and SentenceTransformer.encode give the same vectors
         assert sum(r["profile"]["share"].values()) == pytest.approx(1.0)
+        cached = r["cached"]  # from the token cache: the bytes of the tokenising pass, at its own rate
+        assert cached["max_abs_diff"] == 0.0
+        assert cached["passages_per_s"] == pytest.approx(r["passages"] / cached["seconds"])
+        assert cached["fraction_of_peak"] == pytest.approx(flops * r["passages"] / cached["seconds"] / peak)
+    assert len(record["goals"]) == 3 and record["goals"][2]["goal"].startswith("tiny tower, ids from the token cache")
     assert record["goals"][0]["value"] is None and all(goal["met"] is None for goal in record["goals"])
 
 
@@ -213,12 +218,14 @@ def test_scale_runs_the_main_job_over_the_whole_generated_world(quick_run):
     world = quick_run["work"] / "scale" / f"toy-{rows}" / "passages.jsonl"
     assert r["rows"] == rows == len(world.read_text().splitlines())
     run = r["run"]
-    assert [(p["reason"], p["rows"]) for p in run["corpus_passes"]] == [("stale buffer build", rows),
+    assert [(p["reason"], p["rows"]) for p in run["corpus_passes"]] == [("token cache build", rows),
+                                                                       ("stale buffer build", rows),
                                                                        ("final evaluation", rows)]
     assert run["steps"] == record["settings"]["steps"] == run["loop_calls"]["buffer search"]
     factor = scale_stage.TARGET_ROWS / rows
     assert r["projection"]["generate"] == pytest.approx(r["generate_seconds"] * factor)
-    assert r["projection"]["buffer build"] == pytest.approx(run["corpus_passes"][0]["seconds"] * factor)
+    for i, stage in enumerate(("token cache build", "buffer build")):
+        assert r["projection"][stage] == pytest.approx(run["corpus_passes"][i]["seconds"] * factor)
 
 
 def test_stages_ran_without_what_the_gpu_image_lacks(quick_run):

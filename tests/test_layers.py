@@ -48,8 +48,9 @@ LAYERS = [
           "`models/`: `DualEncoder` (f, g), `FiDReader`, `Corrector` (h), tiny T5 configs, the attention kernel a "
           "T5 runs on CPU", "data (tokenizer)"),
     Layer("4 buffer", ("rag_train.buffer",),
-          "`buffer/`: on-disk stale buffer (`store`), `build_buffer`, `embed_rows`, chunked and sharded `search`, SG "
-          "trees and their samplers (`sg_tree`), Nyström representations (`nystrom`)",
+          "`buffer/`: on-disk stale buffer (`store`), `build_buffer`, `embed_rows`, the corpus's token ids computed "
+          "once (`tokens`), chunked and sharded `search`, SG trees and their samplers (`sg_tree`), Nyström "
+          "representations (`nystrom`)",
           "models (the corrector's public API)"),
     Layer("5 methods and metrics", ("rag_train.strategies", "rag_train.eval", "rag_train.generative"),
           "`strategies/` (passage selection, one module each), `eval/` (EM, recall, IR metrics, TREC runs, QA and "

@@ -102,8 +102,9 @@ def test_strategies_train_and_write_metrics(recipe_toy_dir, tmp_path, monkeypatc
     passes = [(p["reason"], p["rows"]) for p in metrics["corpus_passes"]]
     if name == "closed_book":  # no buffer, no retrieval at eval: the warm start's recall is the one pass
         assert passes == [("warm-start retriever's dev recall (no stale buffer)", 300)]
-    else:  # the buffer once (it also gives the warm start's recall), the exact final evaluation once
-        assert passes == [("stale buffer build", 300), ("final evaluation", 300)]
+    else:  # the corpus tokenised once; the buffer once (it also gives the warm start's recall), the exact final
+        # evaluation once, both reading the token ids
+        assert passes == [("token cache build", 300), ("stale buffer build", 300), ("final evaluation", 300)]
     if name == "stale":
         assert [entry["step"] for entry in metrics["history"]] == [0, 2, STEPS]
         check_warm_start_recall(recipe_toy_dir, tmp_path / "run", metrics["warm_start_retriever"])
@@ -406,14 +407,15 @@ def test_a_finished_warm_start_stage_with_other_settings_is_refused(recipe_toy_d
 
 
 def test_resume_continues_as_if_uninterrupted(recipe_toy_dir, tmp_path):
-    """Same weights and EM; metrics.json's `corpus_passes` keeps the passes made before the resume (the stale
-    buffer build; issue 32: only those after it were listed)."""
+    """Same weights and EM; metrics.json's `corpus_passes` keeps the passes made before the resume (the token cache
+    and stale buffer builds; issue 32: only those after it were listed)."""
     whole = rlm.train_rlm(config(recipe_toy_dir, tmp_path / "whole", "corrector", **{"train.save_every": 2}))
     rlm.train_rlm(config(recipe_toy_dir, tmp_path / "split", "corrector", steps=2))
     resumed = rlm.train_rlm(config(recipe_toy_dir, tmp_path / "split", "corrector", **{"train.resume": "true"}))
     assert resumed["steps"] == STEPS and resumed["em"] == whole["em"]
     passes = [[(p["reason"], p["rows"]) for p in m["corpus_passes"]] for m in (whole, resumed)]
-    assert passes[0][0][0].startswith("stale buffer build") and passes[1] == passes[0], passes
+    assert [p[0] for p in passes[0][:2]] == ["token cache build", "stale buffer build"] and passes[1] == passes[0], \
+        passes
     a, b = weights(tmp_path / "whole"), weights(tmp_path / "split")
     assert a.keys() == b.keys()
     for key in a:

@@ -25,7 +25,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator, Optional
+from typing import Callable, Iterator, Optional, Protocol
 
 import numpy as np
 import torch
@@ -38,9 +38,6 @@ from rag_train.buffer.distributed import shard_range
 from rag_train.buffer.store import Buffer, definition_fingerprint
 from rag_train.data.corpus import Corpus
 from rag_train.models.attention import t5_attention
-
-if TYPE_CHECKING:
-    from rag_train.buffer.tokens import TokenCache
 
 CHUNK_BATCHES = 8  # rows a worker tokenises at once: this many row caps (amortises its per-call overhead)
 PENDING_COPIES = 4  # device -> host copies in flight before the oldest is waited for
@@ -123,11 +120,25 @@ class PassageTokenizer:
         return out
 
 
-_TOKEN_CACHES: list["TokenCache"] = []  # registered by `use_token_cache`, newest last
+class TokenIds(Protocol):
+    """What a pass reads token ids from: buffer/tokens.py's `TokenCache` (not imported here: it imports this module)."""
+
+    corpus_fingerprint: str
+
+    def differences(self, tokenizer: PassageTokenizer) -> list[str]: ...
+
+    def check(self, corpus: Corpus, tokenizer: PassageTokenizer) -> None: ...
+
+    def lengths(self, rows: np.ndarray) -> np.ndarray: ...
+
+    def padded(self, rows: np.ndarray, pad_id: int) -> np.ndarray: ...
+
+
+_TOKEN_CACHES: list[TokenIds] = []  # registered by `use_token_cache`, newest last
 
 
 @contextlib.contextmanager
-def use_token_cache(cache: "TokenCache") -> Iterator["TokenCache"]:
+def use_token_cache(cache: TokenIds) -> Iterator[TokenIds]:
     """Inside, every `embed_rows` over the cache's corpus with its tokenizer and max length reads the ids from it:
     a training run registers its cache once instead of handing it to every pass (buffer build, refreshes,
     re-embedding strategies, evaluation)."""
@@ -138,7 +149,7 @@ def use_token_cache(cache: "TokenCache") -> Iterator["TokenCache"]:
         _TOKEN_CACHES.remove(cache)
 
 
-def registered_token_cache(corpus: Corpus, tokenizer: PassageTokenizer) -> Optional["TokenCache"]:
+def registered_token_cache(corpus: Corpus, tokenizer: PassageTokenizer) -> Optional[TokenIds]:
     """The newest registered cache made for `corpus` by `tokenizer` (definition, max length, truncation side)."""
     for cache in reversed(_TOKEN_CACHES):
         if cache.corpus_fingerprint == corpus.fingerprint and not cache.differences(tokenizer):
@@ -171,7 +182,7 @@ class _Chunks(Dataset):
     tokenizer: PassageTokenizer
     batch_size: int
     batch_tokens: int
-    tokens: Optional["TokenCache"] = None
+    tokens: Optional[TokenIds] = None
 
     def __len__(self) -> int:
         return len(self.chunks)
@@ -214,7 +225,7 @@ def chunk_batches(rows: int, batch_size: int, num_workers: int) -> int:
 
 def passage_loader(corpus: Corpus, rows: np.ndarray, tokenizer: PassageTokenizer, batch_size: int,
                    batch_tokens: int, num_workers: int, pin_memory: bool,
-                   tokens: Optional["TokenCache"] = None) -> DataLoader:
+                   tokens: Optional[TokenIds] = None) -> DataLoader:
     """A DataLoader over the tokenised, length-bucketed batches of `rows` (one item = one chunk's batches); in the
     main process below WORKER_MIN_BATCHES batches, whatever `num_workers` says, and always with a token cache
     `tokens` (reading and padding cached ids is a vectorised gather: workers would cost more to start than it
@@ -235,7 +246,7 @@ def passage_loader(corpus: Corpus, rows: np.ndarray, tokenizer: PassageTokenizer
 @torch.inference_mode()
 def embed_rows(model: nn.Module, corpus: Corpus, rows: np.ndarray, batch_size: int, device: torch.device,
                progress: bool = False, on_batch: Optional[Callable[[int], None]] = None, num_workers: int = 0,
-               batch_tokens: Optional[int] = None, tokens: Optional["TokenCache"] = None) -> torch.Tensor:
+               batch_tokens: Optional[int] = None, tokens: Optional[TokenIds] = None) -> torch.Tensor:
     """[len(rows), D] fp32 vectors g(y) of `corpus` rows, in the order of `rows`, on `device`, from the passage
     tower of `model` (a DualEncoder) in eval mode; the same vectors as `model.encode_passages` (to float
     rounding: batches differ). `batch_tokens` defaults to `batch_size` x `max_passage_length` (no extra cap).

@@ -1,7 +1,7 @@
 """The corpus's token ids, computed once: every later corpus pass reads them instead of tokenising again (on an H100
 the tiny tower's pass spent 59% of its time tokenising, docs/gpu_report.md).
 
-A token cache is a folder beside the buffer (`tokens/` inside it), laid out like the buffer (store.py, build.py):
+A token cache is a folder beside the buffer (`<buffer>.tokens`), laid out like the buffer (store.py, build.py):
 `manifest.json` (rows, id dtype, the fingerprints of the corpus and of the tokenizer's definition, `max_length`,
 `truncation_side`, shards with row ranges and sha256) and per shard of rows a flat array of every row's ids
 (`ids-NNNNN.npy`, uint16 when the vocabulary fits, else int32) and the rows' offsets into it (`offsets-NNNNN.npy`,
@@ -35,7 +35,6 @@ logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 KIND = "token_ids"
-TOKENS_DIR = "tokens"  # the cache's folder inside the buffer folder it belongs beside
 ROWS_PER_ITEM = 256 * CHUNK_BATCHES  # rows a worker tokenises at once
 # what a cache is of: a field that differs from the wanted value makes it another corpus's / tokenizer's cache
 IDENTITY = ("corpus_fingerprint", "tokenizer_fingerprint", "max_length", "truncation_side")
@@ -49,8 +48,10 @@ class TokenCacheError(BufferError):
 
 
 def token_cache_dir(buffer_dir: Union[str, Path]) -> Path:
-    """Where the token cache of a buffer folder lives (a training run's, or scripts/embed_corpus.py's output)."""
-    return Path(buffer_dir) / TOKENS_DIR
+    """Where the token cache beside a buffer folder lives (a training run's, or scripts/embed_corpus.py's output):
+    `<buffer>.tokens`, a sibling, so the buffer folder holds only the buffer's own files."""
+    buffer_dir = Path(buffer_dir)
+    return buffer_dir.with_name(buffer_dir.name + ".tokens")
 
 
 def id_dtype(tokenizer: PassageTokenizer) -> str:

@@ -29,7 +29,7 @@ class EmbedConfig:
     build (SIGTERM / SIGUSR1 stop it at the next shard boundary, exit 6). Embeds with a saved DualEncoder
     (`model_dir`) or with `retriever` built from its config. A complete buffer already there is reused after its
     shards pass their sha256 (`buffer.verify`); a damaged one is an error naming the shard unless `repair`. With
-    `buffer.token_cache` the corpus's token ids go to `output/tokens` first (buffer/tokens.py) and the build reads
+    `buffer.token_cache` the corpus's token ids go to `<output>.tokens` first (buffer/tokens.py) and the build reads
     them; a training run whose `buffer.path` is `output` then reuses them.
     """
 

@@ -25,8 +25,8 @@ def buffer_dir(run: TrainingRun, cfg: BufferConfig) -> Path:
 
 
 def ensure_token_cache(run: TrainingRun, cfg: BufferConfig, model: nn.Module, corpus: Corpus) -> None:
-    """With `buffer.token_cache`, tokenise the corpus once for `model`'s passage tower into `tokens/` inside the
-    buffer folder (or reuse the cache there) and register it for the rest of the run: every corpus pass (buffer
+    """With `buffer.token_cache`, tokenise the corpus once for `model`'s passage tower into `<buffer>.tokens` beside
+    the buffer folder (or reuse the cache there) and register it for the rest of the run: every corpus pass (buffer
     build, refreshes, re-embedding strategies, evaluations) then reads its ids. The run's own cache is rebuilt when
     it is of another corpus or tokenizer; one beside a named `buffer.path` is never overwritten (refused, naming
     the field)."""

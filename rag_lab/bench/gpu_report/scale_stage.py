@@ -70,16 +70,18 @@ def project_scale(rows: int, generate_s: Optional[float], index_s: Optional[floa
     """Seconds each stage would take at TARGET_ROWS from this run's measured rates: generation, indexing, corpus
     passes and the buffer search scale with the rows; the rest of a step and the warm starts do not."""
     factor = TARGET_ROWS / rows
-    passes = {p["reason"]: p["seconds"] for p in run["corpus_passes"]}
+    passages = {p["reason"]: p["seconds"] for p in run["corpus_passes"]}
     phases, loop = run["phase_seconds"], run["loop_seconds"] or 0.0
     search = run["loop_host_seconds"].get("buffer search", 0.0)
-    build = passes.get("stale buffer build", 0.0)
-    final_pass = passes.get("final evaluation", 0.0)
+    tokens = passages.get("token cache build", 0.0)  # the corpus tokenised once (buffer/tokens.py)
+    build = passages.get("stale buffer build", 0.0)
+    final_pass = passages.get("final evaluation", 0.0)
     final = phases.get("final evaluation", 0.0)
     return {
         "generate": None if generate_s is None else generate_s * factor,
         "index": None if index_s is None else index_s * factor,
-        "warm starts and setup": max(0.0, run["wall_seconds"] - build - loop - final),
+        "warm starts and setup": max(0.0, run["wall_seconds"] - tokens - build - loop - final),
+        "token cache build": tokens * factor,
         "buffer build": build * factor,
         "steps": loop + search * (factor - 1),
         "final evaluation": final + final_pass * (factor - 1),
@@ -103,6 +105,7 @@ def render_scale(record: dict) -> list[str]:
         return f"{rss.get(phase, 0):.2f} GiB" + (f" / {device_peak.get(phase, 0):.2f} GiB" if device_peak else "")
 
     build, final = passes.get("stale buffer build", {}), passes.get("final evaluation", {})
+    tokens = passes.get("token cache build")  # absent from runs before the token cache
     lines = [f"`train_rlm` (the main job, configs/toy/rlm.yaml with the overrides below) on a {r['rows']:,}-passage "
              f"toy world built from scratch (passages rendered in {s['world_workers']} process(es)), {s['steps']} "
              "Algorithm-2 steps through the corrector (retriever gate "
@@ -118,6 +121,9 @@ def render_scale(record: dict) -> list[str]:
               "| index the corpus | reused from an earlier call: not measured | | | |"),
              f"| warm starts, setup (the rest of the run) | {proj['warm starts and setup']:.1f} s | | "
              f"{mem('warm start')} | {proj['warm starts and setup'] / 60:.1f} min |",
+             *([f"| token cache build (the corpus tokenised once) | {tokens['seconds']:.1f} s | "
+                f"{rate(tokens['rows'], tokens['seconds'])} | | {proj['token cache build'] / 60:.1f} min |"]
+               if tokens and "token cache build" in proj else []),
              f"| stale buffer build (corpus pass) | {build.get('seconds', 0):.1f} s | "
              f"{rate(build.get('rows', 0), build.get('seconds', 0))} | {mem('buffer build')} | "
              f"{proj['buffer build'] / 60:.1f} min |",
