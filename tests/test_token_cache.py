@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 
 import rag_train.buffer.tokens as tokens_module
 from rag_train.buffer.embed import WORKER_MIN_BATCHES, PassageTokenizer, embed_rows, use_token_cache
-from rag_train.buffer.tokens import TokenCache, TokenCacheError, build_token_cache
+from rag_train.buffer.tokens import TokenCache, TokenCacheError, build_token_cache, finished_token_cache
 from rag_train.config import RetrieverConfig
 from rag_train.models.retriever import DualEncoder, format_passage
 
@@ -134,3 +134,21 @@ def test_passes_from_cached_ids_give_the_bytes_of_passes_that_tokenise(world, tm
                                       batch_tokens=100), whole)
     with pytest.raises(AssertionError, match="tokenised"):  # unregistered again: this pass would tokenise
         embed_rows(model, corpus, rows[:3], 4, torch.device("cpu"))
+
+
+def test_a_registered_cache_of_another_max_length_is_passed_over(world, tmp_path, monkeypatch):
+    """A pass matches a registered cache by corpus, tokenizer and max length; otherwise it tokenises, and the cache of
+    an unfinished build is not offered at all."""
+    corpus, model, _, _ = world
+    longer = PassageTokenizer(model.passage_encoder[0].tokenizer, MAX_LENGTH + 8)
+    cache = build_token_cache(corpus, longer, tmp_path / "tokens", shard_rows=SHARD_ROWS)
+    tokenised = embed_rows(model, corpus, np.arange(10), 4, torch.device("cpu"))
+    encode, calls = PassageTokenizer.encode, []
+    monkeypatch.setattr(PassageTokenizer, "encode", lambda self, texts: calls.append(len(texts)) or encode(self, texts))
+    with use_token_cache(cache):
+        assert torch.equal(embed_rows(model, corpus, np.arange(10), 4, torch.device("cpu")), tokenised)
+    assert calls == [10]
+    assert finished_token_cache(tmp_path / "tokens").manifest == cache.manifest
+    manifest = json.loads((tmp_path / "tokens" / "manifest.json").read_text())
+    (tmp_path / "tokens" / "manifest.json").write_text(json.dumps({**manifest, "complete": False}))
+    assert finished_token_cache(tmp_path / "tokens") is None and finished_token_cache(tmp_path / "none") is None

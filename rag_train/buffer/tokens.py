@@ -215,6 +215,15 @@ class TokenCache:
         return out
 
 
+def finished_token_cache(directory: Union[str, Path]) -> Optional[TokenCache]:
+    """The complete token cache at `directory`, or None when there is none or its build did not finish: for a reader
+    that can tokenise instead (a cache of another corpus or tokenizer is then simply not matched by a pass)."""
+    manifest = Path(directory) / MANIFEST
+    if not manifest.is_file() or not read_manifest(manifest)["complete"]:
+        return None
+    return TokenCache.open(directory)
+
+
 @dataclass
 class _Pieces(Dataset):
     """Item i: (flat ids, lengths) of corpus rows [start, end) of piece i, tokenised in row order."""

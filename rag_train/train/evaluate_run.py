@@ -10,10 +10,13 @@ TREC run file; `<dataset>.qrels` beside it when questions list gold_ids) and `<r
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 from pathlib import Path
 from typing import Optional
 
+from rag_train.buffer.embed import use_token_cache
+from rag_train.buffer.tokens import finished_token_cache, token_cache_dir
 from rag_train.config import load_config
 from rag_train.data.corpus import Corpus
 from rag_train.data.errors import DataError
@@ -72,8 +75,12 @@ def evaluate_run(run: Path, cfg: RLMConfig, args: argparse.Namespace, accelerato
     tokenizer = load_tokenizer(str(run / "reader"))
     settings = QAEvalSettings.from_config(cfg, closed_book=not strategy_class(cfg.strategy.name).retrieves,
                                           num_passages=args.passages, batch_size=args.batch_size)
-    metrics, predictions = evaluate_qa(retriever, reader, tokenizer, corpus, sets, settings, accelerator,
-                                       out_dir=run / "eval")
+    with contextlib.ExitStack() as registered:  # the run's token ids, when its cache matches: no tokenising
+        cache = finished_token_cache(token_cache_dir(Path(cfg.buffer.path) if cfg.buffer.path else run / "buffer"))
+        if cache is not None:
+            registered.enter_context(use_token_cache(cache))
+        metrics, predictions = evaluate_qa(retriever, reader, tokenizer, corpus, sets, settings, accelerator,
+                                           out_dir=run / "eval")
     if accelerator.is_main_process:
         write_predictions(run / "eval", predictions)
         atomic_write_json(run / "eval" / "metrics.json", metrics)
