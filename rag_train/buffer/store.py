@@ -8,6 +8,7 @@ uint16 bit patterns (`tensor()` views them back as torch.bfloat16).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from pathlib import Path
@@ -83,8 +84,10 @@ def _tokenizer_fingerprint(tokenizer: Any) -> str:
     return definition_fingerprint(backend.to_str())
 
 
+@functools.lru_cache(maxsize=4)
 def definition_fingerprint(backend_json: str) -> str:
-    """sha256 of a Rust tokenizer's JSON (`Tokenizer.to_str()`) without its truncation / padding state."""
+    """sha256 of a Rust tokenizer's JSON (`Tokenizer.to_str()`) without its truncation / padding state. Remembered:
+    every pass asks it of its tokenizer when a token cache is registered (a T5 tokenizer's JSON is megabytes)."""
     definition = {k: v for k, v in json.loads(backend_json).items() if k not in ("truncation", "padding")}
     return hashlib.sha256(json.dumps(definition, sort_keys=True).encode()).hexdigest()
 
