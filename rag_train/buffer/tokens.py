@@ -328,18 +328,20 @@ def build_token_cache(corpus: Corpus, tokenizer: PassageTokenizer, out_dir: Unio
     rank, world = (accelerator.process_index, accelerator.num_processes) if accelerator else (0, 1)
     wanted = identity(corpus, tokenizer)
     existing = _existing(out_dir, wanted, overwrite)
+    complete = existing is not None and existing["complete"]
+    if not complete and rank == 0:
+        remove_stale_temporaries(out_dir)  # a killed build's temporary files: no process writes yet
     if accelerator is not None:  # nobody writes before every process has looked
         accelerator.wait_for_everyone()
-    if existing is not None and existing["complete"]:
+    if complete:
         logger.info("%s already holds this corpus's token ids; nothing to tokenise", out_dir)
         return TokenCache.open(out_dir, corpus, tokenizer)
     rows, dtype = len(corpus), id_dtype(tokenizer)
     plan = plan_shards(rows, shard_rows)
     planned = [{**_files(i), "start": s, "end": e, "dtype": dtype, **wanted} for i, (s, e) in enumerate(plan)]
+    with write_step("creating the token cache folder", out_dir):
+        out_dir.mkdir(parents=True, exist_ok=True)
     if rank == 0:
-        remove_stale_temporaries(out_dir)  # a killed build's temporary files: no process writes yet
-        with write_step("creating the token cache folder", out_dir):
-            out_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_json(out_dir / MANIFEST, _manifest(rows, dtype, shard_rows, [], wanted, complete=False))
     todo = [i for i in shards_of_process(len(plan), rank, world) if _finished(out_dir, i, planned[i]) is None]
     share = f" (rank 0's share of {world} processes)" if world > 1 else ""
