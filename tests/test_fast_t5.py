@@ -78,12 +78,12 @@ def test_flex_gradients_equal_transformers_eager(t5, monkeypatch):
         assert_close_to(ours[name], grad, 1e-4)
 
 
-def test_padding_mask_only_where_padded(t5):
+def test_padding_mask_visits_the_blocks_with_real_keys(t5):
     _, _, mask = t5
-    assert padding_mask(len(REAL), LENGTH, LENGTH, attention_mask=torch.ones_like(mask)) is None
     block_mask = padding_mask(len(REAL), LENGTH, LENGTH, attention_mask=mask)
-    dense = block_mask.to_dense()[:, 0, 0]  # [rows, key blocks]: 1 where a block is visited
-    assert dense.tolist() == [[1, 1], [1, 0], [1, 0]]
+    assert block_mask.to_dense()[:, 0, 0].tolist() == [[1, 1], [1, 0], [1, 0]]  # [rows, key blocks] visited
+    assert block_mask.full_kv_num_blocks[:, 0, 0].tolist() == [1, 0, 0]  # only row 0's first block is all real
+    assert padding_mask(len(REAL), LENGTH, LENGTH) is None
     with pytest.raises(ValueError, match="self-attention only"):
         padding_mask(len(REAL), 4, LENGTH, attention_mask=mask)
 

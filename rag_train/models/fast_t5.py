@@ -13,8 +13,9 @@ index error on CPU, a wrong read on CUDA), and it reads L x L bias values where 
 * The mask: a `BlockMask` built from the padding mask's per-block counts (no L x L evaluation): blocks of only real
   keys run without a mask_mod, blocks of only padding are skipped, the rest read the padding mask.
 * Compilation: on CUDA `flex_attention` runs through `torch.compile` (without it torch runs an unfused reference
-  that materialises the scores); with torch's automatic dynamic shapes one compile serves every batch shape after
-  the first. On CPU the uncompiled reference runs: it gives the same numbers, and CPU passes default to eager.
+  that materialises the scores). On CPU the uncompiled reference runs: the same numbers (the tests check it against
+  eager); torch's compiled CPU kernel agreed at one length (1e-6) but gave NaN after recompiling for dynamic lengths
+  (torch 2.13), and CPU passes default to eager anyway.
 * Limits, from torch: no attention-probability dropout (a T5 with dropout_rate > 0 trains on another kernel) and no
   backward on CPU; `models/attention.py: use_encoder_kernel` says so before a run starts.
 """
@@ -37,7 +38,9 @@ UNCOMPILED_WARNING = "flex_attention called without torch.compile"
 
 @functools.cache
 def compiled_flex_attention():
-    """`flex_attention` compiled once per process (the fused Triton kernel on CUDA)."""
+    """`flex_attention` compiled once per process (the fused Triton kernel on CUDA), as transformers compiles it:
+    the first shape static, then one graph dynamic in batch and length, so the varied batches of a corpus pass do not
+    reach torch's recompile limit (past it torch would run the unfused reference, silently slow)."""
     return torch.compile(flex_attention)
 
 
@@ -49,11 +52,11 @@ def offset_table(position_bias: torch.Tensor) -> torch.Tensor:
 
 def relative_bias_score_mod(table: torch.Tensor):
     """A score_mod adding `table[h, k - q + L - 1]`; the index is clamped because the fused kernel may ask for
-    positions past L in a block's tail (their scores are masked). Sizes come from the tensor, not Python ints, so a
-    new length does not force a recompile."""
-    width = table.size(-1)
+    positions past L in a block's tail (their scores are masked). The width is read from the tensor inside, not
+    closed over as a Python int, so that a new length is a new size, not a new constant to recompile for."""
 
     def score_mod(score, batch, head, q_idx, kv_idx):
+        width = table.size(-1)
         return score + table[head, torch.clamp(kv_idx - q_idx + (width - 1) // 2, 0, width - 1)]
 
     return score_mod
@@ -84,8 +87,8 @@ def padding_block_mask(attention_mask: torch.Tensor) -> BlockMask:
 
 def padding_mask(batch_size: int, q_length: int, kv_length: int, attention_mask=None, **_) -> BlockMask | None:
     """transformers' mask interface for FLEX (T5Stack builds its mask through it): the padding BlockMask of the 2D
-    mask, None when nothing is padded."""
-    if attention_mask is None or bool(attention_mask.all()):
+    mask. Also when nothing is padded: asking would wait for the device, and blocks of only real keys cost nothing."""
+    if attention_mask is None:
         return None
     if q_length != kv_length or attention_mask.shape != (batch_size, kv_length):
         raise ValueError(f"{FLEX} runs T5's encoder self-attention only (a [batch, length] padding mask), "
