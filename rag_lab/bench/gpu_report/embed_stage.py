@@ -16,8 +16,9 @@ from rag_lab.bench.gpu_report.common import (
     register,
 )
 
-# sizes that ran in 142 s on an H100; 4x these outran a 300 s budget (ST.encode of 262,144 tiny rows
-# alone takes a minute: its tokenisation runs in one process)
+# sizes that ran in 142 s on an H100 before the eager / flex passes (about twice the embed_rows passes, and flex's
+# compiles: an estimate, not measured); 4x these outran a 300 s budget (ST.encode of 262,144 tiny rows alone takes
+# a minute: its tokenisation runs in one process)
 EMBED_GPU = {"shapes": ("tiny", "small", "base"), "lengths": (64, 128, 256), "at_128": {"tiny": 32768,
              "small": 4096, "base": 2048}, "batch_size": 1024, "workers": 8, "repeats": 2, "padded_rows": 2000}
 EMBED_QUICK = {"shapes": ("tiny",), "lengths": (64, 128, 256), "at_128": {"tiny": 16}, "batch_size": 8,
@@ -212,7 +213,8 @@ def kernel_lines(record: dict) -> list[str]:
     """The eager / flex table, for fragments that have it (those of before it do not)."""
     results = [r for r in record["results"] if "kernels" in r]
     if not results:
-        return []
+        return ["", "The corpus pass on eager against FlexAttention: not in this fragment (the stage's side-by-side "
+                "came after this run)."]
     lines = ["", f"The corpus pass on each attention kernel, side by side in this run (`embed_rows` with "
              f"`retriever.encoder_kernel` eager, then flex: T5's encoder on FlexAttention, rag_train/models/fast_t5.py;"
              f" the `embed_rows` column above ran `auto`'s choice on this device, {results[0]['ours_kernel']}). The "
@@ -232,7 +234,7 @@ def kernel_lines(record: dict) -> list[str]:
 
 
 STAGE = register(Stage(
-    name="embed", order=10, minutes=3,
+    name="embed", order=10, minutes=5,
     what=("embed_rows vs SentenceTransformer.encode (GPU: tiny / small / base towers at 64 / 128 / 256 "
           "tokens), its corpus pass on eager vs FlexAttention attention, host-side profile"),
     run=stage_embed, render=render_embed,
