@@ -230,9 +230,9 @@ class RetrieverConfig:
     train_passage_encoder: bool = True  # false = query-side-only training
     max_query_length: int = 32
     max_passage_length: int = 128
-    # the towers' T5 attention (rag_train/models/attention.py): auto = FlexAttention for the corpus pass on CUDA,
-    # eager on CPU, training on today's kernels; flex = FlexAttention for training too (CUDA only, towers without
-    # dropout); eager = eager everywhere
+    # the towers' T5 attention (rag_train/models/attention.py): auto = the kernels measured fastest (eager corpus
+    # passes; training eager on CPU, SDPA on CUDA); flex = FlexAttention for the corpus pass and training (CUDA only,
+    # towers without dropout; its GPU speed not measured yet); eager = eager everywhere
     encoder_kernel: str = "auto"
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
 

@@ -13,9 +13,9 @@ as a float mask, rebuilt as [B, H, L, L] from bias and padding in every layer; n
   (`pass_attention`). Training steps on CUDA keep SDPA: not measured there.
 * FlexAttention fuses the bias and the padding into one kernel (on an H100 the forward of a base-shaped tower at
   256 tokens was 71-78% elementwise work, much of it the [B, H, L, L] fp32 scores and bias). `retriever.encoder_kernel`:
-  `auto` runs it for the corpus pass on CUDA only (no gradient there, so neither of its limits applies; training
-  keeps the kernels above until a GPU session has checked flex's backward), `flex` for training too (CUDA, towers
-  without dropout), `eager` nowhere. Its GPU speed is not measured yet (docs/gpu_report.md, the embed stage).
+  `auto` keeps the kernels above everywhere until a GPU session has measured flex faster with a bounded number of
+  compiles over a real pass's batch lengths (docs/gpu_report.md, the embed stage); `flex` runs it for the corpus
+  pass and training (CUDA, towers without dropout), `eager` nowhere.
 """
 
 from __future__ import annotations
@@ -77,8 +77,8 @@ def t5_attention(model: nn.Module, kernel: str):
 
 def pass_attention(encoder_kernel: str, device: torch.device) -> str:
     """The kernel a corpus pass (`embed_rows`, no gradient) runs the towers' T5s on for `retriever.encoder_kernel`
-    on `device`: FLEX for flex, and for auto on CUDA; eager otherwise (measured faster than SDPA above)."""
-    return FLEX if encoder_kernel == "flex" or (encoder_kernel == "auto" and device.type == "cuda") else "eager"
+    on `device`: FLEX for flex; eager otherwise (measured faster than SDPA above; flex's speed on `device` is not)."""
+    return FLEX if encoder_kernel == "flex" else "eager"
 
 
 def use_encoder_kernel(model: nn.Module, encoder_kernel: str) -> nn.Module:
@@ -92,10 +92,10 @@ def use_encoder_kernel(model: nn.Module, encoder_kernel: str) -> nn.Module:
     if encoder_kernel == "flex":
         if not runs_on_cuda():
             raise ConfigError("retriever.encoder_kernel=flex: torch's FlexAttention has no backward on CPU; use auto "
-                              "or eager on CPU (auto runs flex for the corpus pass on CUDA)")
+                              "or eager on CPU")
         dropout = max((float(config.dropout_rate) for config in t5_configs(model)), default=0.0)
         if dropout > 0:
             raise ConfigError(f"retriever.encoder_kernel=flex: the towers' T5 has dropout_rate {dropout}, which "
-                              "FlexAttention cannot apply to attention probabilities; use auto (flex for the corpus "
-                              "pass only) or eager, or a checkpoint with dropout_rate 0")
+                              "FlexAttention cannot apply to attention probabilities; use auto or eager, or a "
+                              "checkpoint with dropout_rate 0")
     return set_t5_attention(model, FLEX if encoder_kernel == "flex" else "eager")
