@@ -230,10 +230,15 @@ class RetrieverConfig:
     train_passage_encoder: bool = True  # false = query-side-only training
     max_query_length: int = 32
     max_passage_length: int = 128
+    # the towers' T5 attention (rag_train/models/attention.py): auto = the kernels measured fastest (eager corpus
+    # passes; training eager on CPU, SDPA on CUDA); flex = FlexAttention for the corpus pass and training (CUDA only,
+    # towers without dropout; its GPU speed not measured yet); eager = eager everywhere
+    encoder_kernel: str = "auto"
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
 
     def __post_init__(self) -> None:
         check_choice("retriever", "pooling", self.pooling, ("mean", "cls"))
+        check_choice("retriever", "encoder_kernel", self.encoder_kernel, ("auto", "eager", "flex"))
         check_positive("retriever", "projection_dim", self.projection_dim)
         check_positive("retriever", "max_query_length", self.max_query_length)
         check_positive("retriever", "max_passage_length", self.max_passage_length)

@@ -16,7 +16,7 @@ import torch
 
 from rag_train.config import ConfigError
 from rag_train.losses import retrieval_scores
-from rag_train.strategies.corrector import DRIFT_KEY, CorrectorConfig, Pair, tracking_values
+from rag_train.strategies.corrector import WATCHABLE, CorrectorConfig, Pair, tracking_values
 from rag_train.train.batching.base import StepParts, my_passages, subset_losses
 from rag_train.train.curves import STRATEGY_PLOT
 from rag_train.train.retriever import train_retriever
@@ -80,7 +80,7 @@ def test_hidden_multiple_sets_the_width_from_the_buffer_dimension(world):
     assert strategy.corrector.hidden == round(2.5 * strategy.buffer.dim) and strategy.buffer.dim > 0
     assert CorrectorConfig(hidden=12).width(strategy.buffer.dim) == 12  # 0: `hidden` as written
     for key, value in [("hidden_multiple", -1.0), ("updates", 0), ("replay_steps", -1), ("refresh_below", 1.5),
-                       ("refresh_window", 0)]:
+                       ("refresh_window", 0), ("refresh_watch", "loss")]:
         with pytest.raises(ConfigError, match=f"strategy.corrector.{key}"):
             CorrectorConfig(**{key: value})
     with pytest.raises(ConfigError, match="rounds to 0"):
@@ -158,21 +158,23 @@ def test_tracking_values_match_a_hand_computation():
                            for f, c in zip(fresh_scores.numpy(), corrected_scores.numpy())])
         assert values["corrector/cos_stale"].item() == pytest.approx(cosine(stale, fresh), abs=1e-6)
         assert values["corrector/cos_corrected"].item() == pytest.approx(cosine(corrected, fresh), abs=1e-6)
-        assert values[DRIFT_KEY].item() == pytest.approx(overlap, abs=1e-7)  # float32
+        assert values["corrector/subset_overlap@4"].item() == pytest.approx(overlap, abs=1e-7)  # float32
 
 
-def test_refresh_policy_re_embeds_when_the_windowed_overlap_falls_below(world, tmp_path):
-    """Window 2, threshold 0.5, a scripted overlap per step: re-embedded after steps 4 and 7 only (window means 0.35
-    and 0.15; 0.55 at step 6 is not below), with the encoder of that moment, counted; h back to the identity; search
-    and h's input read the re-embedded buffer; the state survives a checkpoint."""
-    own = CorrectorConfig(hidden=12, refresh_below=0.5, refresh_window=2, standardize=True)
+@pytest.mark.parametrize("watch", WATCHABLE)
+def test_refresh_policy_re_embeds_when_the_windowed_value_falls_below(world, tmp_path, watch):
+    """Window 2, threshold 0.5, the watched value scripted per step (the other tracked values stay at 0.95): re-embedded
+    after steps 4 and 7 only (window means 0.35 and 0.15; 0.55 at step 6 is not below), with the encoder of that
+    moment, counted; h back to the identity; search and h's input read the re-embedded buffer; the state survives a
+    checkpoint."""
+    own = CorrectorConfig(hidden=12, refresh_below=0.5, refresh_window=2, standardize=True, refresh_watch=watch)
     strategy, model = make(world, "corrector", corrector=own)
     perturb(strategy.corrector, scale=0.5, seed=44)
     overlaps = [0.9, 0.8, 0.4, 0.3, 0.9, 0.2, 0.1, 0.6]
     stale, vectors = stale_matrix(world), strategy.vectors.clone()
     for step, value in enumerate(overlaps, 1):
         perturb(model, seed=100 + step)
-        strategy.tracked = {DRIFT_KEY: torch.tensor(value)}
+        strategy.tracked = {f"corrector/{key}": torch.tensor(value if key == watch else 0.95) for key in WATCHABLE}
         strategy.trained = True  # as `auxiliary_loss` leaves it
         strategy.after_step(step)
         if step not in (4, 7):
@@ -223,7 +225,8 @@ def test_scripted_drift_re_embeds_at_its_crossings_and_counts_them(scripted):
     assert metrics["strategy_summary"]["refresh_steps"] == drift.REFRESH_STEPS
     assert metrics["reembedded_passages"] == len(drift.REFRESH_STEPS) * 300  # the whole buffer each time
     log = json.loads((out / "metrics.json").read_text())["strategy_log"]
-    assert log["step"] == list(range(1, len(drift.DRIFT) + 1)) and log[DRIFT_KEY] == pytest.approx(drift.DRIFT)
+    assert log["step"] == list(range(1, len(drift.DRIFT) + 1))
+    assert log["corrector/subset_overlap@4"] == pytest.approx(drift.DRIFT)
     assert {"corrector/cos_stale", "corrector/cos_corrected"} <= set(log)
     assert (out / STRATEGY_PLOT).stat().st_size > 0
 

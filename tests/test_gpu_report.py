@@ -133,12 +133,18 @@ def test_embed_counts_every_passage_at_exactly_its_length_and_the_rates_follow(q
         assert r["ours_fraction_of_peak"] == pytest.approx(flops * r["passages"] / r["ours_seconds"] / peak)
         assert r["max_abs_diff"] < 1e-4  # embed_rows and SentenceTransformer.encode give the same vectors
         assert sum(r["profile"]["share"].values()) == pytest.approx(1.0)
+        assert r["ours_kernel"] == "eager" and set(r["kernels"]) == {"eager", "flex"}  # auto on CPU: eager
+        for timed in r["kernels"].values():
+            assert timed["fraction_of_peak"] == pytest.approx(flops * r["passages"] / timed["seconds"] / peak)
+        # fp32 on CPU: FlexAttention's vectors are eager's, on these passages and on padded batches of toy ones
+        assert r["min_cosine_flex_vs_eager"] > 0.9999 and r["padded_min_cosine_flex_vs_eager"] > 0.9999
         cached = r["cached"]  # from the token cache: the bytes of the tokenising pass, at its own rate
         assert cached["max_abs_diff"] == 0.0
         assert cached["passages_per_s"] == pytest.approx(r["passages"] / cached["seconds"])
         assert cached["fraction_of_peak"] == pytest.approx(flops * r["passages"] / cached["seconds"] / peak)
     assert len(record["goals"]) == 3 and record["goals"][2]["goal"].startswith("tiny tower, ids from the token cache")
     assert record["goals"][0]["value"] is None and all(goal["met"] is None for goal in record["goals"])
+    assert "| tower | tokens | eager psg/s | of peak | flex psg/s |" in (quick_run["out"] / "embed.md").read_text()
 
 
 def test_forward_rates_follow_the_hand_counted_flops_and_the_tokeniser_truncates(quick_run):

@@ -46,7 +46,7 @@ LAYERS = [
           "tokenizer, FiD collation", "config"),
     Layer("3 models", ("rag_train.models",),
           "`models/`: `DualEncoder` (f, g), `FiDReader`, `Corrector` (h), tiny T5 configs, the attention kernel a "
-          "T5 runs on CPU", "data (tokenizer)"),
+          "T5 runs (`attention`; `fast_t5`: T5's encoder attention on FlexAttention)", "data (tokenizer)"),
     Layer("4 buffer", ("rag_train.buffer",),
           "`buffer/`: on-disk stale buffer (`store`), `build_buffer`, `embed_rows`, the corpus's token ids computed "
           "once (`tokens`), chunked and sharded `search`, SG trees and their samplers (`sg_tree`), Nyström "

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from rag_lab.experiments import PROBED_VALUES, batching_setups, batching_sweep_table, probe_table
-from rag_lab.reproduction import command, corrector_regime, generative
+from rag_lab.reproduction import command, corrector_refresh, corrector_regime, generative
 from rag_lab.reproduction.analysis import ANALYSIS
 from rag_lab.reproduction.budgets import FULL, QUICK
 from rag_lab.reproduction.plan import RETRIEVER_CONFIG, TABLE3, TABLE3_LM, Plan, Run, run_all
@@ -25,13 +25,13 @@ from rag_train.train.schema import RetrieverTrainConfig, RLMConfig
 from rag_train.train.warm_start import stage_settings
 
 ROOT = Path(__file__).resolve().parents[1]
-SEED_SECTIONS = ("dynnibal", "large_batches", "generative", "described", "corrector_regime")
+SEED_SECTIONS = ("dynnibal", "large_batches", "generative", "described", "corrector_regime", "corrector_refresh")
 
 
 @pytest.fixture(scope="module")
 def seed_sections(tmp_path_factory) -> Path:
-    """`reproduce.py --quick --only dynnibal large_batches generative described corrector_regime --jobs 2` once, as a
-    user runs several
+    """`reproduce.py --quick --only dynnibal large_batches generative described corrector_regime corrector_refresh
+    --jobs 2` once, as a user runs several
     sections: the seed papers' sections and seed 000's Table 1 on a described world share the run's fork server (one
     invocation instead of four), writing each finished run's evidence beside the runs. The tests below each read their
     section's runs and report from it."""
@@ -677,3 +677,107 @@ def test_quick_corrector_regime_section_feeds_each_row_its_subset(seed_sections)
     m = metrics["c-corrector"]
     assert (f"| (c) = (b), 10.7x D wide | paper | 1 | 0 | {100 * m['recall']['1']:.1f} | "
             f"{100 * m['recall']['5']:.1f} |") in section
+
+
+def test_corrector_refresh_plans_its_rows_on_the_paper_feed_from_the_regimes_world(tmp_path):
+    """The drift-aware refresh's rows: corrector_regime's world, LM and budget, the paper feed; the exhaustive rows
+    differ from corrector_regime's exhaustive only in their interval, the drift rows from its (d) only in the refresh
+    keys (watching cos(B[y], g(y)))."""
+    plan = Plan(tmp_path, FULL, [0, 1, 2], [256], tmp_path / "docs")
+    runs = plan.section("corrector_refresh")
+    assert len(runs) == len(FULL.corrector_regime_worlds) * 3 * len(corrector_refresh.ROWS)
+    assert len({r.out for r in runs}) == len(runs)
+    world = FULL.corrector_regime_worlds[0]
+    model = f"retriever.model={plan.described_lm(world).folder()}"
+
+    def config(run: Run):
+        return load_config(RetrieverTrainConfig, RETRIEVER_CONFIG, [o for o in run.overrides if o != model])
+
+    regime = {row: config(plan.corrector_regime_run(world, row, 1)) for row in ("b-exhaustive", "d-corrector")}
+    for row, (_, strategy, _) in corrector_refresh.ROWS.items():
+        run = plan.corrector_refresh_run(world, row, 1)
+        assert model in run.overrides and run.out.parent.parent.name == "corrector_refresh"
+        c = config(run)
+        base = regime["b-exhaustive" if strategy == "exhaustive" else "d-corrector"]
+        if strategy == "exhaustive":
+            assert c.strategy.refresh_every == {"exhaustive-every500": 500, "exhaustive-every1000": 1000}[row]
+            c.strategy.refresh_every = base.strategy.refresh_every
+        else:
+            own = c.strategy.corrector
+            assert (own.refresh_watch, own.refresh_window, own.refresh_below) == (
+                "cos_stale", 10, {"corrector-below50": 0.5, "corrector-below25": 0.25}[row])
+            own.refresh_watch, own.refresh_below = "subset_overlap@4", 0.0
+        c.train.output_dir = base.train.output_dir
+        assert c == base, row
+
+
+def test_corrector_refresh_collects_seeds_where_its_rows_and_the_reused_ones_finished(tmp_path):
+    """Seed 0: every row of both sections; seed 1: this section's rows but not corrector_regime's SNM; seed 2: the
+    reused rows but one of this section's missing. Only seed 0 counts, in every row."""
+    plan = Plan(tmp_path, QUICK, [0, 1, 2], [64], tmp_path / "docs")
+    world = QUICK.corrector_regime_worlds[0]
+    reused = [row for row in corrector_refresh.REUSED if row != "b-snm"]
+    own = list(corrector_refresh.ROWS)
+    every = list(corrector_refresh.REUSED)
+    finished = {0: (every, own), 1: (reused, own), 2: (every, own[1:])}
+    for seed, (regime_rows, refresh_rows) in finished.items():
+        outs = ([plan.corrector_regime_run(world, row, seed).out for row in regime_rows]
+                + [plan.corrector_refresh_run(world, row, seed).out for row in refresh_rows])
+        for index, out in enumerate(outs):
+            out.mkdir(parents=True)
+            (out / "metrics.json").write_text(json.dumps(retriever_metrics(0.1 * seed + 0.01 * index)))
+    rows = plan.collect()["corrector_refresh"]["worlds"]["w300-s1"]
+    assert set(rows) == {*corrector_refresh.REUSED, *corrector_refresh.ROWS}
+    assert all(len(runs) == 1 and runs[0]["recall"]["1"] < 0.1 for runs in rows.values())
+
+
+def test_corrector_refresh_report_puts_each_row_on_the_cost_closure_curve():
+    """By hand: stale 0.40 / 0.50, exhaustive (every 50, 120,000 passages) 0.80 / 0.70, gap of the means 45 -> 75.
+    The drift row at 0.72 / 0.74 closes (73 - 45) / 30 = 93% at R@1 and re-embeds 6,000 = 5.0% of exhaustive's: the
+    goal holds at R@1; at R@5 (r1 + 0.1) it also closes 93%, R@20 / R@100 have no gap (n/a), so it is not reached.
+    Rows are ordered by passages re-embedded; refresh steps are listed per seed."""
+    def runs(values, reembedded, refresh_steps=None):
+        out = [retriever_metrics(v, reembedded=reembedded) for v in values]
+        for m, steps in zip(out, refresh_steps or []):
+            m["strategy_summary"] = {"refresh_steps": steps}
+        return out
+
+    rows = {"b-stale": runs([0.40, 0.50], 0), "b-exhaustive": runs([0.80, 0.70], 120_000),
+            "b-snm": runs([0.60, 0.62], 20_000), "d-corrector": runs([0.50, 0.52], 0),
+            "corrector-below25": runs([0.72, 0.74], 6_000, [[180, 900], [200, 1100]]),
+            "exhaustive-every1000": runs([0.60, 0.60], 6_000), "corrector-below50": [], "exhaustive-every500": []}
+    text = "\n".join(corrector_refresh.corrector_refresh_section({"worlds": {"w3000-s1": rows}}))
+    table = [line for line in text.splitlines() if line.startswith("| ") and "seeds" not in line]
+    assert [line.split(" | ")[0][2:] for line in table] == [
+        "stale", "(d) = (c), 2 updates of h per step, replay of 4 steps", "(d) + refresh when cos(B[y], g(y)) < 0.25",
+        "exhaustive, every 1,000 steps", "SNM", "exhaustive"]
+    assert "| (d) + refresh when cos(B[y], g(y)) < 0.25 | 2 | 6,000 | 5.0% | 73.0 ± 1.4 | 83.0 ± 1.4 |" in text
+    assert ("| exhaustive, every 1,000 steps | 2 | 6,000 | 5.0% | 60.0 ± 0.0 | 70.0 ± 0.0 | 100.0 ± 0.0 | 100.0 ± 0.0 "
+            "| 50% | 50% | n/a | n/a |") in text
+    assert "| SNM | 2 | 20,000 | 16.7% |" in text
+    assert "- (d) + refresh when cos(B[y], g(y)) < 0.25: re-embedded after steps [180, 900]; [200, 1100]" in text
+    assert ("**not reached**. (d) + refresh when cos(B[y], g(y)) < 0.25: 5.0% of the re-embedding, closed R@1 93%, "
+            "R@5 93%, R@20 n/a, R@100 n/a.") in text
+    assert "_(not run: `--only corrector_refresh`)_" in "\n".join(corrector_refresh.corrector_refresh_section(None))
+
+
+@pytest.mark.xdist_group("seed_sections")
+def test_quick_corrector_refresh_section_reuses_the_regimes_rows(seed_sections):
+    """`reproduce.py --quick --only corrector_regime corrector_refresh` end to end (`seed_sections`): each row ran on
+    the regime's world and feed with its refresh keys, counted what it re-embedded, and the report's curve shows
+    them beside the reused corrector_regime rows, with their metrics."""
+    runs = seed_sections
+    folder, regime = runs / "corrector_refresh" / "w300-s1", runs / "corrector_regime" / "w300-s1"
+    for row, (_, strategy, _) in corrector_refresh.ROWS.items():
+        config = (folder / f"{row}-seed0" / "config.yaml").read_text()
+        m = json.loads((folder / f"{row}-seed0" / "metrics.json").read_text())
+        assert f"name: {strategy}\n" in config and "top_k: 8\n" in config and "uniform_negatives: 8\n" in config
+        if strategy == "corrector":
+            assert "refresh_watch: cos_stale\n" in config
+            assert m["reembedded_passages"] == 300 * len(m["strategy_summary"]["refresh_steps"])
+    report = (runs / "report" / "reproduction.md").read_text()
+    section = report[report.index("## The drift-aware refresh"):]
+    for row, source in (("b-stale", regime), ("b-exhaustive", regime), ("exhaustive-every1000", folder)):
+        m = json.loads((source / f"{row}-seed0" / "metrics.json").read_text())
+        assert (f"| {corrector_refresh.label(row)} | 1 | {m['reembedded_passages']:,} | "
+                f"{100 * m['reembedded_passages'] / 1200:.1f}% | {100 * m['recall']['1']:.1f} |") in section

@@ -47,6 +47,11 @@ Sections (--only):
             proportions (16, top-8 + 8 uniform), where the corrector is also tried 10.7x D wide and with extra
             updates and a replay, beside SNM and the trainable cache; closure at R@1/5/20/100 within each feed
             (rag_lab/reproduction/corrector_regime.py). 30 runs of 5-30 min on one core.
+  corrector_refresh
+            the drift-aware refresh (the corrector re-embedding the buffer when its drift crosses a threshold)
+            against exhaustive every 500 and 1,000 steps, on corrector_regime's world and paper feed, whose stale,
+            exhaustive, SNM and corrector rows it reuses: the gap closed against the passages re-embedded
+            (rag_lab/reproduction/corrector_refresh.py). 12 runs of 10-40 min on one core.
 
 Cost on 2 CPU cores (estimated from single runs, one torch thread per run): table1 + ablation + curves with
 the default 3 seeds about 35 min (a 300-step run is 40-70 s); table3 is dominated by the shared reader warm start

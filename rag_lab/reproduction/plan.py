@@ -20,7 +20,7 @@ from typing import Callable, Optional
 import torch
 
 from rag_lab.experiments import compare_batching_main, run_once
-from rag_lab.reproduction import corrector_regime, described, dynnibal, evidence, generative
+from rag_lab.reproduction import corrector_refresh, corrector_regime, described, dynnibal, evidence, generative
 from rag_lab.reproduction.budgets import Budget
 from rag_lab.reproduction.large_batches import large_batches_outputs
 from rag_train.config import load_config
@@ -36,7 +36,7 @@ RLM_CONFIG = ROOT / "configs" / "toy" / "rlm.yaml"
 GENERATIVE_CONFIG = ROOT / "configs" / "toy" / "generative.yaml"
 LM_CONFIG = ROOT / "configs" / "toy" / "lm.yaml"
 SECTIONS = ("table1", "table3", "ablation", "curves", "synthetic", "large_batches", "dynnibal", "generative",
-            "described", "corrector_regime")
+            "described", "corrector_regime", "corrector_refresh")
 INITS = ("random", "lm", "pretrained")
 INIT_LABELS = {"random": "random init (no counterpart in the paper)", "lm": "LM-pretrained init (paper: T5-base)",
                "pretrained": "retrieval-pretrained init (paper: GTR-base)"}
@@ -284,6 +284,16 @@ class Plan:
                    ["train.tracker=null", *self.described_args(world),
                     f"retriever.model={self.described_lm(world).folder()}", *budget, *overrides, f"train.seed={seed}"])
 
+    def corrector_refresh_run(self, world: tuple[int, int], row: str, seed: int) -> Run:
+        """One row of the `corrector_refresh` section (rag_lab/reproduction/corrector_refresh.py): the
+        corrector_regime section's world, LM and budget."""
+        budget = overrides_read_by(corrector_refresh.ROWS[row][1], self.budget.corrector_regime)
+        return Run("train_retriever.py", RETRIEVER_CONFIG,
+                   self.runs / "corrector_refresh" / described.world_name(*world) / f"{row}-seed{seed}",
+                   ["train.tracker=null", *self.described_args(world),
+                    f"retriever.model={self.described_lm(world).folder()}", *budget,
+                    *corrector_refresh.row_overrides(row), f"train.seed={seed}"])
+
     def table1(self, init: str, strategy: str, seed: int, extra: tuple[str, ...] = ()) -> Run:
         model = init_model(init, self.lm, self.pretrain)
         budget = overrides_read_by(strategy, self.budget.retriever)
@@ -341,6 +351,9 @@ class Plan:
         if name == "corrector_regime":
             return [self.corrector_regime_run(w, r, seed) for w in self.budget.corrector_regime_worlds
                     for seed in self.seeds for r in corrector_regime.RUN_ORDER]
+        if name == "corrector_refresh":
+            return [self.corrector_refresh_run(w, r, seed) for w in self.budget.corrector_regime_worlds
+                    for seed in self.seeds for r in corrector_refresh.ROWS]
         if name in ("synthetic", "large_batches"):  # scripts of their own, run by execute
             return []
         raise ValueError(f"unknown section {name!r}; expected one of {SECTIONS}")
@@ -366,7 +379,7 @@ class Plan:
             if section == "described":
                 for world in (*self.budget.described_worlds, self.budget.described_other_world):
                     build_lm(self.described_lm(world), threads)
-            if section == "corrector_regime":
+            if section in ("corrector_regime", "corrector_refresh"):
                 for world in self.budget.corrector_regime_worlds:
                     build_lm(self.described_lm(world), threads)
             runs = [run for run in self.section(section) if run.out not in done]
@@ -440,6 +453,8 @@ class Plan:
                                      for w in self.budget.described_worlds}},
             "corrector_regime": {"worlds": {described.world_name(*w): self.corrector_regime_rows(w)
                                             for w in self.budget.corrector_regime_worlds}},
+            "corrector_refresh": {"worlds": {described.world_name(*w): self.corrector_refresh_rows(w)
+                                             for w in self.budget.corrector_regime_worlds}},
         }
 
     def corrector_regime_rows(self, world: tuple[int, int]) -> dict[str, list[dict]]:
@@ -449,6 +464,15 @@ class Plan:
                    for seed in self.seeds]
         complete = [rows for rows in by_seed if all(m is not None for m in rows.values())]
         return {row: [rows[row] for rows in complete] for row in corrector_regime.ROWS}
+
+    def corrector_refresh_rows(self, world: tuple[int, int]) -> dict[str, list[dict]]:
+        """The section's rows and the corrector_regime rows its curve reuses, each its runs in seed order, from the
+        seeds where all of them finished (as `corrector_regime_rows`)."""
+        runs = {**{row: functools.partial(self.corrector_regime_run, world, row) for row in corrector_refresh.REUSED},
+                **{row: functools.partial(self.corrector_refresh_run, world, row) for row in corrector_refresh.ROWS}}
+        by_seed = [{row: self.metrics_of(run(seed)) for row, run in runs.items()} for seed in self.seeds]
+        complete = [rows for rows in by_seed if all(m is not None for m in rows.values())]
+        return {row: [rows[row] for rows in complete] for row in runs}
 
     def splits_manifest(self) -> Optional[dict]:
         if self.evidence is not None:

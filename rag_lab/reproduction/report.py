@@ -11,6 +11,7 @@ from rag_lab.analysis.synthetic import aggregate
 from rag_lab.experiments import cell, curve_table, recall, retrieval_curve
 from rag_lab.reproduction.analysis import rlm_analysis, rlm_curves_analysis, table1_analysis, table1_curves_analysis
 from rag_lab.reproduction.comparison import ablation_comparison, table1_comparison, table3_comparison
+from rag_lab.reproduction.corrector_refresh import corrector_refresh_section
 from rag_lab.reproduction.corrector_regime import corrector_regime_section
 from rag_lab.reproduction.described import described_section
 from rag_lab.reproduction.dynnibal import dynnibal_section
@@ -317,7 +318,8 @@ def write_report(results: dict, meta: dict, out: Path, into: Optional[Path] = No
     path = into / "reproduction.md"
     lines += (large_batches_section(out) + dynnibal_section(results.get("dynnibal"))
               + generative_section(results.get("generative")) + described_section(results.get("described"))
-              + corrector_regime_section(results.get("corrector_regime")))
+              + corrector_regime_section(results.get("corrector_regime"))
+              + corrector_refresh_section(results.get("corrector_refresh")))
     atomic_write_text(path, "\n".join(lines).rstrip() + "\n")  # StorageError on a full disk
     return path
 

@@ -37,7 +37,7 @@ from tqdm.auto import tqdm
 from rag_train.buffer.distributed import shard_range
 from rag_train.buffer.store import Buffer, definition_fingerprint
 from rag_train.data.corpus import Corpus
-from rag_train.models.attention import t5_attention
+from rag_train.models.attention import pass_attention, t5_attention
 
 CHUNK_BATCHES = 8  # rows a worker tokenises at once: this many row caps (amortises its per-call overhead)
 PENDING_COPIES = 4  # device -> host copies in flight before the oldest is waited for
@@ -46,9 +46,6 @@ PENDING_COPIES = 4  # device -> host copies in flight before the oldest is waite
 # 2-core CPU, 1 worker, batches of 256: 16 batches 1.14x, 64 batches 0.92x; docs/gpu_report.md). Per-step embeds
 # (negative cache, SNM, small refreshes) are such passes.
 WORKER_MIN_BATCHES = 32
-# every T5 inside the tower runs this attention kernel for the pass: on CUDA 1.18-1.29x faster than SDPA with T5's
-# bias for this bf16 forward (models/attention.py; the GPU report's `forward` stage times both)
-PASS_ATTENTION = "eager"
 
 
 def autocast_for(device: torch.device):
@@ -274,7 +271,8 @@ def embed_rows(model: nn.Module, corpus: Corpus, rows: np.ndarray, batch_size: i
         out[positions.to(out.device)] = vectors.to(out.device)
 
     bar = tqdm(total=len(rows), desc="embed", unit="psg", disable=not progress, leave=False)
-    with t5_attention(model, PASS_ATTENTION):
+    # the towers' T5s run the pass's kernel (`retriever.encoder_kernel`: FlexAttention on CUDA, eager on CPU)
+    with t5_attention(model, pass_attention(model.encoder_kernel, model_device)):
         for chunk in loader:
             for batch in chunk:
                 positions = batch.pop("positions")

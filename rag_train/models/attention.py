@@ -1,4 +1,5 @@
-"""Which attention kernel a T5 runs: eager wherever measured faster, transformers' choice (SDPA) elsewhere.
+"""Which attention kernel a T5 runs: eager wherever measured faster, transformers' choice (SDPA) elsewhere, and
+FlexAttention (`models/fast_t5.py`) for the retriever's towers where `retriever.encoder_kernel` picks it.
 
 T5 always adds a float bias to its attention scores (the relative position bias). transformers hands SDPA that bias
 as a float mask, rebuilt as [B, H, L, L] from bias and padding in every layer; no fused kernel wins that back.
@@ -9,7 +10,12 @@ as a float mask, rebuilt as [B, H, L, L] from bias and padding in every layer; n
 * CUDA, the encoder's forward without gradient under bf16 autocast, as `embed_rows` runs it (one H200, T5-base
   shape, 1,024 rows with half of them padded, interleaved rounds; docs/gpu_report.md): eager
   1.29x faster at 256 tokens (475 against 613 ms), 1.18x at 64. The corpus passes run eager
-  (`PASS_ATTENTION` in `buffer/embed.py`). Training steps on CUDA keep SDPA: not measured there.
+  (`pass_attention`). Training steps on CUDA keep SDPA: not measured there.
+* FlexAttention fuses the bias and the padding into one kernel (on an H100 the forward of a base-shaped tower at
+  256 tokens was 71-78% elementwise work, much of it the [B, H, L, L] fp32 scores and bias). `retriever.encoder_kernel`:
+  `auto` keeps the kernels above everywhere until a GPU session has measured flex faster with a bounded number of
+  compiles over a real pass's batch lengths (docs/gpu_report.md, the embed stage); `flex` runs it for the corpus
+  pass and training (CUDA, towers without dropout), `eager` nowhere.
 """
 
 from __future__ import annotations
@@ -19,6 +25,11 @@ import contextlib
 import torch
 from torch import nn
 
+from rag_train.config import ConfigError
+from rag_train.models.fast_t5 import FLEX
+
+ENCODER_KERNELS = ("auto", "eager", "flex")  # retriever.encoder_kernel
+
 
 def t5_configs(model: nn.Module) -> list:
     """The config of every T5 module inside `model` (the model's own, its stacks', its attention layers')."""
@@ -27,9 +38,9 @@ def t5_configs(model: nn.Module) -> list:
 
 
 def set_t5_attention(model: nn.Module, kernel: str) -> nn.Module:
-    """Every T5 inside `model` runs `kernel` ("eager", "sdpa"); returns `model`. The config attribute is read at every
-    forward; `set_attn_implementation` would refuse a subclass defined outside transformers (FiDReader) with a log
-    line, and older transformers lack it."""
+    """Every T5 inside `model` runs `kernel` ("eager", "sdpa", FLEX); returns `model`. The config attribute is read at
+    every forward; `set_attn_implementation` would refuse a subclass defined outside transformers (FiDReader) with a
+    log line, and older transformers lack it."""
     for config in t5_configs(model):
         config._attn_implementation = kernel
     return model
@@ -62,3 +73,29 @@ def t5_attention(model: nn.Module, kernel: str):
     finally:
         for config, kernel_before in zip(configs, before):
             config._attn_implementation = kernel_before
+
+
+def pass_attention(encoder_kernel: str, device: torch.device) -> str:
+    """The kernel a corpus pass (`embed_rows`, no gradient) runs the towers' T5s on for `retriever.encoder_kernel`
+    on `device`: FLEX for flex; eager otherwise (measured faster than SDPA above; flex's speed on `device` is not)."""
+    return FLEX if encoder_kernel == "flex" else "eager"
+
+
+def use_encoder_kernel(model: nn.Module, encoder_kernel: str) -> nn.Module:
+    """Every T5 inside `model` (the retriever's towers) trains and encodes on `retriever.encoder_kernel`: auto =
+    `eager_t5_attention_on_cpu`; returns `model`. ConfigError where flex cannot train: on CPU (torch's
+    FlexAttention has no backward there) and for a T5 with dropout (it cannot drop attention probabilities)."""
+    if encoder_kernel not in ENCODER_KERNELS:
+        raise ConfigError(f"retriever.encoder_kernel={encoder_kernel!r} is not one of {list(ENCODER_KERNELS)}")
+    if encoder_kernel == "auto":
+        return eager_t5_attention_on_cpu(model)
+    if encoder_kernel == "flex":
+        if not runs_on_cuda():
+            raise ConfigError("retriever.encoder_kernel=flex: torch's FlexAttention has no backward on CPU; use auto "
+                              "or eager on CPU")
+        dropout = max((float(config.dropout_rate) for config in t5_configs(model)), default=0.0)
+        if dropout > 0:
+            raise ConfigError(f"retriever.encoder_kernel=flex: the towers' T5 has dropout_rate {dropout}, which "
+                              "FlexAttention cannot apply to attention probabilities; use auto or eager, or a "
+                              "checkpoint with dropout_rate 0")
+    return set_t5_attention(model, FLEX if encoder_kernel == "flex" else "eager")

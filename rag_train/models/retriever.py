@@ -18,7 +18,7 @@ from torch import nn
 
 from rag_train.config import ConfigError, RetrieverConfig
 from rag_train.io import atomic_directory, atomic_write_json, folder_checksums, read_json, state_bytes, verify_checksums
-from rag_train.models.attention import eager_t5_attention_on_cpu
+from rag_train.models.attention import use_encoder_kernel
 
 SAVE_FORMAT_VERSION = 1
 META_FILE = "dual_encoder.json"
@@ -126,7 +126,7 @@ class DualEncoder(nn.Module):
     """f(x) = query tower, g(y) = passage tower; scores are inner products of their outputs."""
 
     def __init__(self, query_tower, passage_tower=None, max_query_length: int = 32, max_passage_length: int = 128,
-                 train_passage_encoder: bool = True):
+                 train_passage_encoder: bool = True, encoder_kernel: str = "auto"):
         super().__init__()
         self.query_encoder = query_tower
         self.passage_encoder = passage_tower if passage_tower is not None else query_tower
@@ -139,7 +139,8 @@ class DualEncoder(nn.Module):
             passage_tower.requires_grad_(train_passage_encoder)
         if self.query_encoder.get_embedding_dimension() != self.passage_encoder.get_embedding_dimension():
             raise ValueError("query and passage towers give vectors of different sizes")
-        eager_t5_attention_on_cpu(self)
+        self.encoder_kernel = encoder_kernel  # retriever.encoder_kernel; `embed_rows` reads it for the corpus pass
+        use_encoder_kernel(self, encoder_kernel)
 
     @property
     def shared_towers(self) -> bool:
@@ -165,10 +166,12 @@ class DualEncoder(nn.Module):
                 raise ConfigError(f"retriever.tokenizer={cfg.tokenizer!r} cannot override the tokenizer of the saved "
                                   f"retriever {cfg.model}; leave it unset")
             return cls(saved.query_encoder, None if saved.shared_towers else saved.passage_encoder,
-                       cfg.max_query_length, cfg.max_passage_length, cfg.train_passage_encoder).train()
+                       cfg.max_query_length, cfg.max_passage_length, cfg.train_passage_encoder,
+                       cfg.encoder_kernel).train()
         query_tower = _build_tower(cfg, tokenizer, seed)
         passage_tower = None if cfg.shared_towers else copy.deepcopy(query_tower)
-        return cls(query_tower, passage_tower, cfg.max_query_length, cfg.max_passage_length, cfg.train_passage_encoder)
+        return cls(query_tower, passage_tower, cfg.max_query_length, cfg.max_passage_length, cfg.train_passage_encoder,
+                   cfg.encoder_kernel)
 
     def _encode(self, tower, texts: Sequence[str], max_length: int) -> torch.Tensor:
         if len(texts) == 0:

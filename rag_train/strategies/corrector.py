@@ -19,6 +19,7 @@ from rag_train.models.corrector import Corrector
 from rag_train.strategies.base import IndexedConfig, StrategyContext, register
 from rag_train.strategies.stale import Stale, search_device
 
+WATCHABLE = ("subset_overlap@4", "cos_stale", "cos_corrected")  # `tracking_values`' entries, without "corrector/"
 
 @dataclass
 class CorrectorConfig:
@@ -51,11 +52,14 @@ class CorrectorConfig:
     # keep the last N steps' (rows, fresh g(y), query vectors), all detached, and add them to every update of h: the
     # loss is the mean over this step's pairs and theirs. No extra embedding: B[rows] is read again, g(y) reused.
     replay_steps: int = 0
-    # drift-aware refresh (no paper): when h's top-4 overlap with the fresh scores on its own subset, averaged over
-    # the last refresh_window steps, falls below refresh_below, the buffer is re-embedded with the current passage
-    # encoder (as exhaustive does) and h is reset to the identity, exact right after a re-embed (B = g). 0 = never.
+    # drift-aware refresh (no paper): when the watched tracking value on the step's subset, averaged over the last
+    # refresh_window steps, falls below refresh_below, the buffer is re-embedded with the current passage encoder (as
+    # exhaustive does) and h is reset to the identity, exact right after a re-embed (B = g). 0 = never.
     refresh_below: float = 0.0
     refresh_window: int = 10
+    # which `tracking_values` entry it watches: subset_overlap@4 (h's top-4 against the fresh top-4), cos_stale
+    # (cos(B[y], g(y)): how far the buffer itself has drifted) or cos_corrected (cos(h(B[y]), g(y)))
+    refresh_watch: str = "subset_overlap@4"
 
     def __post_init__(self) -> None:
         check_positive("strategy.corrector", "hidden", self.hidden)
@@ -69,8 +73,10 @@ class CorrectorConfig:
         check_positive("strategy.corrector", "replay_steps", self.replay_steps, allow_zero=True)
         check_positive("strategy.corrector", "refresh_below", self.refresh_below, allow_zero=True)
         if self.refresh_below > 1:
-            raise ConfigError(f"strategy.corrector.refresh_below={self.refresh_below!r} is a top-4 overlap: at most 1")
+            raise ConfigError(f"strategy.corrector.refresh_below={self.refresh_below!r} is an overlap or a cosine: "
+                              "at most 1")
         check_positive("strategy.corrector", "refresh_window", self.refresh_window)
+        check_choice("strategy.corrector", "refresh_watch", self.refresh_watch, WATCHABLE)
 
     def width(self, dim: int) -> int:
         """Hidden units for a buffer of dimension `dim`."""
@@ -96,7 +102,6 @@ class Pair(NamedTuple):
     fresh: torch.Tensor  # [S, D] or [B, k, D]
 
 
-DRIFT_KEY = "corrector/subset_overlap@4"  # the tracked value the refresh policy watches (`tracking_values`)
 
 
 @register
@@ -131,7 +136,8 @@ class CorrectorStrategy(Stale):
         # h's own optimizer for the updates after the first (its moments are checkpointed with the strategy)
         self.optimizer = (torch.optim.AdamW(self.corrector.parameters(), lr=own.lr, weight_decay=0.0)
                           if own.updates > 1 else None)
-        self.window: list[float] = []  # the last `refresh_window` steps' DRIFT_KEY values (mean over processes)
+        self.drift_key = f"corrector/{own.refresh_watch}"  # the `tracking_values` entry the refresh policy watches
+        self.window: list[float] = []  # the last `refresh_window` steps' watched values (mean over processes)
         self.refresh_steps: list[int] = []  # steps after which the buffer was re-embedded
         self.refreshed: Optional[torch.Tensor] = None  # the re-embedded buffer, every row (after a refresh)
 
@@ -232,9 +238,10 @@ class CorrectorStrategy(Stale):
                 return
 
     def watch_drift(self, step: int) -> None:
-        """The refresh policy: re-embed when the windowed mean of DRIFT_KEY (over processes) is below the threshold."""
+        """The refresh policy: re-embed when the windowed mean of the watched value (over processes) is below the
+        threshold."""
         acc, own = self.ctx.accelerator, self.cfg.corrector
-        value = self.tracked[DRIFT_KEY].detach().float().reshape(1).to(acc.device)
+        value = self.tracked[self.drift_key].detach().float().reshape(1).to(acc.device)
         if acc.num_processes > 1:
             value = acc.reduce(value, "mean")
         self.window = (self.window + [value.item()])[-own.refresh_window:]

@@ -19,13 +19,13 @@ REFRESH_STEPS = [3, 5]
 
 def script_drift(patch=setattr) -> None:
     """Replace the tracked overlap with DRIFT[step] after each corrector loss (`patch`: setattr or monkeypatch's)."""
-    from rag_train.strategies.corrector import DRIFT_KEY, CorrectorStrategy
+    from rag_train.strategies.corrector import CorrectorStrategy
 
     original = CorrectorStrategy.auxiliary_loss
 
     def scripted(self, *args):
         loss = original(self, *args)
-        self.tracked[DRIFT_KEY] = torch.tensor(DRIFT[self.step])
+        self.tracked[self.drift_key] = torch.tensor(DRIFT[self.step])
         return loss
 
     patch(CorrectorStrategy, "auxiliary_loss", scripted)

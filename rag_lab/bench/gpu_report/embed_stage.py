@@ -1,5 +1,6 @@
-"""The `embed` stage: `embed_rows` against `SentenceTransformer.encode`, where `embed_rows`' host time goes, and
-`embed_rows` reading token ids from the token cache (buffer/tokens.py: tokenisation out of the loop)."""
+"""The `embed` stage: `embed_rows` against `SentenceTransformer.encode`, its corpus pass on eager attention against
+FlexAttention side by side (`retriever.encoder_kernel`), `embed_rows` reading token ids from the token cache
+(buffer/tokens.py: tokenisation out of the loop), and where `embed_rows`' host time goes."""
 
 from __future__ import annotations
 
@@ -16,12 +17,15 @@ from rag_lab.bench.gpu_report.common import (
     register,
 )
 
-# sizes that ran in 142 s on an H100; 4x these outran a 300 s budget (ST.encode of 262,144 tiny rows
-# alone takes a minute: its tokenisation runs in one process)
+# sizes that ran in 142 s on an H100 before the eager / flex passes (about twice the embed_rows passes, and flex's
+# compiles: an estimate, not measured); 4x these outran a 300 s budget (ST.encode of 262,144 tiny rows alone takes
+# a minute: its tokenisation runs in one process)
 EMBED_GPU = {"shapes": ("tiny", "small", "base"), "lengths": (64, 128, 256), "at_128": {"tiny": 32768,
-             "small": 4096, "base": 2048}, "batch_size": 1024, "workers": 8, "repeats": 2}
+             "small": 4096, "base": 2048}, "batch_size": 1024, "workers": 8, "repeats": 2, "padded_rows": 2000}
 EMBED_QUICK = {"shapes": ("tiny",), "lengths": (64, 128, 256), "at_128": {"tiny": 16}, "batch_size": 8,
-               "workers": 0, "repeats": 1}
+               "workers": 0, "repeats": 1, "padded_rows": 12}
+KERNELS = ("eager", "flex")  # the corpus pass's kernels timed side by side (retriever.encoder_kernel)
+MIN_COSINE = 0.99  # flex's vectors against eager's, per row: the bf16 tolerance of the forward stage's checks
 
 
 def profile_embed(model, corpus, rows, batch_size: int, device) -> dict:
@@ -75,6 +79,32 @@ def profile_embed(model, corpus, rows, batch_size: int, device) -> dict:
     return {"seconds": total, "share": {k: v / total for k, v in seconds.items()}, **seen}
 
 
+def kernel_pass(model, kernel: str, corpus, rows, cfg: dict, device) -> tuple:
+    """(best seconds of `embed_rows` over `rows` with the corpus pass on `kernel`, its vectors); the model's own
+    encoder_kernel (auto) is put back after."""
+    from rag_lab.bench.machine import synchronize
+    from rag_train.buffer.embed import embed_rows
+
+    best, chosen = float("inf"), model.encoder_kernel
+    model.encoder_kernel = kernel  # what embed_rows reads: retriever.encoder_kernel
+    try:
+        for _ in range(cfg["repeats"]):
+            synchronize(device)
+            start = time.perf_counter()
+            vectors = embed_rows(model, corpus, rows, cfg["batch_size"], device, num_workers=cfg["workers"])
+            synchronize(device)
+            best = min(best, time.perf_counter() - start)
+    finally:
+        model.encoder_kernel = chosen
+    return best, vectors
+
+
+def min_cosine(a, b) -> float:
+    import torch
+
+    return torch.nn.functional.cosine_similarity(a.float(), b.float(), dim=1).min().item()
+
+
 def time_cached(model, corpus, rows, batch_size: int, workers: int, device, repeats: int, folder) -> dict:
     """Best seconds of `embed_rows` reading ids from a token cache of `corpus` at `folder` (built there first, or
     reused: every tower of one length shares it), the build's seconds, and the largest difference to the vectors
@@ -104,7 +134,10 @@ def stage_embed(ctx: Context) -> dict:
 
     from rag_lab.bench.embed import SHAPES, encoder_flops, long_passages, time_both
     from rag_train.config import RetrieverConfig
+    from rag_train.data.corpus import Corpus
     from rag_train.data.toy_files import generate_toy_world
+    from rag_train.models.attention import pass_attention
+    from rag_train.models.fast_t5 import FLEX
     from rag_train.models.retriever import DualEncoder
 
     cfg = EMBED_QUICK if ctx.quick else EMBED_GPU
@@ -112,6 +145,9 @@ def stage_embed(ctx: Context) -> dict:
     peak, peak_how = gemm_peak(device)
     toy = ctx.work / "toy"
     generate_toy_world(toy, TOY_PASSAGES[ctx.quick], seed=0, progress=False)
+    toy_corpus = Corpus.open(toy / "passages.jsonl")  # passages of varied lengths: padded batches for the flex check
+    padded_rows = np.arange(min(cfg["padded_rows"], len(toy_corpus)))
+    ours_kernel = "flex" if pass_attention("auto", device) == FLEX else "eager"
     results = []
     for length in cfg["lengths"]:
         counts = {shape: max(8, cfg["at_128"][shape] * 128 // length) for shape in cfg["shapes"]}
@@ -132,14 +168,32 @@ def stage_embed(ctx: Context) -> dict:
                                  ctx.work / f"tokens-{length}")
             flops = encoder_flops(model, length) * len(rows)
             cached["fraction_of_peak"] = flops / cached["seconds"] / peak
-            results.append({"shape": shape, "length": length, "passages": len(rows), "ours_seconds": ours,
+            kernels, vectors = {}, {}
+            for kernel in KERNELS:
+                seconds, vectors[kernel] = kernel_pass(model, kernel, corpus, rows, cfg, device)
+                kernels[kernel] = {"seconds": seconds, "passages_per_s": len(rows) / seconds,
+                                   "fraction_of_peak": flops / seconds / peak}
+            agreement = min_cosine(vectors["flex"], vectors["eager"])
+            padded = {kernel: kernel_pass(model, kernel, toy_corpus, padded_rows, dict(cfg, repeats=1), device)[1]
+                      for kernel in KERNELS}
+            padded_agreement = min_cosine(padded["flex"], padded["eager"])
+            if not (agreement > MIN_COSINE and padded_agreement > MIN_COSINE):
+                raise StageCheckError(f"embed {shape} at {length} tokens: FlexAttention's vectors at cosine "
+                                      f"{agreement:.4f} of eager's ({padded_agreement:.4f} on padded toy passages)")
+            results.append({"shape": shape, "length": length, "passages": len(rows), "ours_kernel": ours_kernel,
+                            "kernels": kernels, "min_cosine_flex_vs_eager": agreement,
+                            "padded_passages": len(padded_rows), "padded_min_cosine_flex_vs_eager": padded_agreement,
+                            "ours_seconds": ours,
                             "st_seconds": st, "ours_passages_per_s": len(rows) / ours,
                             "st_passages_per_s": len(rows) / st, "ours_fraction_of_peak": flops / ours / peak,
                             "st_fraction_of_peak": flops / st / peak, "flops_per_passage": flops / len(rows),
                             "max_abs_diff": diff, "profile": profile, "cached": cached})
             print(f"embed {shape:>5} {length:>3} tok {len(rows):>7} psg: embed_rows {len(rows) / ours:10.0f} psg/s "
-                  f"({flops / ours / peak:.3f} of peak), ST {len(rows) / st:10.0f} psg/s, max|diff| {diff:.1e}; from "
-                  f"the token cache {cached['passages_per_s']:10.0f} psg/s", flush=True)
+                  f"({flops / ours / peak:.3f} of peak, {ours_kernel}), ST {len(rows) / st:10.0f} psg/s, max|diff| "
+                  f"{diff:.1e}; eager {kernels['eager']['passages_per_s']:10.0f} psg/s "
+                  f"({kernels['eager']['fraction_of_peak']:.3f}), flex {kernels['flex']['passages_per_s']:10.0f} psg/s "
+                  f"({kernels['flex']['fraction_of_peak']:.3f}), min cosine {agreement:.5f} (padded "
+                  f"{padded_agreement:.5f}); from the token cache {cached['passages_per_s']:10.0f} psg/s", flush=True)
             del model
     pick = {(r["shape"], r["length"]): r for r in results}
     base = pick.get(("base", 256))
@@ -170,6 +224,7 @@ def render_embed(record: dict) -> list[str]:
                      f"{r['ours_fraction_of_peak']:.3f} | {r['st_passages_per_s']:,.0f} | "
                      f"{r['st_fraction_of_peak']:.3f} | {r['st_seconds'] / r['ours_seconds']:.2f}x | "
                      f"{r['max_abs_diff']:.1e} |")
+    lines += kernel_lines(record)
     missing = [x for x in ("tiny", "small", "base") if x not in s["shapes"]]
     if missing:
         lines.append(f"\n(Not run at this size: {', '.join(missing)}.)")
@@ -198,9 +253,34 @@ def render_embed(record: dict) -> list[str]:
     return lines
 
 
+def kernel_lines(record: dict) -> list[str]:
+    """The eager / flex table, for fragments that have it (those of before it do not)."""
+    results = [r for r in record["results"] if "kernels" in r]
+    if not results:
+        return ["", "The corpus pass on eager against FlexAttention: not in this fragment (the stage's side-by-side "
+                "came after this run)."]
+    lines = ["", f"The corpus pass on each attention kernel, side by side in this run (`embed_rows` with "
+             f"`retriever.encoder_kernel` eager, then flex: T5's encoder on FlexAttention, rag_train/models/fast_t5.py;"
+             f" the `embed_rows` column above ran `auto`'s choice on this device, {results[0]['ours_kernel']}). The "
+             f"cosines are the lowest per row between the two kernels' vectors, on these passages and on "
+             f"{results[0]['padded_passages']:,} toy passages of varied lengths (padded batches); the stage fails "
+             f"below {MIN_COSINE}.", "",
+             "| tower | tokens | eager psg/s | of peak | flex psg/s | of peak | flex / eager | min cosine | "
+             "min cosine, padded |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        eager, flex = r["kernels"]["eager"], r["kernels"]["flex"]
+        lines.append(f"| {r['shape']} | {r['length']} | {eager['passages_per_s']:,.0f} | "
+                     f"{eager['fraction_of_peak']:.3f} | {flex['passages_per_s']:,.0f} | "
+                     f"{flex['fraction_of_peak']:.3f} | {eager['seconds'] / flex['seconds']:.2f}x | "
+                     f"{r['min_cosine_flex_vs_eager']:.5f} | "
+                     f"{r['padded_min_cosine_flex_vs_eager']:.5f} |")
+    return lines
+
+
 STAGE = register(Stage(
-    name="embed", order=10, minutes=3,
+    name="embed", order=10, minutes=5,
     what=("embed_rows vs SentenceTransformer.encode (GPU: tiny / small / base towers at 64 / 128 / 256 "
-          "tokens), host-side profile, embed_rows from the token cache"),
+          "tokens), its corpus pass on eager vs FlexAttention attention, host-side profile, embed_rows from the token "
+          "cache"),
     run=stage_embed, render=render_embed,
     scales="time linear in the passages per row (32k / 4k / 2k at 128 tokens for tiny / small / base)"))
