@@ -262,7 +262,7 @@ def test_assemble_lists_exactly_the_stages_present(quick_run, tmp_path):
     text = doc.read_text()
     assert "\n## embed:" in text and "\n## search:" in text
     assert "\n## step:" not in text and "\n## scale:" not in text
-    assert "Missing stages: forward, step, scale." in text
+    assert "Missing stages: forward, step, scale, scale_base." in text
     assert "| step | **missing** |" in text and "| scale | **missing** |" in text
     assert "## Findings" not in text
     (partial / document.NOTES).write_text("## Findings\n\nwhy the figures are what they are\n")
