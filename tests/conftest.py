@@ -103,3 +103,33 @@ def described_world(tmp_path_factory):
     """A 1,200-passage described toy world (seed 5, no tokenizer): its paths (`toy_paths`)."""
     return generate_toy_world(tmp_path_factory.mktemp("described"), 1200, 5, progress=False, tokenizer_vocab=None,
                               retrieval="described")
+
+
+@pytest.fixture(scope="session")
+def two_process_retriever_runs(recipe_toy_dir, tmp_path_factory):
+    """The folder of the retriever runs that the two-process tests compare with one process
+    (tests/test_train_retriever.py: strategies; tests/test_batching.py: batching options), `two-NAME` each, all
+    trained by ONE `accelerate launch` of 2 gloo processes (tests/dist/retriever_runs.py runs them in turn): one
+    launcher and two fresh interpreters for both tests instead of one set each. Both tests are in the xdist group
+    `retriever_runs`, so one worker launches it once."""
+    import subprocess
+
+    from rag_train.launch import launch_command
+
+    import test_batching
+    import test_train_retriever
+
+    out = tmp_path_factory.mktemp("two-process-retriever-runs")
+    runs = {**test_train_retriever.two_process_runs(recipe_toy_dir, out),
+            **test_batching.two_process_runs(recipe_toy_dir, out)}
+    assert len(runs) == len(test_train_retriever.TWO_PROCESS_NAMES) + len(test_batching.OPTION_KEYS) + 1  # no clash
+    root = test_train_retriever.ROOT
+    env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
+    # `--cpu --num_processes 2` starts one process in accelerate 1.x; the multi-process launcher on a machine
+    # without GPUs gives two gloo processes (TrainingRun passes cpu=True there).
+    cmd = launch_command(root / "tests" / "dist" / "retriever_runs.py", str(test_train_retriever.CONFIG),
+                         json.dumps(runs), processes=2)
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    errors = [line for line in (proc.stdout + proc.stderr).splitlines() if "Error" in line]  # the root cause
+    assert proc.returncode == 0, "\n".join(errors[:10]) + proc.stderr[-2000:]
+    return out

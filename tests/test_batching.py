@@ -8,7 +8,6 @@ from __future__ import annotations
 import copy
 import functools
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +20,6 @@ from torch import nn
 from rag_train.config import BufferConfig, ConfigError, RetrieverConfig, TinyModelConfig
 from rag_train.data.corpus import Corpus
 from rag_train.data.supervised import load_retrieval
-from rag_train.launch import launch_command
 from rag_train.models.retriever import DualEncoder, format_passage
 from rag_train.strategies import REGISTRY, StrategyConfig, StrategyContext
 from rag_train.train.batching import REGISTRY as OPTIONS
@@ -477,34 +475,40 @@ def test_cont_accum_resume_reaches_the_uninterrupted_run(recipe_toy_dir, tmp_pat
         assert torch.equal(a[key], b[key]), key
 
 
-@pytest.mark.slow
-def test_two_processes_match_one_for_every_option(recipe_toy_dir, tmp_path):
-    """One `accelerate launch` of 2 processes runs the three options in turn (tests/dist/retriever_runs.py);
-    each against the same config on one process. GradCache and ContAccum gather the global batch's passages
-    and bank the global micro-batches, so the runs agree to float tolerance. ContAccum also runs once more on two
-    processes with `probe_gradients`: bitwise the weights of the unprobed two-process run, and its probe with the
-    banks gives each step's own (reduced) gradient-norm ratio."""
-    keys = {**RECIPE, "train.steps": 3}
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    runs = {name: overrides(recipe_toy_dir, tmp_path / f"two-{name}", "in_batch", **keys, **extra)
+TWO_PROCESS_KEYS = {**RECIPE, "train.steps": 3}
+
+
+def two_process_runs(toy_dir: Path, out: Path) -> dict[str, list[str]]:
+    """The runs `test_two_processes_match_one_for_every_option` compares, `two-NAME` under `out` (the launch:
+    conftest's `two_process_retriever_runs`)."""
+    runs = {f"two-{name}": overrides(toy_dir, out / f"two-{name}", "in_batch", **TWO_PROCESS_KEYS, **extra)
             for name, extra in OPTION_KEYS.items()}
-    runs["probed"] = overrides(recipe_toy_dir, tmp_path / "two-probed", "in_batch", **keys,
-                               **OPTION_KEYS["cont_accum"], **{"batching.probe_gradients": "true"})
-    cmd = launch_command(ROOT / "tests" / "dist" / "retriever_runs.py", str(CONFIG), json.dumps(runs), processes=2)
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    errors = [line for line in (proc.stdout + proc.stderr).splitlines() if "Error" in line]
-    assert proc.returncode == 0, "\n".join(errors[:10]) + proc.stderr[-2000:]
+    runs["two-probed"] = overrides(toy_dir, out / "two-probed", "in_batch", **TWO_PROCESS_KEYS,
+                                   **OPTION_KEYS["cont_accum"], **{"batching.probe_gradients": "true"})
+    return runs
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("retriever_runs")
+def test_two_processes_match_one_for_every_option(recipe_toy_dir, tmp_path, two_process_retriever_runs):
+    """One `accelerate launch` of 2 processes runs the three options in turn, with the strategies of
+    tests/test_train_retriever.py (tests/dist/retriever_runs.py); each against the same config on one process.
+    GradCache and ContAccum gather the global batch's passages and bank the global micro-batches, so the runs agree
+    to float tolerance. ContAccum also runs once more on two processes with `probe_gradients`: bitwise the weights
+    of the unprobed two-process run, and its probe with the banks gives each step's own (reduced) gradient-norm
+    ratio."""
+    keys, folder = TWO_PROCESS_KEYS, two_process_retriever_runs
     for name, extra in OPTION_KEYS.items():
         one = train_retriever(config(recipe_toy_dir, tmp_path / f"one-{name}", "in_batch", **keys, **extra))
-        two = json.loads((tmp_path / f"two-{name}" / "metrics.json").read_text())
+        two = json.loads((folder / f"two-{name}" / "metrics.json").read_text())
         assert two["steps"] == one["steps"] == 3 and two["batching"] == name
-        a, b = weights(tmp_path / f"one-{name}"), weights(tmp_path / f"two-{name}")
+        a, b = weights(tmp_path / f"one-{name}"), weights(folder / f"two-{name}")
         for key in a:
             torch.testing.assert_close(b[key], a[key], rtol=1e-4, atol=1e-5, msg=f"{name}: {key}")
-    a, probed = weights(tmp_path / "two-cont_accum"), weights(tmp_path / "two-probed")
+    a, probed = weights(folder / "two-cont_accum"), weights(folder / "two-probed")
     for key in a:
         assert torch.equal(probed[key], a[key]), key
-    probed_metrics = json.loads((tmp_path / "two-probed" / "metrics.json").read_text())
+    probed_metrics = json.loads((folder / "two-probed" / "metrics.json").read_text())
     assert probed_metrics["by_step"]["probe/banks/grad_ratio_passage_query"] == pytest.approx(
         probed_metrics["grad_ratio_by_step"], rel=1e-6)
 

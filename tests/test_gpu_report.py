@@ -26,6 +26,7 @@ from rag_lab.bench.gpu_report import (
     document,
     embed_stage,
     forward_stage,
+    scale_base_stage,
     scale_stage,
     search_stage,
     stages,
@@ -80,7 +81,7 @@ def site_view_without(names: set[str], view: Path) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
-    """All five stages, as CI runs them, in a process of their own in which the project's dependencies that the
+    """Every stage, as CI runs them, in a process of their own in which the project's dependencies that the
     GPU image lacks (and no wheel carries) are hidden; also the top-level modules it imported."""
     tmp = tmp_path_factory.mktemp("gpu-report")
     out, work = tmp / "fragments", tmp / "work"
@@ -192,10 +193,12 @@ def test_search_top_k_equals_a_float64_brute_force(quick_run):
     w1, b1, w2, b2 = (p.detach() for p in (corrector.first.weight, corrector.first.bias, corrector.second.weight,
                                            corrector.second.bias))
     corrected = rows + torch.relu(rows @ w1.t() + b1) @ w2.t() + b2  # h(b) = b + W2 relu(W1 b + c1) + c2
-    for mode, vectors in (("exact", rows), ("corrector_full", corrected)):
+    for mode, vectors in (("exact", rows), ("corrector_full", corrected), ("corrector_fused", corrected)):
         brute = np.argsort(-(vectors @ query).numpy(), kind="stable")[: s["k"]]
         assert sorted(record["results"][mode]["top_rows_query0"]) == sorted(brute.tolist()), mode
-        assert record["results"][mode]["same_ids_as_plain"] == 1.0
+    assert record["results"]["exact"]["same_ids_as_plain"] == record["results"]["corrector_full"]["same_ids_as_plain"]
+    assert record["results"]["corrector_full"]["same_ids_as_plain"] == 1.0
+    assert record["results"]["corrector_fused"]["identical_rows_as_unfused"] == 1.0
 
 
 def test_step_runs_the_recipe_at_1_and_4_questions_with_the_stated_models(quick_run):
@@ -217,11 +220,12 @@ def test_step_runs_the_recipe_at_1_and_4_questions_with_the_stated_models(quick_
                                                              - r["likelihoods"]["reuse_median_s"])
 
 
-def test_scale_runs_the_main_job_over_the_whole_generated_world(quick_run):
-    record = quick_run["records"]["scale"]
+@pytest.mark.parametrize("stage", ["scale", "scale_base"])
+def test_scale_runs_the_main_job_over_the_whole_generated_world(quick_run, stage):
+    record = quick_run["records"][stage]
     r = record["results"]
     rows = record["settings"]["rows"]
-    world = quick_run["work"] / "scale" / f"toy-{rows}" / "passages.jsonl"
+    world = quick_run["work"] / stage / f"toy-{rows}" / "passages.jsonl"
     assert r["rows"] == rows == len(world.read_text().splitlines())
     run = r["run"]
     assert [(p["reason"], p["rows"]) for p in run["corpus_passes"]] == [("token cache build", rows),
@@ -265,7 +269,7 @@ def test_assemble_lists_exactly_the_stages_present(quick_run, tmp_path):
     text = doc.read_text()
     assert "\n## embed:" in text and "\n## search:" in text
     assert "\n## step:" not in text and "\n## scale:" not in text
-    assert "Missing stages: forward, step, scale." in text
+    assert "Missing stages: forward, step, scale, scale_base." in text
     assert "| step | **missing** |" in text and "| scale | **missing** |" in text
     assert "## Findings" not in text
     (partial / document.NOTES).write_text("## Findings\n\nwhy the figures are what they are\n")
@@ -346,7 +350,7 @@ def test_a_new_stage_is_one_file(tmp_path):
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
-    assert out["stages"] == ["embed", "forward", "count", "search", "step", "scale"]  # order 25: after forward's 20
+    assert out["stages"] == ["embed", "forward", "count", "search", "step", "scale", "scale_base"]  # order 25
     assert "rag_lab.bench.gpu_report.count_stage" in out["modules"]
     assert "rag_lab.bench.gpu_report.helpers" not in out["modules"]
     listed = [line.split()[0] for line in proc.stdout.splitlines()
@@ -357,7 +361,7 @@ def test_a_new_stage_is_one_file(tmp_path):
     assert (tmp_path / "out" / "count.md").read_text().startswith("## count: counts to three\n")
     doc = (tmp_path / "doc.md").read_text()
     assert "counted to 3 in count" in doc and "| count | cpu (quick) |" in doc
-    assert "Missing stages: embed, forward, search, step, scale." in doc
+    assert "Missing stages: embed, forward, search, step, scale, scale_base." in doc
     assert "--stage count --device cuda" in doc  # the commands section names it too
 
 
@@ -423,3 +427,8 @@ def test_the_gpu_sizes_are_accepted_by_the_code_they_configure():
         "tiny", "small", "base"}
     cfg = load_config(RLMConfig, ROOT / "configs" / "toy" / "rlm.yaml", scale_stage.SCALE_GPU["overrides"])
     assert (cfg.buffer.embed_workers, cfg.warm_start.reader_steps, cfg.pdist_gate) == (8, 200, 0.0)
+    cfg = load_config(RLMConfig, ROOT / "configs" / "toy" / "rlm.yaml", scale_base_stage.SCALE_BASE_GPU["overrides"])
+    for tiny in (cfg.retriever.tiny, cfg.reader.tiny):
+        assert (tiny.d_model, tiny.num_heads, tiny.d_kv, tiny.d_ff, tiny.num_layers) == (768, 12, 64, 3072, 12)
+    assert (cfg.reader.tiny.num_decoder_layers, cfg.strategy.corrector.hidden) == (12, 8192)
+    assert scale_base_stage.SCALE_BASE_GPU_ROWS >= 500_000

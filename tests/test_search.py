@@ -176,6 +176,53 @@ def test_gumbel_with_tiny_temperature_is_topk(data):
     assert torch.equal(sampled.rows, search(queries, rows, 5).rows)
 
 
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_fused_scorer_matches_brute_force_and_the_unfused_scan(data, threads):
+    """The compiled chunk function (search's `fused`) against h(B) materialised and scored here, and against the
+    unfused scan: the same rows, scores equal to rounding (fp32 sums added in another order). A standardizing
+    corrector too (its statistics folded into W1, c1), with one or two torch threads (tile workers)."""
+    rows, queries = data
+    plain_h = random_corrector(16, 32)
+    standardizing = Corrector(16, 32, standardize=True)
+    standardizing.load_state_dict(plain_h.state_dict(), strict=False)
+    standardizing.set_input_statistics(rows.mean(0), rows.std(0))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        for corrector in (plain_h, standardizing):
+            ref_rows, ref_scores = reference(queries @ corrector(rows).T, 10)
+            fused = search(queries, rows, 10, corrector=corrector, mode="corrector_full", chunk_rows=1000, fused=True)
+            unfused = search(queries, rows, 10, corrector=corrector, mode="corrector_full", chunk_rows=1000)
+            assert torch.equal(fused.rows, ref_rows) and torch.equal(fused.rows, unfused.rows)
+            torch.testing.assert_close(fused.scores, ref_scores, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(fused.scores, unfused.scores, rtol=1e-6, atol=1e-6)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_fused_scorer_keeps_ties_exclusions_and_gumbel_samples():
+    """Integer maths (exact in fp32), 81 distinct rows in 400, chunks of 64 (the last one, 16 rows, padded): ties go
+    to the lower row, excluded rows never come back and Gumbel samples are the unfused scan's, with the per-chunk
+    tie check eager or deferred (the accelerator's way)."""
+    gen = torch.Generator().manual_seed(1)
+    rows = torch.randint(-1, 2, (400, 4), generator=gen).float()
+    queries = torch.randint(-1, 2, (6, 4), generator=gen).float()
+    corrector = random_corrector(4, 8, seed=2, integer=True)
+    scores = queries @ corrector(rows).T
+    exclude = torch.cat([reference(scores, 3)[0], torch.full((6, 1), -1), torch.tensor([[399]] * 6)], dim=1)
+    for kwargs in ({}, {"exclude": exclude}):
+        ref_rows, ref_scores = reference(scores, 25, kwargs.get("exclude"))
+        fused = search(queries, rows, 25, corrector=corrector, mode="corrector_full", chunk_rows=64, fused=True,
+                       **kwargs)
+        assert torch.equal(fused.rows, ref_rows) and torch.equal(fused.scores, ref_scores)
+    sampled = [search(queries, rows, 25, corrector=corrector, mode="corrector_full", chunk_rows=64, fused=fused,
+                      sampling="gumbel", generator=torch.Generator().manual_seed(5)) for fused in (True, False)]
+    assert torch.equal(sampled[0].rows, sampled[1].rows) and torch.equal(sampled[0].scores, sampled[1].scores)
+    for k in (5, 25):
+        deferred = _scan(queries, rows, k, corrector, None, None, 0, 64, defer_ties=True, fused=True)
+        assert torch.equal(deferred[1], reference(scores, k)[0])
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_memmap_matches_tensor(tmp_path, data, dtype):
     rows, queries = data

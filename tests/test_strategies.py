@@ -51,11 +51,11 @@ def world(tmp_path_factory):
     return {"corpus": corpus, "model": model, "buffer_dir": root / "buffer", "accelerator": Accelerator(cpu=True)}
 
 
-def make(world, name: str, temperature: float = 0.5, search: str = "full", **changes):
+def make(world, name: str, temperature: float = 0.5, search: str = "full", fused: bool = False, **changes):
     """A strategy over a private copy of the model (tests change the encoder freely)."""
     model = copy.deepcopy(world["model"])
     cfg = StrategyConfig(name=name, **{"top_k": 5, "uniform_negatives": 0, **changes})
-    buffer = BufferConfig(chunk_rows=7, embed_batch_size=8, search=search, rerank_candidates=12)
+    buffer = BufferConfig(chunk_rows=7, embed_batch_size=8, search=search, rerank_candidates=12, fused_search=fused)
     ctx = StrategyContext(world["accelerator"], model, world["corpus"], buffer, world["buffer_dir"], temperature,
                           seed=3)
     return build_strategy(cfg, ctx), model
@@ -236,8 +236,20 @@ def test_negative_cache_never_samples_the_positive(world):
     assert {(3, 5), (3, 9)} <= seen  # sampled, not a fixed choice
 
 
-def test_corrector_search_goes_through_h(world):
-    strategy, model = make(world, "corrector", corrector=CorrectorConfig(hidden=12))
+@pytest.mark.parametrize("fused", [False, True])
+def test_corrector_search_goes_through_h(world, fused, monkeypatch):
+    """Also with buffer.fused_search: the strategy's search scores its chunks with the fused scorer (its function
+    left uncompiled here: tests/test_search.py checks the compiled one)."""
+    import rag_train.buffer.search as search_module
+
+    calls = []
+
+    def uncompiled(device_type):
+        calls.append(device_type)
+        return search_module._corrector_chunk_scores
+
+    monkeypatch.setattr(search_module, "_compiled_chunk_scores", uncompiled)
+    strategy, model = make(world, "corrector", fused=fused, corrector=CorrectorConfig(hidden=12))
     assert isinstance(strategy, CorrectorStrategy)
     stale = stale_matrix(world)
     queries = queries_of(model)
@@ -251,6 +263,7 @@ def test_corrector_search_goes_through_h(world):
     expected = brute_topk(queries, corrected, 6)
     assert not torch.equal(expected, brute_topk(queries, stale, 6))
     assert torch.equal(strategy.retrieve(queries, 6), expected)
+    assert bool(calls) is fused
 
 
 def test_standardized_corrector_reads_the_buffers_moments_and_searches_through_h(world):

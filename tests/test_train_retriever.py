@@ -4,8 +4,6 @@ against a hand computation, resume = uninterrupted run, 2 processes = 1 process.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +11,6 @@ import pytest
 import torch
 
 from rag_train.config import load_config
-from rag_train.launch import launch_command
 from rag_train.models.retriever import DualEncoder
 from rag_train.strategies import REGISTRY
 from rag_train.strategies import corrector as corrector_module
@@ -139,28 +136,31 @@ def test_resume_reaches_the_uninterrupted_run(recipe_toy_dir, tmp_path):
         train_retriever(config(recipe_toy_dir, tmp_path / "split", "corrector", **extra))
 
 
+TWO_PROCESS_NAMES = ("corrector", "dynnibal", "trainable_cache")
+
+
+def two_process_runs(toy_dir: Path, out: Path) -> dict[str, list[str]]:
+    """The runs `test_two_processes_match_one` compares, `two-NAME` under `out` (the launch: conftest's
+    `two_process_retriever_runs`)."""
+    return {f"two-{name}": overrides(toy_dir, out / f"two-{name}", name) for name in TWO_PROCESS_NAMES}
+
+
 @pytest.mark.slow
-def test_two_processes_match_one(recipe_toy_dir, tmp_path):
-    """Each strategy trained by two gloo processes (one `accelerate launch` runs the three in turn:
-    tests/dist/retriever_runs.py) against the same config on one process. dynnibal: the same MH samples on every
-    process; trainable_cache: each process updates its shard of the cache by the gradient reduced over processes."""
-    names = ["corrector", "dynnibal", "trainable_cache"]
-    runs = {name: overrides(recipe_toy_dir, tmp_path / f"two-{name}", name) for name in names}
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    # `--cpu --num_processes 2` starts one process in accelerate 1.x; the multi-process launcher on a machine
-    # without GPUs gives two gloo processes (TrainingRun passes cpu=True there).
-    cmd = launch_command(ROOT / "tests" / "dist" / "retriever_runs.py", str(CONFIG), json.dumps(runs), processes=2)
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    errors = [line for line in (proc.stdout + proc.stderr).splitlines() if "Error" in line]  # the root cause
-    assert proc.returncode == 0, "\n".join(errors[:10]) + proc.stderr[-2000:]
+@pytest.mark.xdist_group("retriever_runs")
+def test_two_processes_match_one(recipe_toy_dir, tmp_path, two_process_retriever_runs):
+    """Each strategy trained by two gloo processes (one `accelerate launch` runs them in turn, with the batching
+    options of tests/test_batching.py: tests/dist/retriever_runs.py) against the same config on one process.
+    dynnibal: the same MH samples on every process; trainable_cache: each process updates its shard of the cache by
+    the gradient reduced over processes."""
+    names, folder = TWO_PROCESS_NAMES, two_process_retriever_runs
     for name in names:
-        two = json.loads((tmp_path / f"two-{name}" / "metrics.json").read_text())
+        two = json.loads((folder / f"two-{name}" / "metrics.json").read_text())
         one = train_retriever(config(recipe_toy_dir, tmp_path / f"one-{name}", name))
         assert two["steps"] == one["steps"] == STEPS and two["strategy"] == name
         for k, value in one["recall"].items():
             assert two["recall"][k] == pytest.approx(value, abs=1e-9), (name, k)
         assert two["mrr@10"] == pytest.approx(one["mrr@10"], abs=1e-6), name
-        a, b = weights(tmp_path / f"one-{name}"), weights(tmp_path / f"two-{name}")
+        a, b = weights(tmp_path / f"one-{name}"), weights(folder / f"two-{name}")
         for key in a:
             torch.testing.assert_close(b[key], a[key], rtol=1e-4, atol=1e-5, msg=f"{name}: {key}")
 

@@ -12,7 +12,9 @@ With `--device cuda` it measures the GPU path instead (a buffer held on the devi
    buffer read rate against the copy bandwidth (exact search is memory-bound);
 3. corrector-full search vs the plain version that materialises h(B) chunk by chunk and multiplies
    (time ratio, same ids), and its FLOP/s against the GEMM peak (it is compute-bound);
-4. peak device memory beyond the buffer during each search.
+4. the fused corrector-full search (`search(fused=True)`, compiled chunk function) beside it: time, fraction
+   of the same peak, compile time, ids against the unfused search's;
+5. peak device memory beyond the buffer during each search.
 
     python scripts/bench_search.py --device cuda --rows 28000000 --dim 768 --hidden 8192 --batch 64 --k 32 \
         --dtype bf16 --chunk 262144
@@ -153,6 +155,13 @@ def in_memory_part(args, peak: float) -> None:
     per_cpu_s = flops / CPU_SECONDS["corrector"] / 1e9
     print(f"  by CPU time   {per_cpu_s:.1f} GFLOP per CPU-second vs GEMM {CPU_SECONDS['peak_per_cpu_s']:.1f}: "
           f"{per_cpu_s / CPU_SECONDS['peak_per_cpu_s']:.2f} x peak (insensitive to other processes' load)")
+    fused_s = best_time(lambda: search(queries, rows, args.k, corrector=corrector, mode="corrector_full",
+                                       chunk_rows=args.chunk, fused=True), args.repeats, "fused")
+    plain = search(queries, rows, args.k, corrector=corrector, mode="corrector_full", chunk_rows=args.chunk)
+    fused = search(queries, rows, args.k, corrector=corrector, mode="corrector_full", chunk_rows=args.chunk, fused=True)
+    print(f"  fused         {fused_s:.3f} s = {fused_s / seconds:.2f} x unfused; by CPU time "
+          f"{CPU_SECONDS['fused'] / CPU_SECONDS['corrector']:.2f} x (same ids {same_ids(fused.rows, plain.rows):.4f}, "
+          f"max |score diff| {float((fused.scores - plain.scores).abs().max()):.1e})")
 
     ours = search(queries, rows, args.k, chunk_rows=args.chunk)
     exact_s = best_time(lambda: search(queries, rows, args.k, chunk_rows=args.chunk), args.repeats, "exact")
@@ -300,6 +309,27 @@ def corrector_breakdown(queries, rows, corrector, args, device, full_s: float) -
     return timed
 
 
+@torch.no_grad()
+def fused_part(fused, unfused_rows, unfused_s: float, unfused_fraction: float, args, device, baseline: int) -> dict:
+    """`search(fused=True)` beside the unfused corrector-full search: the first call (compiling the chunk function:
+    max-autotune on CUDA) timed alone, then the best of `--repeats`; ids against the unfused search's."""
+    synchronize(device)
+    start = time.perf_counter()
+    first = fused()
+    synchronize(device)
+    compile_s = time.perf_counter() - start
+    seconds = best_time(fused, args.repeats, device=device)
+    extra_gib = peak_beyond(device, baseline, fused)
+    tflops = args.rows * corrector_flops_per_row(args.dim, args.hidden, args.batch) / seconds / 1e12
+    overlap, identical = same_ids(first, unfused_rows), float((first == unfused_rows).float().mean())
+    print(f"corrector_fused {seconds * 1e3:.1f} ms = {seconds / unfused_s:.2f} x unfused, {tflops:.1f} TFLOP/s = "
+          f"{unfused_fraction * unfused_s / seconds:.2f} x GEMM peak (unfused {unfused_fraction:.2f}); first call "
+          f"{compile_s:.1f} s (compiles); same ids as unfused {overlap:.4f}, identical rows {identical:.4f}; extra "
+          f"memory {extra_gib:.2f} GiB")
+    return {"seconds": seconds, "compile_seconds": compile_s, "tflops": tflops, "same_ids_as_unfused": overlap,
+            "identical_rows_as_unfused": identical, "extra_gib": extra_gib, "top_rows_query0": first[0].tolist()}
+
+
 def device_part(args) -> dict:
     """The buffer on the device: ours against plain torch on the same rows and queries. Returns the printed
     figures, and the top-k rows of query 0 of both searches (for a check against brute force)."""
@@ -317,8 +347,8 @@ def device_part(args) -> dict:
     synchronize(device)
     baseline = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
 
-    def ours(mode):
-        return search(queries, rows, args.k, corrector=corrector, mode=mode, chunk_rows=args.chunk).rows
+    def ours(mode, fused=False):
+        return search(queries, rows, args.k, corrector=corrector, mode=mode, chunk_rows=args.chunk, fused=fused).rows
 
     exact_s = best_time(lambda: ours("exact"), args.repeats, device=device)
     plain_s = best_time(lambda: plain_exact(queries, rows, args.k), args.repeats, device=device)
@@ -345,6 +375,8 @@ def device_part(args) -> dict:
     print(f"corrector_full  ours {full_s * 1e3:.1f} ms  plain h(B) chunks {naive_s * 1e3:.1f} ms  ratio "
           f"{full_s / naive_s:.2f}  (same ids {full_overlap:.4f}); {tflops_full:.1f} TFLOP/s = "
           f"{tflops_full / tflops:.2f} x GEMM peak; extra memory ours {full_gib:.2f} GiB, plain {naive_gib:.2f} GiB")
+    fused = fused_part(lambda: ours("corrector_full", fused=True), full_rows, full_s, tflops_full / tflops, args,
+                       device, baseline)
     breakdown = corrector_breakdown(queries, rows, corrector, args, device, full_s)
     return {"device_name": name, "gemm_tflops": tflops, "copy_gbs": copy_gbs, "buffer_gib": buffer_bytes / 2**30,
             "exact": {"seconds": exact_s, "plain_seconds": plain_s, "same_ids_as_plain": overlap,
@@ -354,6 +386,7 @@ def device_part(args) -> dict:
                                "tflops": tflops_full, "fraction_of_peak": tflops_full / tflops,
                                "extra_gib": full_gib, "plain_extra_gib": naive_gib,
                                "top_rows_query0": full_rows[0].tolist()},
+            "corrector_fused": {**fused, "fraction_of_peak": fused["tflops"] / tflops},
             "corrector_breakdown_seconds": breakdown}
 
 

@@ -2,7 +2,8 @@
 
 - `exact`: top-k of <q, b> over the stale rows.
 - `corrector_full`: top-k of <q, h(b)> over every row; the corrector's second layer is folded into
-  the queries so each row costs one (D x hidden) product, never a materialised h(B).
+  the queries so each row costs one (D x hidden) product, never a materialised h(B). With `fused` each
+  chunk's scores come from one torch.compile'd function (`_FusedChunk`) instead of separate kernels.
 - `corrector_rerank`: FAISS candidates from the stale rows, re-scored exactly with h.
 
 Rows are scanned in chunks of `chunk_rows` (peak extra memory O(chunk x (hidden + k))), each chunk's
@@ -23,6 +24,7 @@ whatever the chunking or sharding; kept together, one reading checks that they a
 from __future__ import annotations
 
 import copy
+import functools
 import mmap
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -75,6 +77,7 @@ def search(
     faiss_index=None,
     candidates: int = 1024,
     group=None,
+    fused: bool = False,
 ) -> SearchResult:
     """Top-k rows (or k Gumbel-max samples without replacement) of `rows` for each query.
 
@@ -82,6 +85,8 @@ def search(
     top-k of score/temperature + Gumbel noise; the noise comes from `generator` (one draw per call,
     rank 0's when sharded) so a seeded generator reproduces the samples. `faiss_index` (rerank only)
     is a built index over this shard's rows in row order, or a factory string (`build_faiss_index`).
+    `fused` (corrector_full only; the other modes ignore it) scores each chunk with `_FusedChunk`: the same rows,
+    scores equal up to the order of fp32 additions.
     """
     n_local = _validate(queries, rows, k, corrector, mode, chunk_rows, exclude, sampling, temperature, row_offset)
     queries = queries.detach().float() if queries.device.type == "cpu" else queries.detach()
@@ -103,8 +108,9 @@ def search(
             local = _rerank(queries, rows, k, corrector, exclude, noise, row_offset, faiss_index, candidates,
                             chunk_rows)
         else:
-            local = _scan(queries, rows, k, corrector if mode == "corrector_full" else None, exclude, noise,
-                          row_offset, chunk_rows)
+            full = mode == "corrector_full"
+            local = _scan(queries, rows, k, corrector if full else None, exclude, noise, row_offset, chunk_rows,
+                          fused=fused and full)
         keys, found, scores = merge_across_ranks(*local, k, group) if sharded else local
     if torch.isneginf(keys).any():
         raise ValueError(f"search: fewer than k={k} rows are left for some query after `exclude`")
@@ -269,14 +275,14 @@ def _release_pages(mapping: mmap.mmap, block: np.ndarray) -> None:
         mapping.madvise(mmap.MADV_DONTNEED, aligned, length)
 
 
-def _scan(queries, rows, k, corrector, exclude, noise, row_offset, chunk_rows, defer_ties=None):
+def _scan(queries, rows, k, corrector, exclude, noise, row_offset, chunk_rows, defer_ties=None, fused=False):
     """Stream over all local rows: score each chunk, take its top-k, merge into the running top-k.
 
     With `defer_ties` (default: on an accelerator) the tie check at each chunk's k-th place is deferred:
     asking the host once per chunk stalls the device every chunk (exact search at 28M rows took 1.9x a
     one-shot top-k, docs/search_benchmark.md). One check at the end; if any chunk had such a tie the scan
     is redone with the per-chunk fix, so the result is the same either way."""
-    args = (queries, rows, k, corrector, exclude, noise, row_offset, chunk_rows)
+    args = (queries, rows, k, corrector, exclude, noise, row_offset, chunk_rows, fused)
     if defer_ties is None:
         defer_ties = queries.device.type != "cpu"
     if not defer_ties:
@@ -288,7 +294,7 @@ def _scan(queries, rows, k, corrector, exclude, noise, row_offset, chunk_rows, d
     return result
 
 
-def _scan_pass(queries, rows, k, corrector, exclude, noise, row_offset, chunk_rows, ties):
+def _scan_pass(queries, rows, k, corrector, exclude, noise, row_offset, chunk_rows, fused, ties):
     device = queries.device
     reader = _ChunkReader(rows, chunk_rows, device)
     compute_dtype = torch.float32 if device.type == "cpu" else _torch_dtype(rows)
@@ -300,13 +306,13 @@ def _scan_pass(queries, rows, k, corrector, exclude, noise, row_offset, chunk_ro
             corrector = copy.deepcopy(corrector).to(compute_dtype)
         folded = (q_hidden.to(compute_dtype), q_bias.float())
     block_rows = min(chunk_rows, rows.shape[0])
-    scorer = (_CpuScorer if device.type == "cpu" else _DeviceScorer)(q, folded, corrector, block_rows)
+    scorer = (_CpuScorer if device.type == "cpu" else _DeviceScorer)(q, folded, corrector, block_rows, fused)
     score_store = torch.empty(queries.shape[0] * block_rows, device=device)
     best = None
     try:
         for start, block in reader:
             scores = score_store[: queries.shape[0] * block.shape[0]].view(queries.shape[0], block.shape[0])
-            scorer(block, scores)
+            scores = scorer(block, scores)
             best = _merge_chunk(best, scores, noise, exclude, row_offset + start, k, ties)
     finally:
         scorer.close()
@@ -339,19 +345,22 @@ class _DeviceScorer:
     Unlike the CPU there is no cache to keep the activations in between the two GEMMs, and small tiles
     would leave an accelerator launch-bound: the [chunk, hidden] activations go to one reused buffer."""
 
-    def __init__(self, q, folded, corrector, block_rows: int):
+    def __init__(self, q, folded, corrector, block_rows: int, fused: bool = False):
         self.q, self.folded, self.corrector = q, folded, corrector
-        if corrector is not None:
+        self.fused = _FusedChunk(q, folded, corrector, block_rows) if fused else None
+        if corrector is not None and not fused:
             self.hidden_buf = torch.empty(block_rows, corrector.hidden, dtype=q.dtype, device=q.device)
 
-    def __call__(self, block, out) -> None:
+    def __call__(self, block, out) -> torch.Tensor:
+        if self.fused is not None:
+            return self.fused(block)
         fp32_mm(self.q, block.t(), out=out)
         if self.folded is None:
-            return
+            return out
         q_hidden, q_bias = self.folded
         out.add_(q_bias.unsqueeze(1))
         activations = self.corrector.hidden_activations(block, out=self.hidden_buf[: block.shape[0]])
-        out.add_(fp32_mm(q_hidden, activations.t()))
+        return out.add_(fp32_mm(q_hidden, activations.t()))
 
     def close(self) -> None:
         pass
@@ -366,13 +375,14 @@ class _CpuScorer:
     Stale search uses the same tiles, so a corrector at init (h = identity) gives bitwise the same scores.
     """
 
-    def __init__(self, q, folded, corrector, block_rows: int):
+    def __init__(self, q, folded, corrector, block_rows: int, fused: bool = False):
         self.q, self.folded, self.corrector = q, folded, corrector
         self.threads = torch.get_num_threads()
         tile = min(CPU_TILE_ROWS, block_rows)
-        hidden = corrector.hidden if corrector is not None else 0
+        hidden = corrector.hidden if corrector is not None and not fused else 0
         self.tile = tile
         self.buffers = [torch.empty(tile, hidden) for _ in range(self.threads)]
+        self.fused = [_FusedChunk(q, folded, corrector, tile) for _ in range(self.threads)] if fused else None
         self.pool = ThreadPoolExecutor(self.threads) if self.threads > 1 else None
         self.inference_mode = torch.is_inference_mode_enabled()  # thread-local: the workers must copy it
 
@@ -388,6 +398,9 @@ class _CpuScorer:
         for start in range(lo, hi, self.tile):
             tile = block[start: min(hi, start + self.tile)]
             scores = out[:, start: start + tile.shape[0]]
+            if self.fused is not None:
+                scores.copy_(self.fused[worker](tile))
+                continue
             torch.mm(self.q, tile.t(), out=scores)
             if self.folded is not None:
                 q_hidden, q_bias = self.folded
@@ -395,10 +408,10 @@ class _CpuScorer:
                 activations = self.corrector.hidden_activations(tile, out=self.buffers[worker][: tile.shape[0]])
                 scores.addmm_(q_hidden, activations.t())
 
-    def __call__(self, block, out) -> None:
+    def __call__(self, block, out) -> torch.Tensor:
         if self.pool is None:
             self._score_tiles(0, block, out, 0, block.shape[0])
-            return
+            return out
         tiles = -(-block.shape[0] // self.tile)
         bounds = [min(block.shape[0], (tiles * w // self.threads) * self.tile)
                   for w in range(self.threads + 1)]
@@ -406,11 +419,53 @@ class _CpuScorer:
                 for w in range(self.threads) if bounds[w] < bounds[w + 1]]
         for job in jobs:
             job.result()
+        return out
 
     def close(self) -> None:
         if self.pool is not None:
             self.pool.shutdown()
             torch.set_num_threads(self.threads)  # oneMKL's thread count is process-wide: restore the caller's
+
+
+def _corrector_chunk_scores(block, q, weight, bias, q_hidden, q_bias):
+    """<q, b> + <q, c2> + <W2^T q, relu(W1 b + c1)> for a block of rows, in fp32 (the device scorer's sum)."""
+    activations = torch.relu(torch.addmm(bias, block, weight.t()))
+    return fp32_mm(q, block.t()).add(q_bias.unsqueeze(1)).add(fp32_mm(q_hidden, activations.t()))
+
+
+@functools.cache
+def _compiled_chunk_scores(device_type: str):
+    """One compiled `_corrector_chunk_scores` per device type, kept for the process (a graph per shape and dtype).
+
+    On CUDA max-autotune lets inductor pick Triton GEMM templates whose epilogue takes bias, ReLU and the cast, and
+    add the three terms in one pass; without CUDA graphs, whose static inputs would copy every chunk."""
+    mode = "max-autotune-no-cudagraphs" if device_type == "cuda" else None
+    with warnings.catch_warnings():  # inductor's first import calls torch.jit.script_method, deprecated in torch
+        warnings.filterwarnings("ignore", ".*script_method", DeprecationWarning)
+        return torch.compile(_corrector_chunk_scores, dynamic=False, mode=mode)
+
+
+class _FusedChunk:
+    """Corrector-full scores of a block of rows from the compiled `_corrector_chunk_scores` (`search(fused=True)`).
+
+    Shapes are static, so a block shorter than `block_rows` (the last chunk or tile) is copied into one reused
+    block of `block_rows` rows rather than compiled again; the columns past it are dropped."""
+
+    def __init__(self, q, folded, corrector, block_rows: int):
+        weight, bias = corrector.first_layer(q.dtype)
+        self.args = (q, weight, bias, *folded)
+        self.block_rows = block_rows
+        self.padded = None
+        self.score = _compiled_chunk_scores(q.device.type)
+
+    def __call__(self, block) -> torch.Tensor:
+        n = block.shape[0]
+        if n < self.block_rows:
+            if self.padded is None:
+                self.padded = block.new_zeros(self.block_rows, block.shape[1])
+            self.padded[:n].copy_(block)
+            block = self.padded
+        return self.score(block, *self.args)[:, :n]
 
 
 def _pad_to_k(keys, found, scores, k):

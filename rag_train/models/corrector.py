@@ -48,8 +48,9 @@ class Corrector(nn.Module):
         self.input_mean.copy_(mean)
         self.input_std.copy_(torch.where(std > 0, std, torch.ones_like(std)))
 
-    def _first_layer(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """W1 and c1 acting on b itself: the standardization folded in (W1 / sd, c1 - (W1 / sd) mean)."""
+    def first_layer(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """W1 and c1 acting on b itself: the standardization folded in (W1 / sd, c1 - (W1 / sd) mean). Search's fused
+        scorer compiles its own first layer from them."""
         weight, bias = self.first.weight, self.first.bias
         if self.standardize:
             weight = weight / self.input_std.to(weight.dtype)
@@ -73,7 +74,7 @@ class Corrector(nn.Module):
     def hidden_activations(self, stale: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """relu(W1 b + c1) for a block of rows, written into `out` (reused across chunks) when given.
         Search-time only (no autograd); training uses `forward` on the retrieved subset."""
-        weight, bias = self._first_layer(stale.dtype)
+        weight, bias = self.first_layer(stale.dtype)
         if stale.is_cuda:
             # bias + ReLU in cuBLASLt's GEMM epilogue: a separate relu_ pass over [rows, hidden] took 29% of
             # a 28M-row corrector-full search on an H100 (docs/search_benchmark.md)

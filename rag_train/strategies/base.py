@@ -313,6 +313,7 @@ class IndexedStrategy(Strategy):
                 row_offset=self.row_offset,
                 faiss_index=self.faiss_index,
                 candidates=self.ctx.buffer_cfg.rerank_candidates,
+                fused=self.ctx.buffer_cfg.fused_search,
             )
         rows = result.rows.cpu()
         if self.index_rows is not None:  # positions in a sampled index -> corpus rows

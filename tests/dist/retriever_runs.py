@@ -1,7 +1,8 @@
 """Launched with `accelerate launch --multi_gpu --num_processes 2` by the two-process tests of the retriever recipe
-(tests/test_train_retriever.py: strategies, tests/test_batching.py: batching options): runs the recipe once per
-named override list, in turn, in one process group (one launch instead of one per run: each launch starts a
-launcher and two fresh interpreters). argv: CONFIG, then a JSON {name: [key=value, ...]}."""
+(tests/test_train_retriever.py: strategies, tests/test_batching.py: batching options; both tests' runs in one launch,
+conftest's `two_process_retriever_runs`): runs the recipe once per named override list, in turn, in one process
+group (one launch instead of one per run: each launch starts a launcher and two fresh interpreters). argv: CONFIG,
+then a JSON {name: [key=value, ...]}."""
 
 import json
 import sys

@@ -6,7 +6,7 @@
                                  (the folder is still the temporary one: no checksums, not renamed)
     FAULT="kill:after_rename:K"  SIGKILL after the checkpoint of step K was renamed into place, before the
                                  `latest.json` pointer moved
-    FAULT="hang:step:K"          sleep forever right after optimizer step K (a hung process)
+    FAULT="hang:step:K"          sleep forever right after optimizer step K (a hung process; SIGTERM ends it)
     FAULT="signal:step:K:NAME"   send this process signal NAME (TERM, USR1) right after optimizer step K (preemption)
     FAULT="fingerprint"          this process reports another corpus fingerprint (a different corpus file)
     FAULT="override:KEY=VALUE"   this process gets one more config override (a different config)
@@ -62,6 +62,10 @@ elif targeted and fault[0] in ("kill", "hang"):
                 if fault[0] == "kill":
                     die()
                 print(f"rank {rank}: hanging after step {at}", file=sys.stderr, flush=True)
+                # hung for good: it never reaches the step boundary where the run's stop-signal handler would act,
+                # so the launcher's SIGTERM (sent once the other rank has failed) ends it at once instead of
+                # after the launcher's 30 s grace period and a SIGKILL
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
                 while True:
                     time.sleep(60)
             return stepped

@@ -33,7 +33,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--doc", default=str(ROOT / "docs" / "gpu_report.md"), help="--assemble writes this")
     parser.add_argument("--wheels-dir", default=str(ROOT / ".whl"), help="wheels a stage installs first, if there")
     parser.add_argument("--work", default=None, help="scratch folder (default: a temporary one, removed after)")
-    parser.add_argument("--scale-rows", type=int, default=None, help="toy passages of the scale stage")
+    parser.add_argument("--scale-rows", type=int, default=None, help="toy passages of the scale stages")
     args = parser.parse_args(argv)
     if (args.stage not in (None, "list") or args.assemble) and not args.out:
         parser.error("--out DIR is required to run a stage or to assemble")
@@ -44,8 +44,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def list_stages() -> None:
     for s in STAGES.values():
-        print(f"{s.name:<7} ~{s.minutes:g} min on one H100 (estimated)  {s.what} (scales: {s.scales})")
-    print(f"all     ~{sum(s.minutes for s in STAGES.values()):g} min (on a GPU: one stage per 10-minute command)")
+        print(f"{s.name:<10} ~{s.minutes:g} min on one H100 (estimated)  {s.what} (scales: {s.scales})")
+    print(f"all        ~{sum(s.minutes for s in STAGES.values()):g} min (on a GPU: one stage per 10-minute command)")
 
 
 def run_stages(args: argparse.Namespace) -> None:

@@ -27,6 +27,12 @@ TARGET_ROWS = 28_000_000
 
 
 def stage_scale(ctx: Context) -> dict:
+    return run_scale(ctx, SCALE_QUICK if ctx.quick else SCALE_GPU, SCALE_QUICK_ROWS if ctx.quick else SCALE_GPU_ROWS)
+
+
+def run_scale(ctx: Context, cfg: dict, default_rows: int) -> dict:
+    """`train_rlm` through the corrector with `cfg`'s steps, threads and overrides on a world of `--scale-rows` (or
+    `default_rows`) passages built from scratch in `ctx.work`: the record of a scale stage."""
     import torch
 
     from rag_lab.bench import scale
@@ -36,8 +42,7 @@ def stage_scale(ctx: Context) -> dict:
     from rag_train.data.toy_files import ensure_toy_world
     from rag_train.train.schema import RLMConfig
 
-    cfg = SCALE_QUICK if ctx.quick else SCALE_GPU
-    rows = ctx.scale_rows or (SCALE_QUICK_ROWS if ctx.quick else SCALE_GPU_ROWS)
+    rows = ctx.scale_rows or default_rows
     if cfg["threads"]:
         torch.set_num_threads(cfg["threads"])
     peak, peak_how = gemm_peak(ctx.device)
