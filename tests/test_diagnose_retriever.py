@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 
 from rag_lab.analysis.diagnose_retriever import (
     checkpoint_retriever,
+    corpus_drift,
     diagnose,
     diagnose_checkpoints,
     fit_offline,
@@ -348,3 +349,26 @@ def test_the_achievable_fit_learns_a_linear_drift_from_gold_and_fresh_top_k_rows
         return (truth.unsqueeze(2) == top.unsqueeze(1)).any(dim=2).float().mean().item()
 
     assert overlap(before) < 0.5 and overlap(after) > 0.8, (overlap(before), overlap(after))
+
+
+def test_corpus_drift_is_the_mean_cosine_between_every_pair_of_encoders(corrector_run, recipe_toy_dir):
+    """`--checkpoints --drift`: step 0 is the run's stale buffer, then each checkpoint's re-embedded corpus; entry (s,
+    t) is the mean over passages of the cosine of the two vectors, computed here in numpy from the checkpoints'
+    towers; below the diagonal nothing, on it 1."""
+    run, _ = corrector_run
+    torch.set_num_threads(1)
+    report = corpus_drift(run, [2, 6])
+    assert report["steps"] == [0, 2, 6]
+    corpus = Corpus.open(recipe_toy_dir / "passages.jsonl")
+    vectors = [np.asarray(Buffer.open(run / "buffer").array(), dtype=np.float64)]
+    with torch.no_grad():
+        for step in (2, 6):
+            retriever = checkpoint_retriever(run, run / "checkpoints" / f"step-{step:08d}")
+            batches = [corpus.passages(range(s, min(s + 64, len(corpus)))) for s in range(0, len(corpus), 64)]
+            vectors.append(np.concatenate([retriever.encode_passages(b).double().numpy() for b in batches]))
+    unit = [v / np.linalg.norm(v, axis=1, keepdims=True) for v in vectors]
+    for i, row in enumerate(report["cosine"]):
+        assert row[:i] == [None] * i and row[i] == pytest.approx(1.0)
+        for j in range(i + 1, 3):
+            assert row[j] == pytest.approx(float(np.mean((unit[i] * unit[j]).sum(1))), abs=1e-5), (i, j)
+    assert report["cosine"][0][2] < 0.999  # training moved the passage tower: the test compares something

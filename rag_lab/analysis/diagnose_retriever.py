@@ -40,7 +40,8 @@ checkpoints (`checkpoints/step-*`; a run keeps its last two unless trained with 
 fresh top-k on training and dev questions of the in-loop corrector h(B), of the achievable fit (a corrector of the
 same width fitted offline with the run's corrector loss on every training question's gold + fresh top-`--fit-top`
 rows), of fresh g and of stale B. The achievable fit far above the in-loop corrector: the loop's subsets and updates
-hold it back, not its width.
+hold it back, not its width. `--checkpoints ... --drift` (any strategy) gives only the corpus's drift: the mean
+cosine of each passage's vectors between the run's stale buffer and every checkpoint, pair by pair (`corpus_drift`).
 
 Long file: every measure here reads the same embedded corpus, questions and corrector, and the printed report
 sets them side by side; one module per measure would pass that state between them.
@@ -417,6 +418,31 @@ def diagnose_checkpoints(run: Path, steps: Sequence[int] = (), k: Optional[int] 
     return report
 
 
+def corpus_drift(run: Path, steps: Sequence[int] = ()) -> dict:
+    """How far the corpus drifts: the mean over passages of cos(g_s(y), g_t(y)) for every pair of the run's stale
+    buffer (step 0: the initial encoder's vectors, what a buffer never refreshed holds) and its checkpoints' re-embedded
+    corpus, s <= t. Row s, column t is what a buffer refreshed at step s would show at step t; it is what a refresh
+    threshold on cos(B[y], g(y)) (`strategy.corrector.refresh_watch=cos_stale`) will cross."""
+    cfg = load_config(RetrieverTrainConfig, run / "config.yaml", [])
+    corpus = Corpus.open(resolve_data(cfg.data, Accelerator(cpu=True), [], []).passages)
+    vectors = {0: Buffer.open(run / "buffer").tensor().float()}
+    with torch.no_grad():
+        for checkpoint in checkpoint_steps(run, steps):
+            vectors[checkpoint_step(checkpoint)] = embed_corpus(checkpoint_retriever(run, checkpoint), corpus)
+    order = sorted(vectors)
+    unit = {s: torch.nn.functional.normalize(vectors[s].double(), dim=1) for s in order}
+    return {"steps": order, "cosine": [[(unit[s] * unit[t]).sum(1).mean().item() if t >= s else None for t in order]
+                                       for s in order]}
+
+
+def print_drift_table(report: dict) -> None:
+    steps = report["steps"]
+    print("| refreshed at \\ now | " + " | ".join(map(str, steps)) + " |")
+    print("|---|" + "---|" * len(steps))
+    for s, row in zip(steps, report["cosine"]):
+        print(f"| {s} | " + " | ".join("" if c is None else f"{c:.3f}" for c in row) + " |")
+
+
 def print_checkpoint_table(report: dict) -> None:
     k = report["k"]
     print(f"| step | vectors | train gold@1 | train overlap@{k} | dev gold@1 | dev overlap@{k} |")
@@ -478,10 +504,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--fit-top", type=int, default=16,
                         help="with --checkpoints: the achievable fit trains on each training question's gold + fresh "
                              "top-N rows (--fit-steps Adam steps)")
+    parser.add_argument("--drift", action="store_true",
+                        help="with --checkpoints: only the corpus's drift between the buffer and the checkpoints "
+                             "(mean cos of each passage's vectors; any strategy)")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    if args.checkpoints is not None:
+    if args.drift:
+        if args.checkpoints is None:
+            parser.error("--drift reads the run's checkpoints: give --checkpoints [STEP ...]")
+        report = corpus_drift(args.run, args.checkpoints)
+        print_drift_table(report)
+    elif args.checkpoints is not None:
         report = diagnose_checkpoints(args.run, args.checkpoints, args.k, args.questions, args.fit_top, args.fit_steps)
         print_checkpoint_table(report)
     else:
