@@ -78,10 +78,11 @@ FULL = Budget(
     described_pretrain=("train.steps=1000", "train.batch_size=32", "train.eval_every=0"),
     described=("train.steps=4000", "train.eval_every=500", "strategy.warm_start_steps=500",
                "strategy.full_refresh_step=1000"),
-    # a 3,000-passage world not tuned on, 2,000 steps (exhaustive levels off from about step 1,500 there); the 30
-    # runs take 10-35 min each on one core. Every checkpoint is kept: a stopped run resumes from its last, and
-    # scripts/diagnose_retriever.py --checkpoints reads the corrector's fit along training
-    corrector_regime_worlds=((3000, 1),),
+    # two 3,000-passage worlds not tuned on (the drift-aware refresh's thresholds were read off the first one's drift,
+    # so the second is where they are checked), 2,000 steps (exhaustive levels off from about step 1,500 there); the
+    # 30 runs per world take 10-35 min each on one core. Every checkpoint is kept: a stopped run resumes from its
+    # last, and scripts/diagnose_retriever.py --checkpoints reads the corrector's fit along training
+    corrector_regime_worlds=((3000, 1), (3000, 2)),
     corrector_regime=("train.steps=2000", "train.eval_every=250", "train.save_every=250", "train.keep_checkpoints=0"),
     seeds=(0, 1, 2),
     hidden=(64, 256, 1024),

@@ -42,16 +42,16 @@ Sections (--only):
             Dynnibal "+0" and scheduled, SNM, exhaustive, with the share of the stale -> exhaustive gap each closes
             (rag_lab/reproduction/described.py).
   corrector_regime
-            the corrector fed as seed 000 feeds it, from the LM-pretrained init on a described world: stale,
+            the corrector fed as seed 000 feeds it, from the LM-pretrained init on two described worlds: stale,
             exhaustive and the corrector at today's subset (16 questions, top-4 + 1 uniform) and at the paper's
             proportions (16, top-8 + 8 uniform), where the corrector is also tried 10.7x D wide and with extra
             updates and a replay, beside SNM and the trainable cache; closure at R@1/5/20/100 within each feed
-            (rag_lab/reproduction/corrector_regime.py). 30 runs of 5-30 min on one core.
+            (rag_lab/reproduction/corrector_regime.py). 60 runs of 5-40 min on one core, seed by seed.
   corrector_refresh
             the drift-aware refresh (the corrector re-embedding the buffer when its drift crosses a threshold)
-            against exhaustive every 500 and 1,000 steps, on corrector_regime's world and paper feed, whose stale,
+            against exhaustive every 500 and 1,000 steps, on corrector_regime's worlds and paper feed, whose stale,
             exhaustive, SNM and corrector rows it reuses: the gap closed against the passages re-embedded
-            (rag_lab/reproduction/corrector_refresh.py). 12 runs of 10-40 min on one core.
+            (rag_lab/reproduction/corrector_refresh.py). 24 runs of 10-40 min on one core, seed by seed.
 
 Cost on 2 CPU cores (estimated from single runs, one torch thread per run): table1 + ablation + curves with
 the default 3 seeds about 35 min (a 300-step run is 40-70 s); table3 is dominated by the shared reader warm start

@@ -348,12 +348,12 @@ class Plan:
             return [self.described_pretrain()] + [self.described_run(w, i, r, seed)
                                                   for w in self.budget.described_worlds for i in described.INITS
                                                   for r in described.ROWS for seed in self.seeds]
-        if name == "corrector_regime":
-            return [self.corrector_regime_run(w, r, seed) for w in self.budget.corrector_regime_worlds
-                    for seed in self.seeds for r in corrector_regime.RUN_ORDER]
+        if name == "corrector_regime":  # seed by seed over the worlds: a stopped section has every world's first seed
+            return [self.corrector_regime_run(w, r, seed) for seed in self.seeds
+                    for w in self.budget.corrector_regime_worlds for r in corrector_regime.RUN_ORDER]
         if name == "corrector_refresh":
-            return [self.corrector_refresh_run(w, r, seed) for w in self.budget.corrector_regime_worlds
-                    for seed in self.seeds for r in corrector_refresh.ROWS]
+            return [self.corrector_refresh_run(w, r, seed) for seed in self.seeds
+                    for w in self.budget.corrector_regime_worlds for r in corrector_refresh.ROWS]
         if name in ("synthetic", "large_batches"):  # scripts of their own, run by execute
             return []
         raise ValueError(f"unknown section {name!r}; expected one of {SECTIONS}")
