@@ -457,22 +457,24 @@ class Plan:
                                              for w in self.budget.corrector_regime_worlds}},
         }
 
-    def corrector_regime_rows(self, world: tuple[int, int]) -> dict[str, list[dict]]:
-        """The section's rows on `world`, each its runs in seed order, from the seeds whose every row has finished: a
-        seed part way through would pair its finished rows with other seeds' in the means."""
-        by_seed = [{row: self.metrics_of(self.corrector_regime_run(world, row, seed)) for row in corrector_regime.ROWS}
-                   for seed in self.seeds]
-        complete = [rows for rows in by_seed if all(m is not None for m in rows.values())]
-        return {row: [rows[row] for rows in complete] for row in corrector_regime.ROWS}
-
-    def corrector_refresh_rows(self, world: tuple[int, int]) -> dict[str, list[dict]]:
-        """The section's rows and the corrector_regime rows its curve reuses, each its runs in seed order, from the
-        seeds where all of them finished (as `corrector_regime_rows`)."""
-        runs = {**{row: functools.partial(self.corrector_regime_run, world, row) for row in corrector_refresh.REUSED},
-                **{row: functools.partial(self.corrector_refresh_run, world, row) for row in corrector_refresh.ROWS}}
+    def complete_seeds(self, runs: dict[str, Callable[[int], Run]]) -> dict[str, list[dict]]:
+        """Each row's runs (`runs[row](seed)`) in seed order, from the seeds whose every row has finished: a seed part
+        way through would pair its finished rows with other seeds' in the means."""
         by_seed = [{row: self.metrics_of(run(seed)) for row, run in runs.items()} for seed in self.seeds]
         complete = [rows for rows in by_seed if all(m is not None for m in rows.values())]
         return {row: [rows[row] for rows in complete] for row in runs}
+
+    def corrector_regime_rows(self, world: tuple[int, int]) -> dict[str, list[dict]]:
+        """The section's rows on `world`, from the seeds whose every row has finished."""
+        return self.complete_seeds({row: functools.partial(self.corrector_regime_run, world, row)
+                                    for row in corrector_regime.ROWS})
+
+    def corrector_refresh_rows(self, world: tuple[int, int]) -> dict[str, list[dict]]:
+        """The section's rows and the corrector_regime rows its curve reuses, from the seeds where all of them
+        finished."""
+        return self.complete_seeds(
+            {**{row: functools.partial(self.corrector_regime_run, world, row) for row in corrector_refresh.REUSED},
+             **{row: functools.partial(self.corrector_refresh_run, world, row) for row in corrector_refresh.ROWS}})
 
     def splits_manifest(self) -> Optional[dict]:
         if self.evidence is not None:
