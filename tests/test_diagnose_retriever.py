@@ -18,6 +18,7 @@ from rag_lab.analysis.diagnose_retriever import (
     diagnose_checkpoints,
     fit_offline,
     fit_targets,
+    held_out_map,
     latest_checkpoint,
     main,
 )
@@ -372,3 +373,87 @@ def test_corpus_drift_is_the_mean_cosine_between_every_pair_of_encoders(correcto
         for j in range(i + 1, 3):
             assert row[j] == pytest.approx(float(np.mean((unit[i] * unit[j]).sum(1))), abs=1e-5), (i, j)
     assert report["cosine"][0][2] < 0.999  # training moved the passage tower: the test compares something
+
+
+@pytest.mark.parametrize("loss", ["ce", "mse"])
+def test_the_offline_fit_never_reads_a_row_outside_its_pool(loss):
+    """`pool`: fresh vectors changed only outside the pool give the very same fitted corrector; changed inside it,
+    another one."""
+    generator = torch.Generator().manual_seed(0)
+    stale = torch.randn(200, 8, generator=generator)
+    fresh = stale + 0.3 * torch.randn(200, 8, generator=generator)
+    queries = torch.randn(50, 8, generator=generator)
+    pool = torch.arange(0, 200, 2)
+
+    def fitted(target):
+        return fit_offline(stale, target, queries, hidden=16, steps=20, temperature=0.1, loss=loss, pool=pool)
+
+    outside, inside = fresh.clone(), fresh.clone()
+    outside[1::2] = torch.randn(100, 8, generator=generator)
+    inside[::2] = torch.randn(100, 8, generator=generator)
+    base = fitted(fresh).state_dict()
+    assert all(torch.equal(base[name], value) for name, value in fitted(outside).state_dict().items())
+    assert not all(torch.equal(base[name], value) for name, value in fitted(inside).state_dict().items())
+
+
+def test_the_held_out_map_against_a_brute_force_computation(corrector_run, recipe_toy_dir, monkeypatch, capsys):
+    """`--checkpoints ... --held-out`: g is the last checkpoint's encoder, the sources are the stale buffer and the
+    earlier checkpoints; each fit draws from every row but the dev golds (found here from the dev file), has the
+    in-loop width, and every reported number equals numpy's on the source's or the returned fit's vectors."""
+    import rag_lab.analysis.diagnose_retriever as module
+    run, _ = corrector_run
+    torch.set_num_threads(1)
+    fits = []
+
+    def recording(stale, fresh, queries, hidden, steps, temperature, **options):
+        fits.append((stale, options, hidden, fit_offline(stale, fresh, queries, hidden, steps, temperature, **options)))
+        return fits[-1][-1]
+
+    monkeypatch.setattr(module, "fit_offline", recording)
+    report = held_out_map(run, [2, 6], k=K, limit=QUESTIONS, fit_steps=5)
+    assert report["target"] == 6 and [entry["step"] for entry in report["sources"]] == [0, 2]
+
+    corpus = Corpus.open(recipe_toy_dir / "passages.jsonl")
+    dev = load_eval_set(recipe_toy_dir / "retrieval-dev.jsonl", corpus, limit=QUESTIONS)
+    gold = np.asarray(corpus.rows([next(iter(q)) for q in dev.qrels]))
+    kept = sorted(set(range(len(corpus))) - set(gold.tolist()))
+    assert report["held_out_rows"] == len(set(gold.tolist()))
+    width = latest_checkpoint(run)  # the run keeps its corrector in every checkpoint
+    assert len(fits) == 4 and {hidden for *_, hidden, _ in fits} == {
+        load_file(str(width / "model.safetensors"))["corrector.first.weight"].shape[0]}
+    assert [options["loss"] for _, options, *_ in fits] == ["mse", "ce", "mse", "ce"]
+    for _, options, *_ in fits:
+        assert options["pool"].tolist() == kept
+
+    target = checkpoint_retriever(run, run / "checkpoints" / "step-00000006")
+    with torch.no_grad():
+        fresh = np.concatenate([target.encode_passages(corpus.passages(range(s, min(s + 64, len(corpus)))))
+                                .double().numpy() for s in range(0, len(corpus), 64)])
+        queries = target.encode_queries(dev.questions).double().numpy()
+    held = np.zeros(len(corpus), dtype=bool)
+    held[gold] = True
+
+    def expected(vectors):
+        cosine = (vectors * fresh).sum(1) / np.linalg.norm(vectors, axis=1) / np.linalg.norm(fresh, axis=1)
+        return {"cos_fitted": cosine[~held].mean(), "cos_held_out": cosine[held].mean(),
+                **{f"dev_{name}": value for name, value in brute_force(queries, vectors, fresh, gold, K).items()}}
+
+    for entry, (first, second) in zip(report["sources"], (fits[:2], fits[2:])):
+        source = first[0]
+        with torch.no_grad():
+            vectors = [source.double().numpy(), *(fit(source).double().numpy() for *_, fit in (first, second))]
+        for name, values in zip(("as is", "h fitted by MSE", "h fitted by the run's loss"), vectors):
+            found, want = entry["rows"][name], expected(values)
+            assert found["cos_fitted"] == pytest.approx(want["cos_fitted"], abs=1e-5), (entry["step"], name)
+            assert found["cos_held_out"] == pytest.approx(want["cos_held_out"], abs=1e-5), (entry["step"], name)
+            assert found["dev_gold_at_1"] == pytest.approx(want["dev_gold_at_1"], abs=1 / QUESTIONS + 1e-9)
+            assert found["dev_overlap"] == pytest.approx(want["dev_overlap"], abs=1 / (K * QUESTIONS) + 1e-9)
+    stale = np.asarray(Buffer.open(run / "buffer").array(), dtype=np.float64)
+    assert np.allclose(fits[0][0].double().numpy(), stale)  # step 0 is the run's stale buffer
+    assert report["fresh"]["dev_overlap"] == 1.0 and report["fresh"]["cos_held_out"] == pytest.approx(1.0)
+
+    main(["--run", str(run), "--k", str(K), "--questions", str(QUESTIONS), "--checkpoints", "4", "6", "--held-out",
+          "--fit-hidden", "8", "--fit-steps", "2"])
+    printed = capsys.readouterr().out
+    assert "| 6 | fresh g | " in printed and "| 0 | as is | " in printed and "| 4 | h fitted by MSE | " in printed
+    assert "| 2 |" not in printed and "h: 8 hidden units" in printed

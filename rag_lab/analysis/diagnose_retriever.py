@@ -4,6 +4,7 @@
         [--fit-hidden 256 2048 [--fit-steps 1500]] [--fit-content-hidden 1024]
         [--content ROWS [--content-init MODEL ...]]
     python scripts/diagnose_retriever.py --run runs/toy-retriever --checkpoints [STEP ...] [--fit-top 16]
+        [--drift | --held-out [--fit-hidden H]]
         [--fit-steps 1500] [--k 4] [--questions 500] [--json out.json]
 
 It reads the run directory: the saved retriever (`retriever/`), the stale buffer (`buffer/`), the corrector of
@@ -42,6 +43,9 @@ same width fitted offline with the run's corrector loss on every training questi
 rows), of fresh g and of stale B. The achievable fit far above the in-loop corrector: the loop's subsets and updates
 hold it back, not its width. `--checkpoints ... --drift` (any strategy) gives only the corpus's drift: the mean
 cosine of each passage's vectors between the run's stale buffer and every checkpoint, pair by pair (`corpus_drift`).
+`--checkpoints ... --held-out` asks what a corrector does to rows it never learned (`held_out_map`): with the last
+checkpoint's encoder as g and the stale buffer and each earlier checkpoint as the buffer B, a corrector fitted on
+every row but the dev questions' golds, against B as is, on the fitted and the held-out rows.
 
 Long file: every measure here reads the same embedded corpus, questions and corrector, and the printed report
 sets them side by side; one module per measure would pass that state between them.
@@ -167,17 +171,19 @@ PROBE = "uniform-row probe"  # how its fits are labelled: not the achievable fit
 
 def fit_offline(stale: torch.Tensor, fresh: torch.Tensor, queries: torch.Tensor, hidden: int, steps: int,
                 temperature: float, seed: int = 0, moments: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-                targets: Optional[torch.Tensor] = None, loss: str = "ce") -> torch.nn.Module:
+                targets: Optional[torch.Tensor] = None, loss: str = "ce",
+                pool: Optional[torch.Tensor] = None) -> torch.nn.Module:
     """A corrector trained after the fact on final (B[y], g(y)) pairs — the target no longer moves — with the run's
     loss (CE(P~ || P~_h) at the run's temperature, or MSE), 64 training questions per Adam step (lr 1e-3).
     `targets` [Q, r]: each question's rows (its gold and fresh top-k: the achievable fit), the union over the step's
     questions shared by them, as the strategy's subset is; None: 512 uniform rows per step (the uniform-row probe,
-    which rarely holds a question's gold or its near-duplicates).
+    which rarely holds a question's gold or its near-duplicates), drawn from `pool` (rows; default every row).
     A source of another width than g (the passages' token bags) gets the corrector's two layers without its identity.
     `moments` (the whole buffer's mean and sd): the corrector standardizes its input
     (strategy.corrector.standardize)."""
     generator = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
+    pool = torch.arange(len(stale)) if pool is None else pool
     if stale.shape[1] == fresh.shape[1]:
         corrector = Corrector(stale.shape[1], hidden, standardize=moments is not None)
         if moments is not None:
@@ -188,7 +194,7 @@ def fit_offline(stale: torch.Tensor, fresh: torch.Tensor, queries: torch.Tensor,
     optimizer = torch.optim.Adam(corrector.parameters(), lr=1e-3)
     for _ in range(steps):
         picked = torch.randint(len(queries), (64,), generator=generator)
-        rows = (torch.randint(len(stale), (UNIFORM_PROBE_ROWS,), generator=generator) if targets is None
+        rows = (pool[torch.randint(len(pool), (UNIFORM_PROBE_ROWS,), generator=generator)] if targets is None
                 else targets[picked].flatten()).unique()
         corrected = corrector(stale[rows])
         if loss == "mse":
@@ -435,6 +441,76 @@ def corpus_drift(run: Path, steps: Sequence[int] = ()) -> dict:
                                        for s in order]}
 
 
+MAP_ROWS = ("as is", "h fitted by MSE", "h fitted by the run's loss")
+
+
+def held_out_map(run: Path, steps: Sequence[int] = (), k: Optional[int] = None, limit: int = 500,
+                 hidden: Optional[int] = None, fit_steps: int = 1500) -> dict:
+    """What a corrector does to rows it never learned, at each amount of drift. The last of the run's checkpoints
+    (or of `steps`) is the target encoder g; each source buffer B_s is the run's stale buffer (step 0) or an earlier
+    checkpoint's re-embedded corpus (a buffer refreshed at s). For each: B_s as is, and a corrector of the in-loop
+    width (or `hidden`) fitted offline on (B_s[y], g(y)) of every row except the dev questions' golds, by MSE and by
+    the run's loss over the training questions (`fit_offline` drawing its uniform rows from the kept ones). The dev
+    golds stand in for the rows the loop's loss never asks h to get right: the dev people's passages, which no
+    training question ranks. Per source: cos with g on the fitted rows and on the held-out ones, dev gold@1 and
+    overlap@k with g's top-k. A fit that lifts the fitted rows' cosine far above the held-out rows' ranks corrected
+    competitors above unseen golds: gold@1 below the buffer's as-is."""
+    cfg = load_config(RetrieverTrainConfig, run / "config.yaml", [])
+    k = k or cfg.strategy.top_k
+    files = resolve_data(cfg.data, Accelerator(cpu=True), ["retrieval-train"], ["retrieval-dev"])
+    corpus = Corpus.open(files.passages)
+    checkpoints = checkpoint_steps(run, steps)
+    if hidden is None:
+        in_loop = checkpoint_corrector(checkpoints[-1], Buffer.open(run / "buffer").dim)
+        if in_loop is None:
+            raise ConfigError(f"{run}: strategy.name={cfg.strategy.name!r} has no corrector to take the width "
+                              "from; give --fit-hidden H")
+        hidden = in_loop.hidden
+    target = checkpoint_retriever(run, checkpoints[-1])
+    dev = question_split(question_sets(files, corpus, limit), "dev")
+    training = question_split(question_sets(files, corpus, None), "train")
+    with torch.no_grad():
+        fresh = embed_corpus(target, corpus)
+        queries = target.encode_queries(dev.texts).float()
+        training_queries = target.encode_queries(training.texts[:cfg.data.max_train_examples]).float()
+    held = torch.zeros(len(corpus), dtype=torch.bool)
+    held[dev.gold] = True
+    every_row = torch.ones(len(corpus), dtype=torch.bool)
+
+    def measured(vectors: torch.Tensor) -> dict[str, float]:
+        cosine = torch.nn.functional.cosine_similarity(vectors, fresh, dim=1)
+        ranks = ranking_stats(queries, vectors, fresh, dev.gold, every_row, k)
+        return {"cos_fitted": cosine[~held].mean().item(), "cos_held_out": cosine[held].mean().item(),
+                "dev_gold_at_1": ranks["gold_at_1"], "dev_overlap": ranks["overlap"]}
+
+    report = {"k": k, "hidden": hidden, "target": checkpoint_step(checkpoints[-1]), "held_out_rows": int(held.sum()),
+              "fresh": measured(fresh), "sources": []}
+    for checkpoint in [None, *checkpoints[:-1]]:
+        with torch.no_grad():
+            source = (Buffer.open(run / "buffer").tensor().float() if checkpoint is None
+                      else embed_corpus(checkpoint_retriever(run, checkpoint), corpus))
+        fits = [fit_offline(source, fresh, training_queries, hidden, fit_steps, cfg.train.temperature, loss=loss,
+                            pool=torch.nonzero(~held).squeeze(1))
+                for loss in ("mse", cfg.strategy.corrector.loss)]
+        with torch.no_grad():
+            rows = dict(zip(MAP_ROWS, (measured(v) for v in (source, *(fit(source) for fit in fits)))))
+        report["sources"].append({"step": 0 if checkpoint is None else checkpoint_step(checkpoint), "rows": rows})
+    return report
+
+
+def print_map_table(report: dict) -> None:
+    k = report["k"]
+    print(f"| buffer of step | vectors | cos with g, fitted rows | cos with g, held-out rows | dev gold@1 "
+          f"| dev overlap@{k} |")
+    print("|---|---|---|---|---|---|")
+    for entry in [{"step": report["target"], "rows": {"fresh g": report["fresh"]}}, *report["sources"]]:
+        for name, at in entry["rows"].items():
+            print(f"| {entry['step']} | {name} | {at['cos_fitted']:.3f} | {at['cos_held_out']:.3f} | "
+                  f"{at['dev_gold_at_1']:.3f} | {at['dev_overlap']:.3f} |")
+    print(f"\ng: the encoder of step {report['target']}; h: {report['hidden']} hidden units, fitted on every row but "
+          f"the {report['held_out_rows']} dev golds (held out)")
+
+
 def print_drift_table(report: dict) -> None:
     steps = report["steps"]
     print("| refreshed at \\ now | " + " | ".join(map(str, steps)) + " |")
@@ -507,6 +583,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--drift", action="store_true",
                         help="with --checkpoints: only the corpus's drift between the buffer and the checkpoints "
                              "(mean cos of each passage's vectors; any strategy)")
+    parser.add_argument("--held-out", action="store_true",
+                        help="with --checkpoints: what a corrector does to rows it never learned, with the last "
+                             "checkpoint's encoder as g and the stale buffer and each earlier checkpoint as B "
+                             "(--fit-hidden H: its width, default the in-loop one; --fit-steps)")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -515,6 +595,12 @@ def main(argv: list[str] | None = None) -> None:
             parser.error("--drift reads the run's checkpoints: give --checkpoints [STEP ...]")
         report = corpus_drift(args.run, args.checkpoints)
         print_drift_table(report)
+    elif args.held_out:
+        if args.checkpoints is None:
+            parser.error("--held-out reads the run's checkpoints: give --checkpoints [STEP ...]")
+        report = held_out_map(args.run, args.checkpoints, args.k, args.questions,
+                              args.fit_hidden[0] if args.fit_hidden else None, args.fit_steps)
+        print_map_table(report)
     elif args.checkpoints is not None:
         report = diagnose_checkpoints(args.run, args.checkpoints, args.k, args.questions, args.fit_top, args.fit_steps)
         print_checkpoint_table(report)
