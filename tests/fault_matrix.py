@@ -1009,22 +1009,22 @@ def make_read_only(folder: Path) -> tuple[str, Callable[[], None]]:
 def make_reproduce_runs(runs: Path) -> None:
     """A --runs folder of finished runs (metrics.json only, as tests/test_reproduce.py writes them), for the
     report-only reproduce cells."""
-    from rag_lab.reproduction.budgets import QUICK
+    from rag_lab.reproduction import ablation, table1, table3
     from rag_lab.reproduction.plan import Plan
 
     from test_reproduce import fake_results
 
     shutil.rmtree(runs, ignore_errors=True)
-    plan = Plan(runs, QUICK, [0], [64], runs / "report")
-    results = fake_results()
+    plan = Plan(runs, [0], [64], runs / "report", quick=True)
+    results = fake_results()["sections"]
     for init in ("random", "pretrained"):
-        for strategy, metrics in results["table1"][init].items():
+        for strategy, metrics in results["table1"]["runs"][init].items():
             if metrics:
-                _write_metrics(plan.table1(init, strategy, 0).out, metrics[0])
-    for strategy, metrics in results["table3"].items():
-        _write_metrics(plan.table3(strategy, 0).out, metrics[0])
-    _write_metrics(plan.ablation(64, 0).out, results["ablation"][64][0])
-    _write_metrics(plan.pretrain().out, results["pretrain"])
+                _write_metrics(table1.run(plan, init, strategy, 0).out, metrics[0])
+    for strategy, metrics in results["table3"]["runs"].items():
+        _write_metrics(table3.run(plan, strategy, 0).out, metrics[0])
+    _write_metrics(ablation.run(plan, 64, 0).out, results["ablation"][64][0])
+    _write_metrics(table1.pretrain(plan).out, results["table1"]["pretrain"])
 
 
 def _write_metrics(folder: Path, metrics: dict) -> None:

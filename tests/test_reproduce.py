@@ -15,14 +15,25 @@ from pathlib import Path
 import pytest
 
 from rag_lab.experiments import PROBED_VALUES, batching_setups, batching_sweep_table, probe_table
-from rag_lab.reproduction import command, corrector_refresh, corrector_regime, generative
+from rag_lab.reproduction import (
+    ablation,
+    command,
+    corrector_refresh,
+    corrector_regime,
+    described,
+    generative,
+    table1,
+    table3,
+)
 from rag_lab.reproduction.analysis import ANALYSIS
-from rag_lab.reproduction.budgets import FULL, QUICK
-from rag_lab.reproduction.plan import RETRIEVER_CONFIG, TABLE3, TABLE3_LM, Plan, Run, run_all
+from rag_lab.reproduction.plan import RETRIEVER_CONFIG, Plan, Run, run_all
 from rag_lab.reproduction.report import write_report
+from rag_lab.reproduction.sections import collect, register, sections
 from rag_train.config import load_config
 from rag_train.train.schema import RetrieverTrainConfig, RLMConfig
 from rag_train.train.warm_start import stage_settings
+
+from conftest import drop_in
 
 ROOT = Path(__file__).resolve().parents[1]
 SEED_SECTIONS = ("dynnibal", "large_batches", "generative", "described", "corrector_regime", "corrector_refresh")
@@ -77,18 +88,18 @@ def fake_results() -> dict:
                          (0.5, 0, 0, "linear", 72, 0.2), (0.5, 1, 8, "1x8", 144, 0.1),
                          (2.0, 0, 0, "linear", 72, 1.2), (2.0, 1, 8, "1x8", 144, 0.3)]
                      for fraction in (0.1, 1.0)]}
-    return {
-        "run_seconds": 123.0,
-        "pretrain": retriever_metrics(1.0),
-        "table1": {"random": random, "lm": lm, "pretrained": pretrained},
-        "table3": {"closed_book": [rlm_metrics(0.05)], "frozen": [rlm_metrics(0.30, gate_opened=None)],
-                   "corrector": [rlm_metrics(0.40)], "exhaustive": [rlm_metrics(0.42, 9000, gate_opened=None)]},
-        "table3_lm": {"frozen": [rlm_metrics(0.10, gate_opened=None)], "corrector": [rlm_metrics(0.30)],
-                      "exhaustive": [rlm_metrics(0.35, 9000)]},
+    return {"run_seconds": 123.0, "sections": {
+        "table1": {"pretrain": retriever_metrics(1.0), "runs": {"random": random, "lm": lm, "pretrained": pretrained}},
+        "table3": {"runs": {"closed_book": [rlm_metrics(0.05)], "frozen": [rlm_metrics(0.30, gate_opened=None)],
+                            "corrector": [rlm_metrics(0.40)],
+                            "exhaustive": [rlm_metrics(0.42, 9000, gate_opened=None)]},
+                   "lm": {"frozen": [rlm_metrics(0.10, gate_opened=None)], "corrector": [rlm_metrics(0.30)],
+                          "exhaustive": [rlm_metrics(0.35, 9000)]}},
         "ablation": {64: [retriever_metrics(0.85, rate=1.8)], 256: lm["corrector"],
                      1024: [retriever_metrics(0.86, rate=1.1)]},
-        "synthetic": synthetic,
-    }
+        "curves": None, "synthetic": synthetic, "large_batches": None, "dynnibal": None, "generative": None,
+        "described": None, "corrector_regime": None, "corrector_refresh": None,
+    }}
 
 
 def test_report_from_given_metrics(tmp_path):
@@ -96,7 +107,7 @@ def test_report_from_given_metrics(tmp_path):
                     "sections": {"table1": 50.0, "table3": 10.0}, "launched": 3, "reused": 0, "load": [1.0, 2.0]},
                    {"command": "python scripts/reproduce.py --quick", "date": "2025-01-01 11:00", "wall_seconds": 30.0,
                     "sections": {"table1": 30.0}, "launched": 1, "reused": 3, "load": [0.5, 1.0], "threads": 1}]
-    meta = {"machine": "Test CPU, 2 cores", "seeds": [0, 1], "budget": QUICK, "runs": "runs/x",
+    meta = {"machine": "Test CPU, 2 cores", "seeds": [0, 1], "quick": True, "runs": "runs/x",
             "invocations": invocations}
     path = write_report(fake_results(), meta, tmp_path)
     text = path.read_text()
@@ -188,26 +199,27 @@ def test_report_from_given_metrics(tmp_path):
 
 def test_report_with_missing_sections(tmp_path):
     results = fake_results()
-    results["table3"] = {name: [] for name in TABLE3}
-    results["synthetic"] = None
-    meta = {"machine": "m", "seeds": [0], "budget": FULL, "runs": "runs/x", "invocations": []}
+    results["sections"]["table3"]["runs"] = {name: [] for name in table3.TABLE3}
+    results["sections"]["synthetic"] = None
+    meta = {"machine": "m", "seeds": [0], "quick": False, "runs": "runs/x", "invocations": []}
     text = write_report(results, meta, tmp_path).read_text()
     assert "_no finished runs_" in text and "not run" in text
     assert not (tmp_path / "figures" / "reproduction" / "table3_em.png").exists()
 
 
 def test_plan_shares_one_warm_start_and_reuses_the_default_corrector(tmp_path):
-    plan = Plan(tmp_path, FULL, [0, 1], [64, 256], tmp_path / "docs")
-    table3 = plan.section("table3")
-    holder = table3[0]
-    assert holder.out == plan.table3_holder() and not any("from_run" in o for o in holder.overrides)
-    assert all(f"warm_start.from_run={holder.out}" in run.overrides for run in table3[1:])
-    assert {o for run in table3 for o in run.overrides if o.startswith("strategy.name=")} == {
-        f"strategy.name={s}" for s in TABLE3}
+    plan = Plan(tmp_path, [0, 1], [64, 256], tmp_path / "docs")
+    rlm_runs = table3.runs(plan)
+    holder = rlm_runs[0]
+    assert holder.out == table3.holder(plan) and not any("from_run" in o for o in holder.overrides)
+    assert all(f"warm_start.from_run={holder.out}" in run.overrides for run in rlm_runs[1:])
+    assert {o for run in rlm_runs for o in run.overrides if o.startswith("strategy.name=")} == {
+        f"strategy.name={s}" for s in table3.TABLE3}
     # the LM-init rows: the world's toy T5 as the retriever, no retrieval warm start, the holder's reader stage (its
     # recorded settings must match theirs, the seed aside, or check_stage refuses to reuse it)
-    lm3 = [run for run in table3 if run.out.parent.name == "table3-lm"]
-    assert sorted(run.out.name for run in lm3) == sorted(f"{s}-seed{seed}" for s in TABLE3_LM for seed in (0, 1))
+    lm3 = [run for run in rlm_runs if run.out.parent.name == "table3-lm"]
+    assert sorted(run.out.name for run in lm3) == sorted(f"{s}-seed{seed}" for s in table3.TABLE3_LM
+                                                         for seed in (0, 1))
     holder_cfg = load_config(RLMConfig, holder.config, holder.overrides)
     for run in lm3:
         cfg = load_config(RLMConfig, run.config, run.overrides)
@@ -215,22 +227,23 @@ def test_plan_shares_one_warm_start_and_reuses_the_default_corrector(tmp_path):
         assert cfg.warm_start.from_run == str(holder.out.resolve())
         assert {k: v for k, v in stage_settings(cfg, "warm_start_reader").items() if k != "seed"} == \
             {k: v for k, v in stage_settings(holder_cfg, "warm_start_reader").items() if k != "seed"}
-    lm = plan.table1("lm", "stale", 1)
+    lm = table1.run(plan, "lm", "stale", 1)
     assert f"retriever.model={plan.lm().folder()}" in lm.overrides
-    world = load_config(RetrieverTrainConfig, RETRIEVER_CONFIG, plan.table1("random", "in_batch", 0).overrides).data
+    in_batch = table1.run(plan, "random", "in_batch", 0)
+    world = load_config(RetrieverTrainConfig, RETRIEVER_CONFIG, in_batch.overrides).data
     assert str(plan.lm().folder().parent) == plan.lm().data.toy_dir == world.toy_dir  # the LM sits beside its world
-    pretrained = plan.table1("pretrained", "stale", 1)
-    assert f"retriever.model={plan.pretrain().out / 'retriever'}" in pretrained.overrides
-    assert plan.section("table1")[0].out == plan.pretrain().out  # pretraining runs first
-    assert plan.ablation(256, 0).out == plan.table1("random", "corrector", 0).out  # config default: same run
-    assert "strategy.corrector.hidden=64" in plan.ablation(64, 0).overrides
+    pretrained = table1.run(plan, "pretrained", "stale", 1)
+    assert f"retriever.model={table1.pretrain(plan).out / 'retriever'}" in pretrained.overrides
+    assert table1.runs(plan)[0].out == table1.pretrain(plan).out  # pretraining runs first
+    assert ablation.run(plan, 256, 0).out == table1.run(plan, "random", "corrector", 0).out  # config default: same run
+    assert "strategy.corrector.hidden=64" in ablation.run(plan, 64, 0).overrides
     # later overrides win in load_config: the section's strategy and seed come after the budget's
     # each run gets only the budget keys its strategy reads (load_config refuses any other)
-    assert "strategy.refresh_every=50" in plan.table1("random", "exhaustive", 0).overrides
-    for run in table3:  # every RLM run loads: none is given the budget's refresh_every unless it reads it
-        assert load_config(RLMConfig, run.config, run.overrides).strategy.name in TABLE3
-    assert "strategy.refresh_every=50" in plan.table3("exhaustive", 0).overrides
-    cfg = load_config(RetrieverTrainConfig, RETRIEVER_CONFIG, plan.ablation(64, 1).overrides)
+    assert "strategy.refresh_every=50" in table1.run(plan, "random", "exhaustive", 0).overrides
+    for run in rlm_runs:  # every RLM run loads: none is given the budget's refresh_every unless it reads it
+        assert load_config(RLMConfig, run.config, run.overrides).strategy.name in table3.TABLE3
+    assert "strategy.refresh_every=50" in table3.run(plan, "exhaustive", 0).overrides
+    cfg = load_config(RetrieverTrainConfig, RETRIEVER_CONFIG, ablation.run(plan, 64, 1).overrides)
     assert (cfg.strategy.name, cfg.strategy.corrector.hidden, cfg.train.seed) == ("corrector", 64, 1)
 
 
@@ -238,24 +251,24 @@ def test_described_section_plans_every_row_from_three_inits_on_each_world(tmp_pa
     """seed 000's Table 1 in its regime: each described world's runs start from nothing (random), from that world's
     own LM, or from the GTR-like init (the other world's LM trained in-batch, run first); the MSE and "+0" rows are
     their strategy with the row's keys, and every run loads with only the budget keys its strategy reads."""
-    plan = Plan(tmp_path, FULL, [0, 1, 2], [256], tmp_path / "docs")
-    runs = plan.section("described")
-    assert runs[0].out == plan.described_pretrain().out == tmp_path / "described" / "pretrain"
-    assert len(runs) == 1 + len(FULL.described_worlds) * 3 * 8 * 3 and len({r.out for r in runs}) == len(runs)
-    other = FULL.described_other_world
+    plan = Plan(tmp_path, [0, 1, 2], [256], tmp_path / "docs")
+    runs = described.runs(plan)
+    assert runs[0].out == described.pretrain(plan).out == tmp_path / "described" / "pretrain"
+    assert len(runs) == 1 + len(described.FULL.worlds) * 3 * 8 * 3 and len({r.out for r in runs}) == len(runs)
+    other = described.FULL.other_world
     pretrain = load_config(RetrieverTrainConfig, RETRIEVER_CONFIG,
                            [o for o in runs[0].overrides if not o.startswith("retriever.model=")])
     assert (pretrain.strategy.name, pretrain.data.toy_passages, pretrain.data.toy_seed) == ("in_batch", *other)
     assert f"retriever.model={plan.described_lm(other).folder()}" in runs[0].overrides
-    for world in FULL.described_worlds:
+    for world in described.FULL.worlds:
         lm = plan.described_lm(world)
         assert (lm.data.toy_passages, lm.data.toy_seed, lm.data.toy_retrieval) == (*world, "described")
-        models = {init: [o for o in plan.described_run(world, init, "stale", 1).overrides if "retriever.model" in o]
+        models = {init: [o for o in described.run(plan, world, init, "stale", 1).overrides if "retriever.model" in o]
                   for init in ("random", "lm", "pretrained")}  # the folders do not exist: not loaded here
         assert models == {"random": [], "lm": [f"retriever.model={lm.folder()}"],
-                          "pretrained": [f"retriever.model={plan.described_pretrain().out / 'retriever'}"]}
+                          "pretrained": [f"retriever.model={described.pretrain(plan).out / 'retriever'}"]}
         cfg = {row: load_config(RetrieverTrainConfig, RETRIEVER_CONFIG,
-                                plan.described_run(world, "random", row, 2).overrides)
+                                described.run(plan, world, "random", row, 2).overrides)
                for row in ("in_batch", "corrector", "corrector-mse", "dynnibal-plus0", "dynnibal", "exhaustive")}
         assert all(c.data.toy_dir == lm.data.toy_dir and c.train.seed == 2 and c.train.steps == 4000
                    for c in cfg.values())
@@ -264,9 +277,8 @@ def test_described_section_plans_every_row_from_three_inits_on_each_world(tmp_pa
         assert (plus0.warm_start_steps, plus0.full_refresh_step, plus0.refresh_every) == (0, 0, 0)
         assert (scheduled.warm_start_steps, scheduled.full_refresh_step) == (500, 1000)
         assert cfg["exhaustive"].strategy.name == "exhaustive" and cfg["in_batch"].strategy.name == "in_batch"
-    clash = Plan(tmp_path, dataclasses.replace(QUICK, described_other_world=(300, 1)), [0], [64], tmp_path / "docs")
-    with pytest.raises(ValueError, match="described_other_world"):
-        clash.described_pretrain()
+    with pytest.raises(ValueError, match=r"described other_world \(300, 1\): its toy seed is a compared world's"):
+        dataclasses.replace(described.QUICK, other_world=(300, 1))
 
 
 def test_described_report_gives_each_rows_share_of_the_gap_per_seed_and_the_verdict(tmp_path):
@@ -274,8 +286,6 @@ def test_described_report_gives_each_rows_share_of_the_gap_per_seed_and_the_verd
     exhaustive 0.80 / 0.70, corrector 0.72 / 0.68 closes (0.70 - 0.45) / (0.75 - 0.45) = 83% of the means (80%,
     90% per seed), but above SNM's 0.60 / 0.60 by +12 / +8 over 2 seeds only (t 5.0, p 0.126): undecided; a third
     world with 3 seeds 14-15 points above SNM: reproduced; on the untuned world 50% of the gap: not reproduced."""
-    from rag_lab.reproduction.described import described_section
-
     def rows(**r1s):
         return {row: [retriever_metrics(v, reembedded=1000 if row == "exhaustive" else 0) for v in values]
                 for row, values in r1s.items()}
@@ -287,7 +297,7 @@ def test_described_report_gives_each_rows_share_of_the_gap_per_seed_and_the_verd
     results = {"tuned": "w3000-s0", "worlds": {"w3000-s0": {"random": {}, "lm": tuned, "pretrained": {}},
                                                "w2000-s1": {"random": {}, "lm": untuned, "pretrained": {}},
                                                "w4000-s2": {"random": {}, "lm": third, "pretrained": {}}}}
-    text = "\n".join(described_section(results))
+    text = "\n".join(described.described_section(results))
     tuned_part, untuned_part = text.split("### w2000-s1")
     untuned_part, third_part = untuned_part.split("### w4000-s2")
     assert "### w3000-s0 (the settings were tuned on this world): LM-pretrained init (paper: T5-base)" in tuned_part
@@ -306,27 +316,28 @@ def test_described_report_gives_each_rows_share_of_the_gap_per_seed_and_the_verd
             in third_part)
     assert "| 20 | 22.5 | 35.0 | 37.5 |" in tuned_part  # the curve at step 20: R@1 / 2 (retriever_metrics' history)
     assert "random init" not in text  # inits without runs are left out
-    assert "_(not run: `--only described`)_" in "\n".join(described_section(None))
+    assert "_(not run: `--only described`)_" in "\n".join(described.described_section(None))
 
 
 def test_corrector_regime_plans_each_feed_with_its_own_stale_and_exhaustive(tmp_path):
     """The corrector fed as the paper feeds it: every row from the world's LM (the described section's world and LM
     folder), each feed's stale and exhaustive read that feed's subset keys, the wide variants are 10.7x D and only
     (d) updates h twice and replays; every run loads with the budget keys its strategy reads."""
-    plan = Plan(tmp_path, FULL, [0, 1, 2], [256], tmp_path / "docs")
-    runs = plan.section("corrector_regime")
-    assert len(runs) == len(FULL.corrector_regime_worlds) * 3 * len(corrector_regime.ROWS) == len({r.out for r in runs})
+    plan = Plan(tmp_path, [0, 1, 2], [256], tmp_path / "docs")
+    runs = corrector_regime.runs(plan)
+    worlds = corrector_regime.FULL.worlds
+    assert len(runs) == len(worlds) * 3 * len(corrector_regime.ROWS) == len({r.out for r in runs})
     assert sorted(corrector_regime.RUN_ORDER) == sorted(corrector_regime.ROWS)  # every row runs, once
-    rows, worlds = len(corrector_regime.ROWS), FULL.corrector_regime_worlds
+    rows = len(corrector_regime.ROWS)
     assert len(worlds) == 2  # seed by seed: every world's seed 0 before any seed 1
     assert [(r.out.parent.name, r.out.name.rsplit("-seed", 1)[1]) for r in runs[::rows]] == [
         (f"w{p}-s{s}", str(seed)) for seed in (0, 1, 2) for p, s in worlds]
-    for world in FULL.corrector_regime_worlds:
+    for world in worlds:
         lm = plan.described_lm(world)
         model = f"retriever.model={lm.folder()}"  # the folder does not exist: not loaded here
-        assert all(model in plan.corrector_regime_run(world, row, 2).overrides for row in corrector_regime.ROWS)
+        assert all(model in corrector_regime.run(plan, world, row, 2).overrides for row in corrector_regime.ROWS)
         cfg = {row: load_config(RetrieverTrainConfig, RETRIEVER_CONFIG,
-                                [o for o in plan.corrector_regime_run(world, row, 2).overrides if o != model])
+                                [o for o in corrector_regime.run(plan, world, row, 2).overrides if o != model])
                for row in corrector_regime.ROWS}
         for row, c in cfg.items():
             feed = corrector_regime.ROWS[row][1]
@@ -340,20 +351,20 @@ def test_corrector_regime_plans_each_feed_with_its_own_stale_and_exhaustive(tmp_
         extra = {row: (cfg[row].strategy.corrector.updates, cfg[row].strategy.corrector.replay_steps)
                  for row in widths}
         assert extra == {"a-corrector": (1, 0), "b-corrector": (1, 0), "c-corrector": (1, 0), "d-corrector": (2, 4)}
-        assert "strategy.refresh_every=2" not in plan.corrector_regime_run(world, "b-stale", 0).overrides
+        assert "strategy.refresh_every=2" not in corrector_regime.run(plan, world, "b-stale", 0).overrides
 
 
 def test_corrector_regime_collects_only_seeds_whose_every_row_finished(tmp_path):
     """A seed part way through (seed 1: two rows finished) is left out of every row, so each mean is over the same
     seeds; seeds 0 and 2 finished and are kept, in seed order."""
-    plan = Plan(tmp_path, QUICK, [0, 1, 2], [64], tmp_path / "docs")
-    world = QUICK.corrector_regime_worlds[0]
+    plan = Plan(tmp_path, [0, 1, 2], [64], tmp_path / "docs", quick=True)
+    world = corrector_regime.QUICK.worlds[0]
     for seed, rows in ((0, corrector_regime.ROWS), (1, ("b-stale", "b-corrector")), (2, corrector_regime.ROWS)):
         for index, row in enumerate(rows):
-            out = plan.corrector_regime_run(world, row, seed).out
+            out = corrector_regime.run(plan, world, row, seed).out
             out.mkdir(parents=True)
             (out / "metrics.json").write_text(json.dumps(retriever_metrics(0.1 * seed + 0.01 * index)))
-    rows = plan.collect()["corrector_regime"]["worlds"]["w300-s1"]
+    rows = collect(plan)["sections"]["corrector_regime"]["worlds"]["w300-s1"]
     assert set(rows) == set(corrector_regime.ROWS)
     for index, row in enumerate(corrector_regime.ROWS):
         assert [m["recall"]["1"] for m in rows[row]] == [0.01 * index, 0.2 + 0.01 * index]
@@ -522,6 +533,110 @@ def _recording_runs(tmp_path: Path, monkeypatch, fail: str = "", hold: bool = Tr
     return [pre, after, other], log
 
 
+NEW_SECTION = '''
+"""Test section: a run per seed at its budget's steps, a file before them, its evidence and a line of the report."""
+
+from dataclasses import dataclass
+
+from rag_lab.reproduction.plan import RETRIEVER_CONFIG, Run
+from rag_lab.reproduction.sections import Section, register
+
+
+@dataclass(frozen=True)
+class CountBudget:
+    steps: int
+
+
+def run(plan, seed):
+    return Run("train_retriever.py", RETRIEVER_CONFIG, plan.runs / "count" / f"counted-seed{seed}",
+               ["train.tracker=null", f"train.steps={plan.budget_of(SECTION).steps}", f"train.seed={seed}"])
+
+
+def runs(plan):
+    return [run(plan, seed) for seed in plan.seeds]
+
+
+def prepare(plan, threads):
+    plan.runs.mkdir(parents=True, exist_ok=True)
+    (plan.runs / "count-prepared").write_text(str(threads))
+
+
+def collect(plan):
+    return plan.found(runs(plan))
+
+
+def render(report):
+    return ["## Counted", "", f"{len(report.results['count'])} finished count runs", ""]
+
+
+SECTION = register(Section(
+    name="count", order=35, help="counts its finished runs", full=CountBudget(300), quick=CountBudget(3), runs=runs,
+    render=render, collect=collect, prepare=prepare,
+    evidence_files=lambda plan: {"count/note.json": {"seeds": plan.seeds}},
+    budget_note=lambda budget: f"counting `{budget.steps}` steps"))
+'''
+
+# Runs in a fresh interpreter with the new module's folder added to the package's search path before the package
+# (and its discovery) is imported: exactly what a new `count.py` in rag_lab/reproduction/ does.
+SECTION_DRIVER = drop_in("rag_lab.reproduction") + '''
+import contextlib, io, json, sys
+from pathlib import Path
+
+from rag_lab.reproduction import command
+from rag_lab.reproduction.plan import Plan
+from rag_lab.reproduction.sections import every_run, sections
+
+folder = Path(sys.argv[1])
+runs = folder / "runs"
+plan = Plan(runs, [0, 1], [64], folder / "out", quick=True)
+planned = [(run.out.relative_to(runs).as_posix(), run.overrides) for run in sections()["count"].runs(plan)]
+help_text = io.StringIO()
+with contextlib.redirect_stdout(help_text), contextlib.suppress(SystemExit):
+    command.parse_args(["--help"])
+for seed in (0, 1):  # finished: the command reuses them
+    (runs / "count" / f"counted-seed{seed}").mkdir(parents=True)
+    (runs / "count" / f"counted-seed{seed}" / "metrics.json").write_text(json.dumps({"wall_seconds": 1.0}))
+command.main(["--quick", "--only", "count", "--seeds", "0", "1", "--runs", str(runs), "--out", str(folder / "out"),
+              "--evidence", str(folder / "evidence")])
+out = {"sections": list(sections()), "planned": planned, "every_run": [run.out.name for run in every_run(plan)],
+       "choices": command.parse_args(["--quick"]).only, "help": help_text.getvalue()}
+print("RESULT " + json.dumps(out))
+'''
+
+
+def test_a_new_section_is_one_file(tmp_path):
+    """A `count.py` dropped into the package is registered in its declared order, offered by --only and listed in
+    --help, its runs planned at the quick budget, prepared and reused by the command, its evidence file written, and
+    its part of the report rendered in its place, its budget in the report's budget line."""
+    (tmp_path / "count.py").write_text(NEW_SECTION)
+    proc = subprocess.run([sys.executable, "-c", SECTION_DRIVER, str(tmp_path)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    order = ["table1", "ablation", "table3", "count", "curves", "synthetic", "large_batches", "dynnibal", "generative",
+             "described", "corrector_regime", "corrector_refresh"]
+    assert out["sections"] == out["choices"] == order  # --only's default: every section, in order
+    assert "  count     counts its finished runs\n" in out["help"]
+    assert out["planned"] == [[f"count/counted-seed{seed}", ["train.tracker=null", "train.steps=3",
+                                                              f"train.seed={seed}"]] for seed in (0, 1)]
+    assert {"counted-seed0", "counted-seed1"} <= set(out["every_run"])
+    assert (tmp_path / "runs" / "count-prepared").read_text() == "1"  # --threads' default
+    invocation = json.loads((tmp_path / "runs" / "invocations.json").read_text())[-1]
+    assert list(invocation["sections"]) == ["count"] and (invocation["launched"], invocation["reused"]) == (0, 2)
+    assert json.loads((tmp_path / "evidence" / "count" / "note.json").read_text()) == {"seeds": [0, 1]}
+    report = (tmp_path / "out" / "reproduction.md").read_text()
+    assert "## Counted\n\n2 finished count runs\n" in report
+    assert report.index("## Table 3 in miniature") < report.index("## Counted") < report.index("## Training curves")
+    assert "`, counting `3` steps, toy world of 300 passages." in report
+
+
+def test_registering_a_section_name_twice_fails():
+    again = dataclasses.replace(sections()["table1"], order=99)
+    with pytest.raises(TypeError, match="reproduction section name 'table1' is registered twice"):
+        register(again)
+    assert sections()["table1"] is table1.SECTION
+
+
 def test_run_all_runs_in_parallel_after_what_each_run_starts_from(tmp_path, monkeypatch):
     runs, log = _recording_runs(tmp_path, monkeypatch, hold=False)
     assert run_all(runs, threads=1, jobs=1) == [False, False, False]  # none had finished before
@@ -687,19 +802,19 @@ def test_corrector_refresh_plans_its_rows_on_the_paper_feed_from_the_regimes_wor
     """The drift-aware refresh's rows: corrector_regime's world, LM and budget, the paper feed; the exhaustive rows
     differ from corrector_regime's exhaustive only in their interval, the drift rows from its (d) only in the refresh
     keys (watching cos(B[y], g(y)))."""
-    plan = Plan(tmp_path, FULL, [0, 1, 2], [256], tmp_path / "docs")
-    runs = plan.section("corrector_refresh")
-    assert len(runs) == len(FULL.corrector_regime_worlds) * 3 * len(corrector_refresh.ROWS)
+    plan = Plan(tmp_path, [0, 1, 2], [256], tmp_path / "docs")
+    runs = corrector_refresh.runs(plan)
+    assert len(runs) == len(corrector_regime.FULL.worlds) * 3 * len(corrector_refresh.ROWS)
     assert len({r.out for r in runs}) == len(runs)
-    world = FULL.corrector_regime_worlds[0]
+    world = corrector_regime.FULL.worlds[0]
     model = f"retriever.model={plan.described_lm(world).folder()}"
 
     def config(run: Run):
         return load_config(RetrieverTrainConfig, RETRIEVER_CONFIG, [o for o in run.overrides if o != model])
 
-    regime = {row: config(plan.corrector_regime_run(world, row, 1)) for row in ("b-exhaustive", "d-corrector")}
+    regime = {row: config(corrector_regime.run(plan, world, row, 1)) for row in ("b-exhaustive", "d-corrector")}
     for row, (_, strategy, _) in corrector_refresh.ROWS.items():
-        run = plan.corrector_refresh_run(world, row, 1)
+        run = corrector_refresh.run(plan, world, row, 1)
         assert model in run.overrides and run.out.parent.parent.name == "corrector_refresh"
         c = config(run)
         base = regime["b-exhaustive" if strategy == "exhaustive" else "d-corrector"]
@@ -718,19 +833,19 @@ def test_corrector_refresh_plans_its_rows_on_the_paper_feed_from_the_regimes_wor
 def test_corrector_refresh_collects_seeds_where_its_rows_and_the_reused_ones_finished(tmp_path):
     """Seed 0: every row of both sections; seed 1: this section's rows but not corrector_regime's SNM; seed 2: the
     reused rows but one of this section's missing. Only seed 0 counts, in every row."""
-    plan = Plan(tmp_path, QUICK, [0, 1, 2], [64], tmp_path / "docs")
-    world = QUICK.corrector_regime_worlds[0]
+    plan = Plan(tmp_path, [0, 1, 2], [64], tmp_path / "docs", quick=True)
+    world = corrector_regime.QUICK.worlds[0]
     reused = [row for row in corrector_refresh.REUSED if row != "b-snm"]
     own = list(corrector_refresh.ROWS)
     every = list(corrector_refresh.REUSED)
     finished = {0: (every, own), 1: (reused, own), 2: (every, own[1:])}
     for seed, (regime_rows, refresh_rows) in finished.items():
-        outs = ([plan.corrector_regime_run(world, row, seed).out for row in regime_rows]
-                + [plan.corrector_refresh_run(world, row, seed).out for row in refresh_rows])
+        outs = ([corrector_regime.run(plan, world, row, seed).out for row in regime_rows]
+                + [corrector_refresh.run(plan, world, row, seed).out for row in refresh_rows])
         for index, out in enumerate(outs):
             out.mkdir(parents=True)
             (out / "metrics.json").write_text(json.dumps(retriever_metrics(0.1 * seed + 0.01 * index)))
-    rows = plan.collect()["corrector_refresh"]["worlds"]["w300-s1"]
+    rows = collect(plan)["sections"]["corrector_refresh"]["worlds"]["w300-s1"]
     assert set(rows) == {*corrector_refresh.REUSED, *corrector_refresh.ROWS}
     assert all(len(runs) == 1 and runs[0]["recall"]["1"] < 0.1 for runs in rows.values())
 

@@ -18,6 +18,9 @@ def percent(x: Optional[float]) -> str:
     return "n/a (no positive gap)" if x is None else f"{100 * x:.0f}%"
 
 
+def paragraph(text: str) -> list[str]:
+    """A computed paragraph and its blank line, or nothing when there were no runs to compute it from."""
+    return [text, ""] if text else []
 
 
 def table1_analysis(table1: dict[str, dict[str, list[dict]]], ablation: dict[int, list[dict]]) -> str:

@@ -12,10 +12,14 @@ re-embedding."""
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 from rag_lab.experiments import RECALL_AT, cell, closure, gap_share
 from rag_lab.reproduction import corrector_regime
+from rag_lab.reproduction.plan import RETRIEVER_CONFIG, Plan, Run, build_lm, world_name
+from rag_lab.reproduction.sections import Report, Section, register
+from rag_train.strategies import overrides_read_by
 
 DRIFT = ("strategy.corrector.refresh_watch=cos_stale", "strategy.corrector.refresh_window=10")
 ROWS = {  # folder: (label, strategy, overrides after the paper feed's), in the order they run
@@ -37,6 +41,40 @@ def row_overrides(row: str) -> list[str]:
     """A row's overrides after the budget: the paper feed's, its strategy, its own."""
     _, strategy, extra = ROWS[row]
     return [*corrector_regime.FEEDS["paper"][1], f"strategy.name={strategy}", *extra]
+
+
+def run(plan: Plan, world: tuple[int, int], row: str, seed: int) -> Run:
+    """One row on `world`: the corrector_regime section's world, LM and budget."""
+    regime = plan.budget_of(corrector_regime.SECTION)
+    return Run("train_retriever.py", RETRIEVER_CONFIG,
+               plan.runs / "corrector_refresh" / world_name(*world) / f"{row}-seed{seed}",
+               ["train.tracker=null", *plan.described_world(world),
+                f"retriever.model={plan.described_lm(world).folder()}",
+                *overrides_read_by(ROWS[row][1], regime.overrides), *row_overrides(row), f"train.seed={seed}"])
+
+
+def runs(plan: Plan) -> list[Run]:
+    """Seed by seed over corrector_regime's worlds."""
+    return [run(plan, w, r, seed) for seed in plan.seeds for w in plan.budget_of(corrector_regime.SECTION).worlds
+            for r in ROWS]
+
+
+def prepare(plan: Plan, threads) -> None:
+    for world in plan.budget_of(corrector_regime.SECTION).worlds:
+        build_lm(plan.described_lm(world), threads)
+
+
+def rows(plan: Plan, world: tuple[int, int]) -> dict[str, list[dict]]:
+    """The section's rows and the corrector_regime rows its curve reuses, from the seeds where all of them
+    finished."""
+    return plan.complete_seeds(
+        {**{row: functools.partial(corrector_regime.run, plan, world, row) for row in REUSED},
+         **{row: functools.partial(run, plan, world, row) for row in ROWS}})
+
+
+def collect(plan: Plan) -> dict:
+    """{"worlds": {world: {row: [metrics by seed]}}}, the reused rows included."""
+    return {"worlds": {world_name(*w): rows(plan, w) for w in plan.budget_of(corrector_regime.SECTION).worlds}}
 
 
 def label(row: str) -> str:
@@ -118,3 +156,16 @@ def corrector_refresh_section(results: Optional[dict]) -> list[str]:
             goal = goal_line(rows)
             lines += [goal, ""] if goal else []
     return lines
+
+
+def render(report: Report) -> list[str]:
+    return corrector_refresh_section(report.results["corrector_refresh"])
+
+
+SECTION = register(Section(
+    name="corrector_refresh", order=110,
+    help="the drift-aware refresh (the corrector re-embedding the buffer when its drift crosses a threshold) against "
+         "exhaustive every 500 and 1,000 steps, on corrector_regime's worlds and paper feed, whose stale, "
+         "exhaustive, SNM and corrector rows it reuses: the gap closed against the passages re-embedded "
+         "(rag_lab/reproduction/corrector_refresh.py). 24 runs of 10-40 min on one core, seed by seed.",
+    full=None, quick=None, runs=runs, render=render, collect=collect, prepare=prepare))

@@ -13,12 +13,17 @@ gap at R@1 and at R@20, above SNM (rag_lab/reproduction/verdict.py, Holm over th
 
 from __future__ import annotations
 
+import functools
 import statistics
+from dataclasses import dataclass
 from typing import Optional
 
 from rag_lab.experiments import RECALL_AT, cell, closure, closure_table, curve_table, gap_share, recall, retrieval_curve
 from rag_lab.reproduction.paper import PAPER_INIT_LABELS, PAPER_TABLE1
+from rag_lab.reproduction.plan import RETRIEVER_CONFIG, Plan, Run, build_lm, world_name
+from rag_lab.reproduction.sections import Report, Section, register
 from rag_lab.reproduction.verdict import compare_variants, ordered
+from rag_train.strategies import overrides_read_by
 
 FEEDS = {  # name: (label, overrides)
     "today": ("today's: 16 questions, top-4 + 1 uniform",
@@ -52,10 +57,58 @@ TRACKING = {"corrector/cos_stale": "cos(B[y], g(y))", "corrector/cos_corrected":
 BAR = 0.8
 
 
+@dataclass(frozen=True)
+class CorrectorRegimeBudget:
+    worlds: tuple[tuple[int, int], ...]  # described worlds (passages, toy seed): the `described` section's folders
+    overrides: tuple[str, ...]  # every run's (each row adds its feed's and its own after them)
+
+
+# two 3,000-passage worlds not tuned on (the drift-aware refresh's thresholds were read off the first one's drift, so
+# the second is where they are checked), 2,000 steps (exhaustive levels off from about step 1,500 there); the 30 runs
+# per world take 10-35 min each on one core. Every checkpoint is kept: a stopped run resumes from its last, and
+# scripts/diagnose_retriever.py --checkpoints reads the corrector's fit along training
+FULL = CorrectorRegimeBudget(worlds=((3000, 1), (3000, 2)),
+                             overrides=("train.steps=2000", "train.eval_every=250", "train.save_every=250",
+                                        "train.keep_checkpoints=0"))
+QUICK = CorrectorRegimeBudget(worlds=((300, 1),),
+                              overrides=("train.steps=8", "train.eval_every=4", "strategy.refresh_every=2",
+                                         "strategy.snm_targets=100", "data.max_eval_examples=16"))
+
+
 def row_overrides(row: str) -> list[str]:
     """A row's overrides after the section's budget: its feed's, its strategy, its own."""
     _, feed, strategy, extra = ROWS[row]
     return [*FEEDS[feed][1], f"strategy.name={strategy}", *extra]
+
+
+def run(plan: Plan, world: tuple[int, int], row: str, seed: int) -> Run:
+    """One row on `world`, from its LM-pretrained init (the described section's world and LM: built once)."""
+    budget = overrides_read_by(ROWS[row][2], plan.budget_of(SECTION).overrides)
+    return Run("train_retriever.py", RETRIEVER_CONFIG,
+               plan.runs / "corrector_regime" / world_name(*world) / f"{row}-seed{seed}",
+               ["train.tracker=null", *plan.described_world(world),
+                f"retriever.model={plan.described_lm(world).folder()}",
+                *budget, *row_overrides(row), f"train.seed={seed}"])
+
+
+def runs(plan: Plan) -> list[Run]:
+    """Seed by seed over the worlds: a stopped section has every world's first seed."""
+    return [run(plan, w, r, seed) for seed in plan.seeds for w in plan.budget_of(SECTION).worlds for r in RUN_ORDER]
+
+
+def prepare(plan: Plan, threads) -> None:
+    for world in plan.budget_of(SECTION).worlds:
+        build_lm(plan.described_lm(world), threads)
+
+
+def rows(plan: Plan, world: tuple[int, int]) -> dict[str, list[dict]]:
+    """The section's rows on `world`, from the seeds whose every row has finished."""
+    return plan.complete_seeds({row: functools.partial(run, plan, world, row) for row in ROWS})
+
+
+def collect(plan: Plan) -> dict:
+    """{"worlds": {world: {row: [metrics by seed]}}}."""
+    return {"worlds": {world_name(*w): rows(plan, w) for w in plan.budget_of(SECTION).worlds}}
 
 
 def tracking(runs: list[dict], tail: float = 0.1) -> dict[str, Optional[float]]:
@@ -162,3 +215,16 @@ def corrector_regime_section(results: Optional[dict]) -> list[str]:
             lines += [f"### {world}", ""] + world_lines(rows)
     return lines
 
+
+def render(report: Report) -> list[str]:
+    return corrector_regime_section(report.results["corrector_regime"])
+
+
+SECTION = register(Section(
+    name="corrector_regime", order=100,
+    help="the corrector fed as seed 000 feeds it, from the LM-pretrained init on two described worlds: stale, "
+         "exhaustive and the corrector at today's subset (16 questions, top-4 + 1 uniform) and at the paper's "
+         "proportions (16, top-8 + 8 uniform), where the corrector is also tried 10.7x D wide and with extra updates "
+         "and a replay, beside SNM and the trainable cache; closure at R@1/5/20/100 within each feed "
+         "(rag_lab/reproduction/corrector_regime.py). 60 runs of 5-40 min on one core, seed by seed.",
+    full=FULL, quick=QUICK, runs=runs, render=render, collect=collect, prepare=prepare))

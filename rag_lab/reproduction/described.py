@@ -12,6 +12,7 @@ re-embedded, above SNM (decided by rag_lab/reproduction/verdict.py; without an S
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 from rag_lab.experiments import (
@@ -27,7 +28,10 @@ from rag_lab.experiments import (
     retrieval_curve,
 )
 from rag_lab.reproduction.paper import PAPER_INIT_LABELS, PAPER_TABLE1
+from rag_lab.reproduction.plan import RETRIEVER_CONFIG, Plan, Run, build_lm, init_model, world_name
+from rag_lab.reproduction.sections import Report, Section, register
 from rag_lab.reproduction.verdict import compare, ordered
+from rag_train.strategies import overrides_read_by
 
 INITS = {"random": "random init (no counterpart in the paper)",
          "lm": "LM-pretrained init (paper: T5-base)",
@@ -48,8 +52,71 @@ CURVES = ("stale", "corrector", "exhaustive")
 CLOSERS = ("corrector", "corrector-mse", "dynnibal-plus0", "dynnibal", "snm")  # rows whose gap share is reported
 
 
-def world_name(passages: int, seed: int) -> str:
-    return f"w{passages}-s{seed}"
+@dataclass(frozen=True)
+class DescribedBudget:
+    worlds: tuple[tuple[int, int], ...]  # (passages, toy seed); the first is the one the settings were tuned on
+    other_world: tuple[int, int]  # the world its GTR-like init is trained on: a toy seed none of `worlds` has
+    pretrain: tuple[str, ...]  # that init's in-batch training
+    overrides: tuple[str, ...]  # every run's (Dynnibal's schedule keys included)
+
+    def __post_init__(self) -> None:
+        if self.other_world[1] in {seed for _, seed in self.worlds}:
+            raise ValueError(f"described other_world {self.other_world}: its toy seed is a compared world's (same "
+                             "people)")
+
+
+# the three worlds of docs/toy_world.md's LM-init rows, where exhaustive has flattened by step 2,500 (on a 3,000-passage
+# world it still rises at step 1,500: 44 -> 59 -> 63 -> 65); 217 runs of 470-1,800 s each (two or three sharing 2
+# cores), so about a day on 2 cores: a many-core machine with --jobs is where it fits hours
+FULL = DescribedBudget(worlds=((10000, 0), (6000, 1), (16000, 2)), other_world=(3000, 9),
+                       pretrain=("train.steps=1000", "train.batch_size=32", "train.eval_every=0"),
+                       overrides=("train.steps=4000", "train.eval_every=500", "strategy.warm_start_steps=500",
+                                  "strategy.full_refresh_step=1000"))
+QUICK = DescribedBudget(worlds=((300, 1),), other_world=(300, 0), pretrain=("train.steps=6", "train.eval_every=0"),
+                        overrides=("train.steps=8", "train.eval_every=8", "strategy.refresh_every=2",
+                                   "strategy.warm_start_steps=3", "strategy.full_refresh_step=5",
+                                   "strategy.landmarks=8", "strategy.nystrom_samples=32", "strategy.trees=2",
+                                   "strategy.snm_targets=100", "data.max_eval_examples=16"))
+
+
+def pretrain(plan: Plan) -> Run:
+    """The GTR stand-in: the other world's LM trained in-batch on its questions. Its toy seed is none of the compared
+    worlds', so it has seen none of their people."""
+    budget = plan.budget_of(SECTION)
+    return Run("train_retriever.py", RETRIEVER_CONFIG, plan.runs / "described" / "pretrain",
+               ["train.tracker=null", *plan.described_world(budget.other_world),
+                f"retriever.model={plan.described_lm(budget.other_world).folder()}", "strategy.name=in_batch",
+                *budget.pretrain])
+
+
+def run(plan: Plan, world: tuple[int, int], init: str, row: str, seed: int) -> Run:
+    """One row on `world` from `init`."""
+    _, strategy, extra = ROWS[row]
+    model = init_model(init, lambda: plan.described_lm(world), lambda: pretrain(plan))
+    budget = overrides_read_by(strategy, plan.budget_of(SECTION).overrides)
+    return Run("train_retriever.py", RETRIEVER_CONFIG,
+               plan.runs / "described" / world_name(*world) / init / f"{row}-seed{seed}",
+               ["train.tracker=null", *plan.described_world(world), *model, *budget, f"strategy.name={strategy}",
+                f"train.seed={seed}", *extra])
+
+
+def runs(plan: Plan) -> list[Run]:
+    return [pretrain(plan)] + [run(plan, w, i, r, seed) for w in plan.budget_of(SECTION).worlds for i in INITS
+                               for r in ROWS for seed in plan.seeds]
+
+
+def prepare(plan: Plan, threads) -> None:
+    budget = plan.budget_of(SECTION)
+    for world in (*budget.worlds, budget.other_world):
+        build_lm(plan.described_lm(world), threads)
+
+
+def collect(plan: Plan) -> dict:
+    """{"tuned": the first world's name, "worlds": {world: {init: {row: [metrics by seed]}}}}."""
+    worlds = plan.budget_of(SECTION).worlds
+    return {"tuned": world_name(*worlds[0]),
+            "worlds": {world_name(*w): {i: {r: plan.found([run(plan, w, i, r, seed) for seed in plan.seeds])
+                                            for r in ROWS} for i in INITS} for w in worlds}}
 
 
 def init_table(rows: dict[str, list[dict]]) -> str:
@@ -108,3 +175,17 @@ def described_section(results: Optional[dict]) -> list[str]:
                           curve_table({ROWS[r][0]: rows.get(r) or [] for r in CURVES}, retrieval_curve), ""]
                 lines += [line for text in gap_lines(rows, init) for line in (text, "")]
     return lines
+
+
+def render(report: Report) -> list[str]:
+    return described_section(report.results["described"])
+
+
+SECTION = register(Section(
+    name="described", order=90,
+    help="seed 000's Table 1 in its regime: described worlds (the first tuned on, the others not), three inits "
+         "(random; the world's span-corruption toy T5; a GTR-like one, another described world's toy T5 trained "
+         "in-batch on its questions) and the paper's rows: in-batch, stale, corrector (CE and MSE), Dynnibal \"+0\" "
+         "and scheduled, SNM, exhaustive, with the share of the stale -> exhaustive gap each closes "
+         "(rag_lab/reproduction/described.py).",
+    full=FULL, quick=QUICK, runs=runs, render=render, collect=collect, prepare=prepare))

@@ -12,6 +12,8 @@ share and beats SNM at equal memory (the latter decided by rag_lab/reproduction/
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
 from typing import Optional
 
 from rag_lab.experiments import (
@@ -25,7 +27,12 @@ from rag_lab.experiments import (
     recall,
     retrieval_curve,
 )
+from rag_lab.reproduction.plan import RETRIEVER_CONFIG, Plan, Run, build_lm, init_model
+from rag_lab.reproduction.sections import Report, Section, register
 from rag_lab.reproduction.verdict import compare, ordered
+from rag_train.config import load_config
+from rag_train.strategies import overrides_read_by
+from rag_train.train.schema import RetrieverTrainConfig
 
 INITS = {"lm": "LM-pretrained init (paper: RoBERTa-base; seed 000: T5-base)",
          "pretrained": "retrieval-pretrained init (GTR-like: trained in-batch on another described world)"}
@@ -41,6 +48,88 @@ ROWS = {
     "exhaustive-rare": ("exhaustive, refreshed once per warm start's length", "exhaustive",
                         ("strategy.refresh_every={warm_start_steps}",)),
 }
+
+
+
+@dataclass(frozen=True)
+class DynnibalBudget:
+    world: tuple[int, int]  # the described world the rows are compared on (passages, toy seed)
+    other_world: tuple[int, int]  # the described world its GTR-like init is trained on
+    pretrain: tuple[str, ...]  # that init's in-batch training
+    overrides: tuple[str, ...]  # every run's (Dynnibal's schedule keys included)
+
+
+FULL = DynnibalBudget(world=(6000, 1), other_world=(3000, 0),
+                      pretrain=("train.steps=1000", "train.batch_size=32", "train.eval_every=0"),
+                      overrides=("train.steps=1500", "train.eval_every=250", "strategy.warm_start_steps=500",
+                                 "strategy.full_refresh_step=1000"))
+QUICK = DynnibalBudget(world=(300, 1), other_world=(300, 0), pretrain=("train.steps=6", "train.eval_every=0"),
+                       overrides=("train.steps=8", "train.eval_every=8", "strategy.refresh_every=2",
+                                  "strategy.warm_start_steps=3", "strategy.full_refresh_step=5", "strategy.landmarks=8",
+                                  "strategy.nystrom_samples=32", "strategy.trees=2", "data.max_eval_examples=16"))
+
+
+def described_world(plan: Plan, name: str) -> list[str]:
+    """The overrides of the section's world ("world") or of its GTR-like init's ("other-world"), under dynnibal/."""
+    budget = plan.budget_of(SECTION)
+    passages, seed = budget.world if name == "world" else budget.other_world
+    return [f"data.toy_dir={plan.runs / 'dynnibal' / name}", f"data.toy_passages={passages}",
+            f"data.toy_seed={seed}", "data.toy_retrieval=described"]
+
+
+def lm(plan: Plan, world: str = "world"):
+    """The T5 / RoBERTa stand-in on one of the section's described worlds (cached beside it)."""
+    return plan.lm_config(*described_world(plan, world), *plan.budget.lm)
+
+
+def pretrain(plan: Plan) -> Run:
+    """The GTR stand-in: the other described world's LM, trained in-batch on its questions (other people than the
+    compared world's)."""
+    return Run("train_retriever.py", RETRIEVER_CONFIG, plan.runs / "dynnibal" / "pretrain",
+               ["train.tracker=null", *described_world(plan, "other-world"),
+                f"retriever.model={lm(plan, 'other-world').folder()}", "strategy.name=in_batch",
+                *plan.budget_of(SECTION).pretrain])
+
+
+@functools.cache
+def scheduled(overrides: tuple[str, ...]):
+    """The scheduled Dynnibal row's strategy section under the budget's `overrides` (its sizes set SNM's targets;
+    its warm start the control's refresh interval), loaded once."""
+    return load_config(RetrieverTrainConfig, RETRIEVER_CONFIG, ["strategy.name=dynnibal", *overrides]).strategy
+
+
+def snm_targets_of(plan: Plan) -> int:
+    cfg = scheduled(plan.budget_of(SECTION).overrides)
+    return equal_memory_targets(cfg.landmarks, cfg.nystrom_samples)
+
+
+def run(plan: Plan, init: str, row: str, seed: int) -> Run:
+    """One row from `init` ("lm", "pretrained")."""
+    _, strategy, extra = ROWS[row]
+    budget = plan.budget_of(SECTION)
+    extra = [o.format(warm_start_steps=scheduled(budget.overrides).warm_start_steps) for o in extra]
+    model = init_model(init, lambda: lm(plan), lambda: pretrain(plan))
+    overrides = overrides_read_by(strategy, (*budget.overrides, f"strategy.snm_targets={snm_targets_of(plan)}"))
+    return Run("train_retriever.py", RETRIEVER_CONFIG, plan.runs / "dynnibal" / init / f"{row}-seed{seed}",
+               ["train.tracker=null", *described_world(plan, "world"), *model, *overrides, f"strategy.name={strategy}",
+                f"train.seed={seed}", *extra])
+
+
+def runs(plan: Plan) -> list[Run]:
+    return [pretrain(plan)] + [run(plan, i, r, seed) for i in INITS for r in ROWS for seed in plan.seeds]
+
+
+def prepare(plan: Plan, threads) -> None:
+    build_lm(lm(plan, "world"), threads)
+    build_lm(lm(plan, "other-world"), threads)
+
+
+def collect(plan: Plan) -> dict:
+    """{"runs": {init: {row: [metrics by seed]}}, "passages", "snm_targets", "world"}."""
+    world = plan.budget_of(SECTION).world
+    return {"runs": {i: {r: plan.found([run(plan, i, r, seed) for seed in plan.seeds]) for r in ROWS} for i in INITS},
+            "passages": world[0], "snm_targets": snm_targets_of(plan),
+            "world": "described, {} passages, toy_seed {}".format(*world)}
 
 
 def equal_memory_targets(landmarks: int, nystrom_samples: int) -> int:
@@ -94,8 +183,7 @@ def gap_lines(rows: dict[str, list[dict]], passages: int, snm_targets: int) -> l
 
 
 def dynnibal_section(results: Optional[dict]) -> list[str]:
-    """reproduction.md's section from the collected runs ({"runs": {init: {row: [metrics]}}, "passages",
-    "snm_targets", "world"}), or a line saying it did not run."""
+    """reproduction.md's section from the collected runs (`collect`), or a line saying it did not run."""
     lines = ["## Seed 001 as it runs: Dynnibal with its schedule on a described world", "",
              "The paper's rows (uniform negatives, Dynnibal, SNM at equal memory, exhaustive) and seed 000's "
              "Dynnibal \"+0\"; the schedule, the keys and the earlier runs: [dynnibal.md](dynnibal.md).", ""]
@@ -111,3 +199,16 @@ def dynnibal_section(results: Optional[dict]) -> list[str]:
                   curve_table({ROWS[r][0]: runs for r, runs in rows.items()}, retrieval_curve), ""]
         lines += [line for text in gap_lines(rows, passages, snm_targets) for line in (text, "")]
     return lines
+
+
+def render(report: Report) -> list[str]:
+    return dynnibal_section(report.results["dynnibal"])
+
+
+SECTION = register(Section(
+    name="dynnibal", order=70,
+    help="seed 001 as its paper runs it, on a described world (6,000 passages, toy_seed 1) from the LM-pretrained "
+         "init and a GTR-like one (the other described world's LM trained in-batch on its questions): uniform "
+         "negatives, Dynnibal with the warm start / refresh / full-refresh schedule, Dynnibal \"+0\" (no "
+         "re-encoding), SNM at Dynnibal's device memory, exhaustive (rag_lab/reproduction/dynnibal.py).",
+    full=FULL, quick=QUICK, runs=runs, render=render, collect=collect, prepare=prepare))

@@ -14,10 +14,10 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
-from rag_lab.reproduction.generative import DENSE_TITLES
 from rag_train.io import read_json
 
 META = "reproduce.json"
+DENSE_TITLES = "title_metrics.json"  # a dual-encoder run's metrics at the title level, beside its metrics.json
 
 
 class Placeholders:

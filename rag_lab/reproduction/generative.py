@@ -11,16 +11,24 @@ variant) minus vanilla R-precision on the seen people, its verdict by rag_lab/re
 from __future__ import annotations
 
 import statistics
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from rag_lab.analysis.generative_compare import dense_title_metrics
 from rag_lab.experiments import cell
+from rag_lab.reproduction import evidence
+from rag_lab.reproduction.evidence import DENSE_TITLES
+from rag_lab.reproduction.plan import RETRIEVER_CONFIG, ROOT, Plan, Run, build_lm
+from rag_lab.reproduction.sections import Report, Section, register
 from rag_lab.reproduction.verdict import compare_variants, ordered
-from rag_train.data.toy_splits import FRACTIONS
+from rag_train.data.toy_splits import FRACTIONS, make_splits
 from rag_train.io import atomic_write_json, read_json
+from rag_train.train.lm_pretrain import LMPretrainConfig
 
-# folder name: (label, overrides); ASYNC and CONTRA add the budget's schedule keys (plan.py)
+GENERATIVE_CONFIG = ROOT / "configs" / "toy" / "generative.yaml"
+SPLITS_EVIDENCE = "generative/splits-manifest.json"  # under the evidence folder
+# folder name: (label, overrides); ASYNC and CONTRA add the budget's schedule keys
 VARIANTS = {"vanilla": ("vanilla decoding", ("np.enabled=false",)),
             "base": ("Np Decoding BASE", ()),
             "async": ("Np Decoding ASYNC", ("np.variant=async",)),
@@ -32,7 +40,27 @@ SIZES = {"large": ("d 128, 8 heads (the toy generator's shape)", ("model.d_model
          "small": ("d 64, 4 heads", ())}
 DEV = ("seen", "unseen")
 KS = ("1", "5", "10")
-DENSE_TITLES = "title_metrics.json"  # a dual-encoder run's metrics at the title level, beside its metrics.json
+BRIDGE_RECALL = "eval.recall_at=[1,2,10]"  # multi-hop: seed 003 reports Recall@2 (two gold titles)
+
+
+@dataclass(frozen=True)
+class GenerativeBudget:
+    world: tuple[int, int]  # the described world (passages, toy seed)
+    dev_questions: int  # its splits' dev questions
+    overrides: tuple[str, ...]  # every generative run's
+    async_schedule: tuple[str, ...]  # ASYNC's schedule keys
+    contra_schedule: tuple[str, ...]  # CONTRA's
+    dense: tuple[str, ...]  # the dual encoder's overrides
+
+
+FULL = GenerativeBudget(world=(6000, 1), dev_questions=300, overrides=("train.steps=6000", "train.eval_every=2000"),
+                        async_schedule=("np.rebuild_every_epochs=8",),  # 32 epochs in 6,000 steps: at 8, 16, 24
+                        contra_schedule=("np.contrastive_steps=1000",),
+                        dense=("train.steps=2000", "train.eval_every=500"))
+QUICK = GenerativeBudget(world=(300, 1), dev_questions=12,
+                         overrides=("train.steps=4", "train.eval_every=0", "train.batch_size=8"),
+                         async_schedule=("np.rebuild_every_epochs=0.05",),  # every 2 of the 37 steps an epoch takes
+                         contra_schedule=("np.contrastive_steps=2",), dense=("train.steps=6", "train.eval_every=0"))
 
 
 def dense_titles(run_dir: Path) -> Optional[dict]:
@@ -44,12 +72,100 @@ def dense_titles(run_dir: Path) -> Optional[dict]:
     return read_json(path) if path.is_file() else None
 
 
-BRIDGE_RECALL = "eval.recall_at=[1,2,10]"  # multi-hop: seed 003 reports Recall@2 (two gold titles)
-
-
 def run_name(variant: str, seed: int, fraction: int = 100, size: str = "large", bridge: bool = False) -> str:
     return (f"{variant}{'' if fraction == 100 else f'-f{fraction}'}{'' if size == 'large' else f'-{size}'}"
             f"{'-bridge' if bridge else ''}-seed{seed}")
+
+
+def splits(plan: Plan) -> Path:
+    return plan.runs / "generative" / "splits"
+
+
+def world(plan: Plan) -> list[str]:
+    passages, seed = plan.budget_of(SECTION).world
+    return [f"data.toy_dir={splits(plan).parent / 'world'}", f"data.toy_passages={passages}",
+            f"data.toy_seed={seed}", "data.toy_retrieval=described"]
+
+
+def lm(plan: Plan, size: str) -> LMPretrainConfig:
+    """The T5 stand-in at a generator size (cached beside the section's world)."""
+    return plan.lm_config(*world(plan), *plan.budget.lm, *SIZES[size][1])
+
+
+def data(plan: Plan, fraction: int = 100, bridge: bool = False) -> list[str]:
+    folder, prefix = splits(plan), "bridge-" if bridge else ""
+    train = folder / ("bridge-train.jsonl" if bridge else f"train-{fraction}.jsonl")
+    return ["train.tracker=null", *world(plan), f"data.train={train}",
+            f"data.dev=[{folder / f'{prefix}seen-dev.jsonl'},{folder / f'{prefix}unseen-dev.jsonl'}]"]
+
+
+def run(plan: Plan, variant: str, seed: int, fraction: int = 100, size: str = "large", bridge: bool = False) -> Run:
+    budget = plan.budget_of(SECTION)
+    schedule = {"async": budget.async_schedule, "contra": budget.contra_schedule}.get(variant, ())
+    return Run("train_generative.py", GENERATIVE_CONFIG,
+               plan.runs / "generative" / run_name(variant, seed, fraction, size, bridge),
+               [*data(plan, fraction, bridge), f"generator.model={lm(plan, size).folder()}", *budget.overrides,
+                *VARIANTS[variant][1], *schedule, f"train.seed={seed}", *((BRIDGE_RECALL,) if bridge else ())])
+
+
+def dense(plan: Plan, seed: int) -> Run:
+    """The dual encoder on the same questions, from the world's d 64 LM (read as titles: `dense_titles`)."""
+    return Run("train_retriever.py", RETRIEVER_CONFIG, plan.runs / "generative" / f"dense-seed{seed}",
+               [*data(plan), f"retriever.model={lm(plan, 'small').folder()}", *plan.budget_of(SECTION).dense,
+                f"train.seed={seed}"])
+
+
+def runs(plan: Plan) -> list[Run]:
+    seeds = plan.seeds
+    return ([run(plan, v, seed) for v in VARIANTS for seed in seeds]
+            + [run(plan, v, seed, fraction=f) for v in COMPARED for f in FRACTIONS[1:] for seed in seeds]
+            + [run(plan, v, seed, size="small") for v in COMPARED for seed in seeds]
+            + [run(plan, v, seed, bridge=True) for v in COMPARED for seed in seeds]
+            + [dense(plan, seed) for seed in seeds])
+
+
+def prepare(plan: Plan, threads) -> None:
+    """The world and its two LMs (cached beside it), then its splits (reused when made with these settings)."""
+    for size in SIZES:
+        build_lm(lm(plan, size), threads)
+    make_splits(splits(plan).parent / "world", splits(plan), plan.budget_of(SECTION).dev_questions)
+
+
+def finish(plan: Plan) -> None:
+    """The dual encoders' title-level metrics, computed once into their folders."""
+    for seed in plan.seeds:
+        dense_titles(dense(plan, seed).out)
+
+
+def splits_manifest(plan: Plan) -> Optional[dict]:
+    path = splits(plan) / "manifest.json" if plan.evidence is None else plan.evidence / SPLITS_EVIDENCE
+    return read_json(path) if path.is_file() else None
+
+
+def evidence_files(plan: Plan) -> dict[str, Any]:
+    manifest = splits_manifest(plan)
+    return {} if manifest is None else {SPLITS_EVIDENCE: manifest}
+
+
+def dense_titles_of(plan: Plan, seed: int) -> Optional[dict]:
+    out = dense(plan, seed).out
+    if plan.evidence is None:
+        return dense_titles(out)
+    return evidence.load_title_metrics(plan.evidence, plan.runs, out)
+
+
+def collect(plan: Plan) -> dict:
+    found, seeds = plan.found, plan.seeds
+    return {
+        "world": "{} passages, toy_seed {}".format(*plan.budget_of(SECTION).world),
+        "splits": splits_manifest(plan),
+        "main": {v: found([run(plan, v, s) for s in seeds]) for v in VARIANTS},
+        "fractions": {f: {v: found([run(plan, v, s, fraction=f) for s in seeds]) for v in COMPARED}
+                      for f in FRACTIONS},
+        "sizes": {size: {v: found([run(plan, v, s, size=size) for s in seeds]) for v in COMPARED} for size in SIZES},
+        "bridge": {v: found([run(plan, v, s, bridge=True) for s in seeds]) for v in COMPARED},
+        "dense": [m for m in (dense_titles_of(plan, seed) for seed in seeds) if m],
+    }
 
 
 def _value(m: dict, dev: str, key: str) -> Optional[float]:
@@ -139,3 +255,19 @@ def generative_section(results: Optional[dict]) -> list[str]:
                   "asked in training; unseen: people never asked.", "", *_header("method", devs, keys),
                   *[_row(VARIANTS[v][0], runs, devs, keys) for v, runs in bridge.items() if runs], ""]
     return lines
+
+
+def render(report: Report) -> list[str]:
+    return generative_section(report.results["generative"])
+
+
+SECTION = register(Section(
+    name="generative", order=80,
+    help="seed 003 (Np Decoding) where titles cannot be copied, on a described world (6,000 passages, toy_seed 1) "
+         "and its splits (scripts/make_toy_splits.py): vanilla decoding, BASE, ASYNC, CONTRA and the dual encoder; "
+         "vanilla and BASE on 30% / 10% of the training questions and with a d 64 generator; seen and unseen "
+         "(zero-shot) people; generator and CE encoder the world's span-corruption toy T5 "
+         "(rag_lab/reproduction/generative.py). About 5-10 min per run on one core, 39 runs with 3 seeds (26 of them "
+         "took 2 h with --jobs 2).",
+    full=FULL, quick=QUICK, runs=runs, render=render, collect=collect, prepare=prepare, finish=finish,
+    evidence_files=evidence_files))

@@ -1,10 +1,13 @@
 """Reading an RLM run's metrics.json: exact match and its curve over training steps, for the report's tables and
-its plots alike (recall and retrieval curves: rag_lab.experiments, which the comparison scripts share)."""
+its plots alike (recall and retrieval curves: rag_lab.experiments, which the comparison scripts share); and any run's
+speed as a table cell."""
 
 from __future__ import annotations
 
 import statistics
 from typing import Optional
+
+from rag_lab.experiments import cell
 
 DATASETS = ("nq", "tqa", "hotpotqa")
 DATASET_LABELS = {"nq": "NQ-like", "tqa": "TQA-like", "hotpotqa": "HPQA-like"}
@@ -32,3 +35,8 @@ def hotpotqa_gold_recall(m: dict, at: int) -> Optional[float]:
         return history[at]["hotpotqa"].get("recall@4")
     except IndexError:  # fewer evaluations than `at` asks for
         return None
+
+
+def rate(runs: list[dict]) -> str:
+    """The runs' steps/s, mean ± sd over seeds."""
+    return cell([m.get("steps_per_second") for m in runs], scale=1.0, digits=2)

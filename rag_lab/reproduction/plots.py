@@ -8,7 +8,7 @@ from typing import Optional
 
 from rag_lab.experiments import recall, retrieval_curve, seed_mean_curve
 from rag_lab.reproduction.metrics import DATASET_LABELS, DATASETS, em_curve, mean_of
-from rag_lab.reproduction.plan import CURVES, INIT_LABELS, INITS, RLM_CURVES
+from rag_lab.reproduction.plan import INIT_LABELS, INITS
 
 COLORS = {"in_batch": "tab:gray", "stale": "tab:blue", "corrector": "tab:red", "exhaustive": "tab:green",
           "snm": "tab:purple", "negative_cache": "tab:brown", "closed_book": "tab:gray", "frozen": "tab:blue"}
@@ -93,11 +93,14 @@ def _curve_panel(ax, runs_by_strategy: dict[str, list[dict]], curve, ylabel: str
     ax.legend(fontsize=7)
 
 
-def plot_curves(table1: dict, table3: dict, path: Path) -> Optional[str]:
-    panels = [(f"R@1, {INIT_LABELS[i]}", {s: table1[i][s] for s in CURVES}, retrieval_curve, "R@1 (%)")
-              for i in INITS if any(table1.get(i, {}).get(s) for s in CURVES)]
-    if any(table3.get(s) for s in RLM_CURVES):
-        panels.append(("RLM: EM, mean of the 3 datasets", {s: table3[s] for s in RLM_CURVES}, em_curve, "EM (%)"))
+def plot_curves(table1: dict, table3: dict, path: Path, strategies: tuple[str, ...],
+                rlm_strategies: tuple[str, ...]) -> Optional[str]:
+    """R@1 over steps of Table 1's `strategies`, one panel per init, and mean EM of Table 3's `rlm_strategies`."""
+    panels = [(f"R@1, {INIT_LABELS[i]}", {s: table1[i][s] for s in strategies}, retrieval_curve, "R@1 (%)")
+              for i in INITS if any(table1.get(i, {}).get(s) for s in strategies)]
+    if any(table3.get(s) for s in rlm_strategies):
+        panels.append(("RLM: EM, mean of the 3 datasets", {s: table3[s] for s in rlm_strategies}, em_curve,
+                       "EM (%)"))
     if not panels:
         return None
     plt, fig, axes = _axes(len(panels))
@@ -127,3 +130,7 @@ def plot_ablation(ablation: dict, references: dict, path: Path) -> Optional[str]
     axes[0].set_title("corrector size ablation (random init)", fontsize=9)
     return _save(plt, fig, path)
 
+
+def figure_lines(name: Optional[str], alt: str) -> list[str]:
+    """The report's lines for a figure a plot_* function returned (its file name, or None: nothing to plot)."""
+    return [f"![{alt}](figures/reproduction/{name})", ""] if name else ["_(no finished runs to plot)_", ""]
