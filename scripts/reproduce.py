@@ -1,5 +1,5 @@
 """Reproduce seed 000's comparisons on the toy world end to end and write the report (docs/reproduction.md;
-rag_lab/reproduction/command.py says every option, the sections and their cost):
+`--help` lists every option and the sections, one module each in rag_lab/reproduction/, with their cost):
 
     nice -n 10 python scripts/reproduce.py                      # every section, default budgets and seeds
     python scripts/reproduce.py --only table1 ablation --seeds 0 1 2

@@ -48,7 +48,7 @@ def sections_help() -> str:
     for name, section in sections().items():
         head = f"  {name:<10}" if len(name) < 10 else f"  {name}\n" + " " * 12
         lines.append(head + textwrap.fill(section.help, width=118, initial_indent=" " * 12,
-                                          subsequent_indent=" " * 12)[12:])
+                                          subsequent_indent=" " * 12, break_on_hyphens=False)[12:])
     return "\n".join(lines)
 
 
