@@ -1,10 +1,11 @@
 """The one extension pattern: a variant is one module of its package that registers itself when imported, and the
 package imports its modules by scanning its own folder (no hand-kept list).
 
-Strategies (`rag_train/strategies/`), batching options (`rag_train/train/batching/`) and the GPU report's stages
-(`rag_lab/bench/gpu_report/*_stage.py`) each keep a `Registry`: a module adds its variant with `Registry.add` (through
-its extension point's `register`, which checks the declarations first), and the package calls `Registry.discover` once
-to import every module and put the variants in their documented order.
+Strategies (`rag_train/strategies/`), batching options (`rag_train/train/batching/`), the GPU report's stages
+(`rag_lab/bench/gpu_report/*_stage.py`) and the reproduction's sections (`rag_lab/reproduction/`) each keep a
+`Registry`: a module adds its variant with `Registry.add` (through its extension point's `register`, which checks the
+declarations first), and the package calls `Registry.discover` once to import every module and put the variants in
+their documented order.
 """
 
 from __future__ import annotations
