@@ -1,15 +1,15 @@
 """Preemption: the stop signals schedulers send before they kill (SLURM, Kubernetes, spot instances), noted instead
 of obeyed at once so that a long loop stops at a boundary where nothing is lost: a training step with its
-checkpoint (`rag_train.train.run.TrainingRun.stop_if_signalled`), a buffer shard with its record
-(`rag_train.buffer.build.build_buffer`). The entry scripts end a `Preempted` run with exit status 6
-(`rag_train.cli.PREEMPTED_EXIT`). One mechanism for every loop: the same handler, the same agreement between
-processes, the same exit."""
+checkpoint (`rag_train.train.run.TrainingRun.stop_if_signalled`), a shard with its record (`agreed_rounds`: the
+buffer's, `rag_train.buffer.build.build_buffer`, and the token cache's, `rag_train.buffer.tokens.build_token_cache`).
+The entry scripts end a `Preempted` run with exit status 6 (`rag_train.cli.PREEMPTED_EXIT`). One mechanism for every
+loop: the same handler, the same agreement between processes, the same exit."""
 
 from __future__ import annotations
 
 import signal
 import threading
-from typing import Any, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -57,3 +57,28 @@ class StopSignal:
             if handler is not None:  # None: a handler set outside Python, which cannot be put back
                 signal.signal(number, handler)
         self.previous = {}
+
+
+def _shares(mine: int, accelerator: Any) -> list[int]:
+    """The number of units of work each process has left (this one's is `mine`)."""
+    if accelerator is None or accelerator.num_processes == 1:
+        return [mine]
+    from accelerate.utils import gather_object
+
+    return gather_object([mine])
+
+
+def agreed_rounds(mine: int, stop: Optional[StopSignal], accelerator: Any,
+                  stopped: Callable[[int], str]) -> Iterator[int]:
+    """The positions 0..mine-1 of this process's units of work (shards), in turn. Given `stop`, before each round
+    every process asks whether any of them got a stop signal (`agreed`); if so all raise Preempted there, the message
+    `stopped(units no process has done)` after who stopped them. The processes' shares may differ (a resumed build),
+    so every process takes part in as many rounds as the largest share, checking even when its own is done: the
+    all-reduces pair up."""
+    counts = _shares(mine, accelerator) if stop is not None else [mine]
+    for position in range(max(counts)):
+        if stop is not None and stop.agreed(accelerator):
+            undone = sum(max(0, count - position) for count in counts)
+            raise Preempted(f"stopped by {stop.by()}: {stopped(undone)}")
+        if position < mine:
+            yield position

@@ -1,10 +1,15 @@
 """The token cache (buffer/tokens.py): its ids against the HF tokenizer's own call on each passage; a cache of another
-corpus / tokenizer / max length refused naming the field; a killed build resumed to the bytes of an uninterrupted one;
-0 and 2 workers give the same bytes; corpus passes from cached ids give the bytes of passes that tokenise."""
+corpus / tokenizer / max length refused naming the field; a killed build, and one stopped by a stop signal (on one of
+two processes: both stop at the same shard), resumed to the bytes of an uninterrupted one; 0 and 2 workers give the
+same bytes; corpus passes from cached ids give the bytes of passes that tokenise."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,11 +20,16 @@ import rag_train.buffer.tokens as tokens_module
 from rag_train.buffer.embed import WORKER_MIN_BATCHES, PassageTokenizer, embed_rows, use_token_cache
 from rag_train.buffer.tokens import TokenCache, TokenCacheError, build_token_cache, finished_token_cache
 from rag_train.config import RetrieverConfig
+from rag_train.io import sha256_file
+from rag_train.launch import launch_command
 from rag_train.models.retriever import DualEncoder, format_passage
+from rag_train.preemption import Preempted, StopSignal
 
 from test_embed import MAX_LENGTH, TINY, write_corpus
 
+ROOT = Path(__file__).resolve().parents[1]
 SHARD_ROWS = 16  # 60 rows: shards of 16, 16, 16, 12
+STARTS = [0, 16, 32, 48]  # the first row of each shard
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +113,120 @@ def test_a_killed_build_resumes_to_the_bytes_of_an_uninterrupted_one(world, tmp_
     build_token_cache(corpus, tokenizer, tmp_path / "killed", shard_rows=SHARD_ROWS)
     assert calls == [32, 48]  # only the shards not written before the kill
     assert folder_bytes(tmp_path / "killed") == folder_bytes(tmp_path / "straight")
+
+
+def stopped_message(who: str, folder, written: int, shards: int) -> str:
+    return (f"stopped by {who}: {written} of {shards} token-cache shards of {folder} are written, each with its "
+            f"record, and kept; run the same command again to tokenise the other {shards - written} and finish the "
+            "token cache")
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_a_stop_signal_ends_the_build_before_shard_k_and_the_same_call_resumes(world, tmp_path, monkeypatch, k):
+    """A stop signal noted while shard k-1 is tokenised (before the build, for k=0): the build stops before shard k
+    with Preempted saying how many shards are kept, shards 0..k-1 written as the uninterrupted build's and matching
+    their records, the manifest not complete; the same call without a stop tokenises only shards k.. and leaves the
+    uninterrupted build's bytes."""
+    corpus, _, tokenizer, _ = world
+    straight = build_token_cache(corpus, tokenizer, tmp_path / "straight", shard_rows=SHARD_ROWS)
+    tokenize, calls, stop = tokens_module.tokenize_rows, [], StopSignal()
+
+    def signalled_in_shard_k_minus_1(corpus, tokenizer, start, end, *args):
+        calls.append(start)
+        if len(calls) == k and stop.received is None:  # once: a second signal is obeyed at once
+            stop._note(signal.SIGTERM, None)  # what the handler does when the signal arrives
+        return tokenize(corpus, tokenizer, start, end, *args)
+
+    monkeypatch.setattr(tokens_module, "tokenize_rows", signalled_in_shard_k_minus_1)
+    folder = tmp_path / "stopped"
+    try:
+        if k == 0:
+            stop._note(signal.SIGTERM, None)
+        with pytest.raises(Preempted) as raised:
+            build_token_cache(corpus, tokenizer, folder, shard_rows=SHARD_ROWS, stop=stop)
+    finally:
+        stop.restore()
+    assert str(raised.value) == stopped_message("SIGTERM", folder, k, len(STARTS))
+    assert calls == STARTS[:k]
+    written = [f"{kind}-{i:05d}.{ext}" for i in range(k) for kind, ext in
+               (("ids", "json"), ("ids", "npy"), ("offsets", "npy"))]
+    assert sorted(folder_bytes(folder)) == sorted(written + ["manifest.json"])
+    assert all(folder_bytes(folder)[name] == folder_bytes(straight.path)[name] for name in written)
+    for i in range(k):
+        record = json.loads((folder / f"ids-{i:05d}.json").read_text())
+        assert all(sha256_file(folder / record[key]) == record[f"{key}_sha256"] for key in ("ids", "offsets"))
+    assert json.loads((folder / "manifest.json").read_text())["complete"] is False
+    assert finished_token_cache(folder) is None
+
+    calls.clear()
+    resumed = build_token_cache(corpus, tokenizer, folder, shard_rows=SHARD_ROWS)
+    assert calls == STARTS[k:]  # only the shards the stopped build left
+    assert resumed.manifest == straight.manifest
+    rows = np.arange(len(corpus))
+    assert np.array_equal(resumed.padded(rows, -1), straight.padded(rows, -1))
+    assert folder_bytes(folder) == folder_bytes(straight.path)  # ids, offsets, records and manifest
+
+
+@pytest.mark.slow
+def test_a_stop_signal_to_one_of_two_processes_stops_both_at_the_same_shard(world, tmp_path):
+    """tests/dist/tokens_stopped.py: 5 shards (rank 0: 0-1, rank 1: 2-4); a SIGTERM to rank 1 in its first shard
+    stops both processes before their second (shards 0 and 2 kept), one in its next shard stops both again although
+    rank 0 has no shard left (it takes part in the check: the two all-reduces pair up), and the build without a stop
+    tokenises only shard 4 and leaves the bytes of a one-process build."""
+    corpus, _, _, tokenizer_dir = world
+    tokenizer = PassageTokenizer(AutoTokenizer.from_pretrained(str(tokenizer_dir)), MAX_LENGTH)
+    one = build_token_cache(corpus, tokenizer, tmp_path / "one", shard_rows=12)
+    out = tmp_path / "two"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    command = launch_command(ROOT / "tests/dist/tokens_stopped.py", corpus.path, tokenizer_dir, MAX_LENGTH, 12, out,
+                             processes=2)
+    proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    for rank, (who, tokenised) in enumerate([("a stop signal sent to another process", [[0], [12], []]),
+                                             ("SIGTERM", [[24], [36], [48]])]):
+        assert [build["stopped"] for build in ranks[rank]] == [stopped_message(who, out, 2, 5),
+                                                              stopped_message(who, out, 4, 5), None]
+        assert [build["tokenised"] for build in ranks[rank]] == tokenised
+        assert [build["records"] for build in ranks[rank]] == [[f"ids-{i:05d}.json" for i in shards]
+                                                               for shards in ([0, 2], [0, 1, 2, 3], range(5))]
+        assert [build["complete"] for build in ranks[rank]] == [False, False, True]
+    assert folder_bytes(out) == folder_bytes(one.path)
+
+
+def test_the_callers_pass_their_stop_signal(world, tmp_path):
+    """scripts/embed_corpus.py's work stops in the token cache, before the buffer (no shard of it written), and the
+    same call finishes both; a training run's token cache stops with the run's stop signal, its line saying how the
+    run resumes."""
+    from contextlib import ExitStack
+    from types import SimpleNamespace
+
+    from rag_train.config import BufferConfig
+    from rag_train.serving.embed_corpus import EmbedConfig, embed_corpus
+    from rag_train.train.passages import ensure_token_cache
+
+    corpus, model, _, _ = world
+    model.save(tmp_path / "model")
+    out = tmp_path / "buffer"
+    cfg = EmbedConfig(passages=str(corpus.path), model_dir=str(tmp_path / "model"), output=str(out),
+                      buffer=BufferConfig(shard_rows=SHARD_ROWS, embed_batch_size=8))
+    stop = StopSignal()
+    try:
+        stop._note(signal.SIGTERM, None)  # what the handler does when the signal arrives
+        with pytest.raises(Preempted) as raised:
+            embed_corpus(cfg, stop=stop)
+        assert str(raised.value) == stopped_message("SIGTERM", tmp_path / "buffer.tokens", 0, len(STARTS))
+        assert not out.exists()
+        run = SimpleNamespace(dir=tmp_path / "run", accelerator=None, passes=None, stop_signal=stop,
+                              registered=ExitStack())
+        with pytest.raises(Preempted) as raised:
+            ensure_token_cache(run, BufferConfig(shard_rows=SHARD_ROWS), model, corpus)
+        assert str(raised.value) == (stopped_message("SIGTERM", tmp_path / "run" / "buffer.tokens", 0, len(STARTS))
+                                     + " (a training run: with train.resume=true)")
+    finally:
+        stop.restore()
+    assert embed_corpus(cfg).rows == len(corpus)
+    assert finished_token_cache(tmp_path / "buffer.tokens").rows == len(corpus)
 
 
 def test_workers_0_and_2_give_the_same_bytes(world, tmp_path, monkeypatch):

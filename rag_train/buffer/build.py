@@ -34,7 +34,7 @@ from rag_train.buffer.store import (
     write_shard,
 )
 from rag_train.io import atomic_write_json, remove_stale_temporaries, sha256_file, write_step
-from rag_train.preemption import Preempted, StopSignal
+from rag_train.preemption import StopSignal, agreed_rounds
 
 logger = logging.getLogger(__name__)
 
@@ -144,15 +144,6 @@ def _bad_shards(buffer: Buffer, rank: int, world: int, accelerator) -> list[int]
     return sorted(i for part in gather_object([mine]) for i in part)
 
 
-def _shares(mine: int, accelerator, world: int) -> list[int]:
-    """The number of shards each process has left to encode (this one's is `mine`)."""
-    if accelerator is None or world == 1:
-        return [mine]
-    from accelerate.utils import gather_object
-
-    return gather_object([mine])
-
-
 def _remove_unplanned_shards(out_dir: Path, num_shards: int) -> None:
     """Drop shard files left by an overwritten, larger buffer (they are not in the new manifest)."""
     for path in out_dir.glob("shard-*.*"):
@@ -228,19 +219,14 @@ def build_buffer(model, corpus, out_dir: Union[str, Path], batch_size: int = 256
     model.eval()
     share = f" (rank 0's share of {world} processes)" if world > 1 else ""
     timed = passes.timed(f"stale buffer build{share}", progress.total) if passes and todo else contextlib.nullcontext()
-    # shards each process has to encode; with a stop signal every process checks it once per round, so the number
-    # of rounds is the largest share (a process whose shards are done still takes part in the checks)
-    counts = _shares(len(todo), accelerator, world) if stop is not None else [len(todo)]
+
+    def stopped(undone: int) -> str:
+        return (f"{len(plan) - undone} of {len(plan)} shards of {out_dir} are written, each with its record, and "
+                f"kept; run the same command again to embed the other {undone} and finish the buffer")
+
     try:
         with torch.inference_mode(), timed:
-            for position in range(max(counts)):
-                if stop is not None and stop.agreed(accelerator):
-                    undone = sum(max(0, count - position) for count in counts)
-                    raise Preempted(f"stopped by {stop.by()}: {len(plan) - undone} of {len(plan)} shards of "
-                                    f"{out_dir} are written, each with its record, and kept; run the same command "
-                                    f"again to embed the other {undone} and finish the buffer")
-                if position >= len(todo):
-                    continue
+            for position in agreed_rounds(len(todo), stop, accelerator, stopped):
                 index = todo[position]
                 start, end = plan[index]
                 vectors = encode_rows(model, corpus, start, end, batch_size, on_batch=progress.update,

@@ -7,9 +7,9 @@ A token cache is a folder beside the buffer (`<buffer>.tokens`), laid out like t
 (`ids-NNNNN.npy`, uint16 when the vocabulary fits, else int32) and the rows' offsets into it (`offsets-NNNNN.npy`,
 int64, one more than the rows, from 0): both memory-mapped, so a row's ids are read without parsing anything. Ids
 are exactly what `PassageTokenizer.encode` gives (special tokens added, truncated at `max_length`). A finished
-shard is written atomically with its record (`ids-NNNNN.json`), so a killed build resumes from the written shards;
-a cache of another corpus, tokenizer or max length is refused, naming the file and field, and never overwritten
-without `overwrite`.
+shard is written atomically with its record (`ids-NNNNN.json`), so a killed build resumes from the written shards,
+and a stop signal ends a build at a shard boundary (as it does a buffer's); a cache of another corpus, tokenizer or
+max length is refused, naming the file and field, and never overwritten without `overwrite`.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from rag_train.buffer.embed import CHUNK_BATCHES, CorpusPasses, PassageTokenizer
 from rag_train.buffer.store import MANIFEST, BufferError, _check_type, write_shard
 from rag_train.data.corpus import Corpus
 from rag_train.io import atomic_write_json, remove_stale_temporaries, sha256_file, write_step
+from rag_train.preemption import StopSignal, agreed_rounds
 
 logger = logging.getLogger(__name__)
 
@@ -316,12 +317,14 @@ def _existing(out_dir: Path, wanted: dict, overwrite: bool) -> Optional[dict]:
 
 def build_token_cache(corpus: Corpus, tokenizer: PassageTokenizer, out_dir: Union[str, Path],
                       shard_rows: int = 1_000_000, num_workers: int = 0, accelerator=None, overwrite: bool = False,
-                      passes: Optional[CorpusPasses] = None) -> TokenCache:
+                      passes: Optional[CorpusPasses] = None, stop: Optional[StopSignal] = None) -> TokenCache:
     """Tokenise every corpus row once into a token cache at `out_dir`, or reuse the complete one there; a killed build
     resumes from its written shards. With an accelerate `Accelerator` each process tokenises its own block of
     shards; every process returns the same opened cache. A cache (complete or not) of another corpus, tokenizer, max
     length or truncation side there is an error unless `overwrite`. `passes` records the tokenisation as a corpus
-    pass (nothing when the cache is reused)."""
+    pass (nothing when the cache is reused). `stop`: as in `build_buffer`, before each shard every process asks
+    whether any of them got a stop signal; if so all stop there (Preempted), the shards they finished kept, and the
+    same call resumes (a shard of a million rows takes minutes)."""
     if shard_rows <= 0:
         raise ValueError(f"shard_rows={shard_rows} must be > 0")
     out_dir = Path(out_dir)
@@ -347,8 +350,15 @@ def build_token_cache(corpus: Corpus, tokenizer: PassageTokenizer, out_dir: Unio
     share = f" (rank 0's share of {world} processes)" if world > 1 else ""
     total = sum(plan[i][1] - plan[i][0] for i in todo)
     timed = passes.timed(f"token cache build{share}", total) if passes and todo else contextlib.nullcontext()
+
+    def stopped(undone: int) -> str:
+        return (f"{len(plan) - undone} of {len(plan)} token-cache shards of {out_dir} are written, each with its "
+                f"record, and kept; run the same command again to tokenise the other {undone} and finish the token "
+                "cache")
+
     with timed:
-        for index in todo:
+        for position in agreed_rounds(len(todo), stop, accelerator, stopped):
+            index = todo[position]
             start, end = plan[index]
             flat, offsets = tokenize_rows(corpus, tokenizer, start, end, dtype, num_workers)
             record = dict(planned[index])

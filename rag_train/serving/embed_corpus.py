@@ -56,7 +56,8 @@ class EmbedConfig:
 def embed_corpus(cfg: EmbedConfig, accelerator=None, stop: Optional[StopSignal] = None) -> Buffer:
     """Resolve corpus and model from an EmbedConfig and build the buffer (scripts/embed_corpus.py's work), holding
     the output folder's lock (`<output>/.lock`: a second build there would remove the first one's temporary files
-    and write its manifest under it), taken once the inputs have loaded. `stop`: see `build_buffer`."""
+    and write its manifest under it), taken once the inputs have loaded. `stop`: see `build_buffer` (the token cache
+    built first stops the same way)."""
     accelerator = accelerator or make_accelerator()
     passages, tokenizer = cfg.passages or cfg.data.passages, cfg.retriever.tokenizer
     needs_toy_tokenizer = cfg.model_dir is None and cfg.retriever.model == "tiny" and tokenizer is None
@@ -84,7 +85,7 @@ def embed_corpus(cfg: EmbedConfig, accelerator=None, stop: Optional[StopSignal] 
                 registered.enter_context(use_token_cache(build_token_cache(
                     corpus, PassageTokenizer.for_passages(model), token_cache_dir(out_dir),
                     shard_rows=cfg.buffer.shard_rows, num_workers=cfg.buffer.embed_workers, accelerator=accelerator,
-                    overwrite=cfg.overwrite, passes=passes)))
+                    overwrite=cfg.overwrite, passes=passes, stop=stop)))
             return build_buffer(model, corpus, out_dir, batch_size=cfg.buffer.embed_batch_size,
                                 shard_rows=cfg.buffer.shard_rows, dtype=cfg.buffer.dtype, accelerator=accelerator,
                                 overwrite=cfg.overwrite, num_workers=cfg.buffer.embed_workers,

@@ -16,6 +16,7 @@ from rag_train.buffer.store import MANIFEST, Buffer, BufferError, vectors_finger
 from rag_train.buffer.tokens import build_token_cache, token_cache_dir
 from rag_train.config import BufferConfig
 from rag_train.data.corpus import Corpus
+from rag_train.preemption import Preempted
 from rag_train.train.run import TrainingRun
 
 
@@ -29,12 +30,17 @@ def ensure_token_cache(run: TrainingRun, cfg: BufferConfig, model: nn.Module, co
     the buffer folder (or reuse the cache there) and register it for the rest of the run: every corpus pass (buffer
     build, refreshes, re-embedding strategies, evaluations) then reads its ids. The run's own cache is rebuilt when
     it is of another corpus or tokenizer; one beside a named `buffer.path` is never overwritten (refused, naming
-    the field)."""
+    the field). A stop signal during the build stops it at a shard boundary (Preempted), the finished shards kept for
+    the resumed run."""
     if not cfg.token_cache:
         return
-    cache = build_token_cache(corpus, PassageTokenizer.for_passages(model), token_cache_dir(buffer_dir(run, cfg)),
-                              shard_rows=cfg.shard_rows, num_workers=cfg.embed_workers, accelerator=run.accelerator,
-                              overwrite=cfg.path is None, passes=run.passes)
+    try:
+        cache = build_token_cache(corpus, PassageTokenizer.for_passages(model), token_cache_dir(buffer_dir(run, cfg)),
+                                  shard_rows=cfg.shard_rows, num_workers=cfg.embed_workers,
+                                  accelerator=run.accelerator, overwrite=cfg.path is None, passes=run.passes,
+                                  stop=run.stop_signal)
+    except Preempted as exc:  # the same command alone is refused: the run directory already holds this run
+        raise Preempted(f"{exc} (a training run: with train.resume=true)") from exc
     run.registered.enter_context(use_token_cache(cache))
 
 
