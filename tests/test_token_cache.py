@@ -196,14 +196,15 @@ def test_a_stop_signal_to_one_of_two_processes_stops_both_at_the_same_shard(worl
 
 def test_the_callers_pass_their_stop_signal(world, tmp_path):
     """scripts/embed_corpus.py's work stops in the token cache, before the buffer (no shard of it written), and the
-    same call finishes both; a training run's token cache stops with the run's stop signal, its line saying how the
-    run resumes."""
+    same call finishes both; a training run's token cache and buffer stop with the run's stop signal, their line
+    saying how the run resumes, and the resumed build gives embed_corpus's buffer."""
     from contextlib import ExitStack
     from types import SimpleNamespace
 
+    from rag_train.buffer.store import Buffer
     from rag_train.config import BufferConfig
     from rag_train.serving.embed_corpus import EmbedConfig, embed_corpus
-    from rag_train.train.passages import ensure_token_cache
+    from rag_train.train.passages import ensure_buffer, ensure_token_cache
 
     corpus, model, _, _ = world
     model.save(tmp_path / "model")
@@ -223,10 +224,23 @@ def test_the_callers_pass_their_stop_signal(world, tmp_path):
             ensure_token_cache(run, BufferConfig(shard_rows=SHARD_ROWS), model, corpus)
         assert str(raised.value) == (stopped_message("SIGTERM", tmp_path / "run" / "buffer.tokens", 0, len(STARTS))
                                      + " (a training run: with train.resume=true)")
+        run = SimpleNamespace(dir=tmp_path / "built", accelerator=None, passes=None, stop_signal=stop,
+                              latest_checkpoint=lambda: None, agree=lambda **_: None, check_buffer=lambda _: None)
+        with pytest.raises(Preempted) as raised:  # the buffer of a training run: stopped before its first shard
+            ensure_buffer(run, BufferConfig(shard_rows=SHARD_ROWS, embed_batch_size=8, verify=False), model, corpus)
+        assert str(raised.value).startswith("stopped by SIGTERM: 0 of ")
+        assert str(raised.value).endswith(" (a training run: with train.resume=true)")
+        assert not list((tmp_path / "built" / "buffer").glob("shard-*"))
     finally:
         stop.restore()
     assert embed_corpus(cfg).rows == len(corpus)
     assert finished_token_cache(tmp_path / "buffer.tokens").rows == len(corpus)
+    run.stop_signal = StopSignal()  # none arrived: the resumed run's build finishes the buffer
+    try:
+        ensure_buffer(run, BufferConfig(shard_rows=SHARD_ROWS, embed_batch_size=8, verify=False), model, corpus)
+    finally:
+        run.stop_signal.restore()
+    assert np.array_equal(Buffer.open(tmp_path / "built" / "buffer").array(), Buffer.open(out).array())
 
 
 def test_workers_0_and_2_give_the_same_bytes(world, tmp_path, monkeypatch):

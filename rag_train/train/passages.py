@@ -19,6 +19,9 @@ from rag_train.data.corpus import Corpus
 from rag_train.preemption import Preempted
 from rag_train.train.run import TrainingRun
 
+RESUME_HINT = " (a training run: with train.resume=true)"  # the same command alone is refused: the run's folder
+# already holds this run
+
 
 def buffer_dir(run: TrainingRun, cfg: BufferConfig) -> Path:
     """The run's stale buffer folder: `buffer.path`, else its own."""
@@ -39,8 +42,8 @@ def ensure_token_cache(run: TrainingRun, cfg: BufferConfig, model: nn.Module, co
                                   shard_rows=cfg.shard_rows, num_workers=cfg.embed_workers,
                                   accelerator=run.accelerator, overwrite=cfg.path is None, passes=run.passes,
                                   stop=run.stop_signal)
-    except Preempted as exc:  # the same command alone is refused: the run directory already holds this run
-        raise Preempted(f"{exc} (a training run: with train.resume=true)") from exc
+    except Preempted as exc:
+        raise Preempted(f"{exc}{RESUME_HINT}") from exc
     run.registered.enter_context(use_token_cache(cache))
 
 
@@ -51,7 +54,8 @@ def ensure_buffer(run: TrainingRun, cfg: BufferConfig, model: nn.Module, corpus:
     normalisation, lengths, tokenizer) and dtype, at a fresh start and when resuming alike (a `buffer.path`
     of another model is refused, naming both fingerprints). Before the build
     every process must hold the same corpus and initial model; after it, the same manifest, and (with
-    `buffer.verify`) every shard's sha256 is checked, each process hashing its share."""
+    `buffer.verify`) every shard's sha256 is checked, each process hashing its share. A stop signal during the build
+    stops it at a shard boundary (Preempted), the finished shards kept for the resumed run."""
     directory = buffer_dir(run, cfg)
     acc = run.accelerator
     if run.latest_checkpoint() is not None:  # resuming: `model` is the initial model, the buffer must be its
@@ -63,9 +67,13 @@ def ensure_buffer(run: TrainingRun, cfg: BufferConfig, model: nn.Module, corpus:
     else:
         run.agree(corpus_fingerprint=corpus.fingerprint, initial_model=model.fingerprint())
         # A user-named buffer is reused when it matches and never overwritten; the run's own is rebuilt.
-        buffer = build_buffer(model, corpus, directory, batch_size=cfg.embed_batch_size, shard_rows=cfg.shard_rows,
-                              dtype=cfg.dtype, accelerator=acc, overwrite=cfg.path is None,
-                              num_workers=cfg.embed_workers, batch_tokens=cfg.embed_batch_tokens, passes=run.passes)
+        try:
+            buffer = build_buffer(model, corpus, directory, batch_size=cfg.embed_batch_size,
+                                  shard_rows=cfg.shard_rows, dtype=cfg.dtype, accelerator=acc,
+                                  overwrite=cfg.path is None, num_workers=cfg.embed_workers,
+                                  batch_tokens=cfg.embed_batch_tokens, passes=run.passes, stop=run.stop_signal)
+        except Preempted as exc:
+            raise Preempted(f"{exc}{RESUME_HINT}") from exc
     run.check_buffer(directory)
     if cfg.verify:
         buffer.verify(acc.process_index, acc.num_processes)
