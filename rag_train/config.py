@@ -283,7 +283,7 @@ class BufferConfig:
     chunk_rows: int = 65536  # rows scored per chunk: peak extra memory O(chunk x (hidden + k))
     # `full` through the corrector: score each chunk with one torch.compile'd function (search's `fused`; the first
     # search compiles it, max-autotune on CUDA); the same rows. Off until a GPU session measures it faster
-    # (docs/gpu_report.md); on 2 CPU cores it is level with the unfused scan (docs/search_benchmark.md)
+    # (docs/generated/gpu_report.md); on 2 CPU cores it is level with the unfused scan (docs/search_benchmark.md)
     fused_search: bool = False
     faiss_index: str = "Flat"  # candidate index for `rerank`: Flat | IVF{n},Flat | HNSW{m} | any factory string
     rerank_candidates: int = 1024

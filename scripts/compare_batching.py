@@ -7,7 +7,7 @@ Figure 5's cause (ContAccum's towers' gradients at each step's weights with the 
 without banks: batching.probe_gradients).
 
     python scripts/compare_batching.py --local 4 --micro 4 --bank 64 --seeds 0 1 2 \
-        --out docs/large_batches_table.md [key=value ...]
+        --out docs/generated/large_batches_table.md [key=value ...]
     python scripts/compare_batching.py --local 4 --micro 4 1 2 8 --bank 64 16 128 --sweep-out grid.md \
         --figure ratio.png [key=value ...]
 

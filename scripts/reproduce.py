@@ -1,4 +1,4 @@
-"""Reproduce seed 000's comparisons on the toy world end to end and write the report (docs/reproduction.md;
+"""Reproduce seed 000's comparisons on the toy world end to end and write the report (docs/generated/reproduction.md;
 `--help` lists every option and the sections, one module each in rag_lab/reproduction/, with their cost):
 
     nice -n 10 python scripts/reproduce.py                      # every section, default budgets and seeds

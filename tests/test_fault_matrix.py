@@ -1,8 +1,8 @@
 """The fault matrix in CI (issue 32): the quick cells of tests/fault_matrix.py — for every entry point that writes,
 a kill at a random write and the resume, a full disk at a few of its writes (each resumed), a read-only output folder
 and every damaged input it reads — must end as documented (exit status, one `error:` line naming the path, nothing
-lost or half-written, the resumed run equal to the uninterrupted one) and as docs/fault_matrix.json records; the
-table in docs/reliability.md must be the one generated from docs/fault_matrix.json.
+lost or half-written, the resumed run equal to the uninterrupted one) and as docs/generated/fault_matrix.json records;
+the table in docs/reliability.md must be the one generated from docs/generated/fault_matrix.json.
 
 `python tests/fault_matrix.py --full` runs every cell (a full disk at every write) and rewrites both files."""
 
@@ -35,7 +35,8 @@ def test_the_quick_cells_end_as_documented_and_recorded(quick_cells, entry):
     recorded = {f"{c['entry']} | {c['fault']} | {c['where']}": c for c in json.loads(fm.RESULTS.read_text())["cells"]}
     for cell in cells:
         assert cell.key() in recorded and recorded[cell.key()]["quick"], \
-            f"{cell.key()}: not in docs/fault_matrix.json as a quick cell; rerun python tests/fault_matrix.py --full"
+            f"{cell.key()}: not in docs/generated/fault_matrix.json as a quick cell; rerun python " \
+            "tests/fault_matrix.py --full"
         assert fm.stable(cell.record()) == fm.stable(recorded[cell.key()]), cell.key()
 
 

@@ -166,7 +166,7 @@ def test_forward_rates_follow_the_hand_counted_flops_and_the_tokeniser_truncates
 
 
 @pytest.mark.parametrize("name, kind", [
-    # kernel names read off an H100 profile of the base tower (docs/gpu_report.md) and CPU aten ops
+    # kernel names read off an H100 profile of the base tower (docs/generated/gpu_report.md) and CPU aten ops
     ("sm80_xmma_gemm_f32f32_f32f32_f32_nn_n_tilesize64x64x8_stage3_warpsize1x4x1", "GEMM, fp32"),
     ("nvjet_sm90_tst_192x192_64x4_2x1_v_bz_coopB_TNN", "GEMM, 16-bit"),
     ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "GEMM, 16-bit"),

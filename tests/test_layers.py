@@ -81,7 +81,7 @@ LAYERS = [
           "report is regenerated and checked from)", "the harness"),
     Layer("11 lab: benchmarks", ("rag_lab.bench",),
           "`bench/` (benchmarks that time the code users run, and `bench/gpu_report/`: every GPU figure from one "
-          "command, in stages, `docs/gpu_report.md`)", "everything"),
+          "command, in stages, `docs/generated/gpu_report.md`)", "everything"),
 ]
 
 

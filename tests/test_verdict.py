@@ -144,10 +144,10 @@ def test_np_gain_picked_from_three_variants_is_decided_with_holm():
 
 
 def test_the_committed_report_states_the_rule_as_the_code_does():
-    """docs/reproduction.md's "How verdicts are decided" is the generator's RULE, word for word."""
+    """docs/generated/reproduction.md's "How verdicts are decided" is the generator's RULE, word for word."""
     from pathlib import Path
 
     from rag_lab.reproduction.verdict import RULE
 
-    doc = (Path(__file__).parent.parent / "docs" / "reproduction.md").read_text()
+    doc = (Path(__file__).parent.parent / "docs" / "generated" / "reproduction.md").read_text()
     assert f"## How verdicts are decided\n\n{RULE}\n" in doc

@@ -34,7 +34,7 @@ QUICK_SPECS = [CorrectorSpec(0, 0), CorrectorSpec(1, 8), CorrectorSpec(2, 16)]
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--out-dir", type=Path, default=Path("docs/figures/synthetic"))
+    parser.add_argument("--out-dir", type=Path, default=Path("docs/generated/figures/synthetic"))
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--quick", action="store_true", help="small grid (2 drifts, 3 correctors, 2 fractions)")
     parser.add_argument("--drift-scales", type=float, nargs="+", default=None)

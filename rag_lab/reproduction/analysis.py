@@ -1,5 +1,5 @@
 """The report's analysis paragraphs, every figure in them computed from the runs they describe (a rerun with other
-budgets or seeds rewrites them), so docs/reproduction.md holds no number its runs did not produce."""
+budgets or seeds rewrites them), so docs/generated/reproduction.md holds no number its runs did not produce."""
 
 from __future__ import annotations
 

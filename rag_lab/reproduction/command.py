@@ -1,4 +1,4 @@
-"""Reproduce seed 000's comparisons on the toy world end to end and write the report (docs/reproduction.md).
+"""Reproduce seed 000's comparisons on the toy world end to end and write the report (docs/generated/reproduction.md).
 
     nice -n 10 python scripts/reproduce.py                      # every section, default budgets and seeds
     python scripts/reproduce.py --only table1 ablation --seeds 0 1 2
@@ -61,7 +61,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--hidden", nargs="+", type=int, default=None, help="ablation sizes; default 64 256 1024")
     parser.add_argument("--runs", type=Path, default=None, help="default runs/reproduce (quick: runs/reproduce-quick)")
     parser.add_argument("--out", type=Path, default=None,
-                        help="folder for reproduction.md and figures/ (default docs; quick: <runs>/report)")
+                        help="folder for reproduction.md and figures/ (default docs/generated; quick: <runs>/report)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads per run (default 1: the tiny models gain little from a second thread, and "
                              "two threads stall badly when another job holds a core)")
@@ -93,7 +93,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.seeds = args.seeds or list(budget.seeds)
     args.hidden = args.hidden or list(budget.hidden)
     args.runs = args.runs or Path("runs/reproduce-quick" if args.quick else "runs/reproduce")
-    args.out = args.out or (args.runs / "report" if args.quick else Path("docs"))
+    args.out = args.out or (args.runs / "report" if args.quick else Path("docs/generated"))
     return args
 
 

@@ -160,7 +160,7 @@ def described_section(results: Optional[dict]) -> list[str]:
     "tuned": world}), or a line saying it did not run."""
     lines = ["## Table 1 in the paper's regime: described worlds, three inits", "",
              "Seed 000's Table 1 rows on worlds whose questions describe their person instead of naming them "
-             "([toy_world.md](toy_world.md), \"The described world\"), so that the stale -> exhaustive gap is "
+             "([toy_world.md](../toy_world.md), \"The described world\"), so that the stale -> exhaustive gap is "
              "still there at the end of training. R@k on the dev questions each run evaluates "
              "(`data.max_eval_examples`: the first 500 in configs/toy/retriever.yaml).", ""]
     worlds = (results or {}).get("worlds", {})

@@ -186,7 +186,7 @@ def dynnibal_section(results: Optional[dict]) -> list[str]:
     """reproduction.md's section from the collected runs (`collect`), or a line saying it did not run."""
     lines = ["## Seed 001 as it runs: Dynnibal with its schedule on a described world", "",
              "The paper's rows (uniform negatives, Dynnibal, SNM at equal memory, exhaustive) and seed 000's "
-             "Dynnibal \"+0\"; the schedule, the keys and the earlier runs: [dynnibal.md](dynnibal.md).", ""]
+             "Dynnibal \"+0\"; the schedule, the keys and the earlier runs: [dynnibal.md](../dynnibal.md).", ""]
     if results is None or not any(any(rows.values()) for rows in results["runs"].values()):
         return lines + ["_(not run: `--only dynnibal`)_", ""]
     passages, snm_targets = results["passages"], results["snm_targets"]

@@ -62,7 +62,7 @@ def render(report: Report) -> list[str]:
     out = report.out
     lines = ["## Seed 002 in its own regime: ContAccum, GradCache, GradAccum", "",
              "Raw dot products at temperature 1 and in-batch negatives, from the LM-pretrained init (the paper's "
-             "BERT); the discussion and the other regimes: [large_batches.md](large_batches.md).", ""]
+             "BERT); the discussion and the other regimes: [large_batches.md](../large_batches.md).", ""]
     table, sweep, figure, probe = outputs(out)
     if not table.is_file():
         return lines + ["_(not run: `--only large_batches`)_", ""]

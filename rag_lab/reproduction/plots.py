@@ -1,4 +1,4 @@
-"""The report's figures (docs/figures/reproduction/*.png): mean over seeds with min-max whiskers or bands."""
+"""The report's figures (docs/generated/figures/reproduction/*.png): mean over seeds with min-max whiskers or bands."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""docs/reproduction.md: how it was produced, then every section's part in the sections' order (its measured tables,
-the paper's numbers beside them and the verdicts computed from both), so that a rerun rewrites every claim from its
-own runs."""
+"""docs/generated/reproduction.md: how it was produced, then every section's part in the sections' order (its
+measured tables, the paper's numbers beside them and the verdicts computed from both), so that a rerun rewrites every
+claim from its own runs."""
 
 from __future__ import annotations
 
@@ -75,9 +75,9 @@ def preamble(results: dict, meta: dict) -> list[str]:
 
 
 def write_report(results: dict, meta: dict, out: Path, into: Optional[Path] = None) -> Path:
-    """docs/reproduction.md (+ figures/reproduction/*.png) from collected results (`sections.collect`); returns the
-    markdown path. `into`: write both there instead, reading the sections' own files from `out` all the same (a
-    check). `meta`: machine, seeds, quick, runs, invocations, evidence."""
+    """docs/generated/reproduction.md (+ figures/reproduction/*.png) from collected results (`sections.collect`);
+    returns the markdown path. `into`: write both there instead, reading the sections' own files from `out` all the
+    same (a check). `meta`: machine, seeds, quick, runs, invocations, evidence."""
     into = into or out
     path = into / "reproduction.md"
     remove_temporaries_of(path)  # a killed report's

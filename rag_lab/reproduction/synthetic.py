@@ -83,7 +83,7 @@ def synthetic_summary(results: dict) -> list[str]:
 def render(report: Report) -> list[str]:
     lines = ["## Section 5.3: the synthetic experiment", "",
              "The corrector alone, trained to map stale vectors g'(y) to drifted ones g(y) (details and the full "
-             "table: [synthetic_corrector.md](synthetic_corrector.md)).", ""]
+             "table: [synthetic_corrector.md](../synthetic_corrector.md)).", ""]
     results = report.results["synthetic"]
     if not results:
         return lines + ["_(not run: `--only synthetic`)_", ""]

@@ -1,5 +1,5 @@
 """The one rule that turns two rows' per-seed numbers into a verdict: no section decides "A beats B" its own way.
-`RULE` states it, and docs/reproduction.md prints that statement."""
+`RULE` states it, and docs/generated/reproduction.md prints that statement."""
 
 from __future__ import annotations
 

@@ -43,8 +43,8 @@ CHUNK_BATCHES = 8  # rows a worker tokenises at once: this many row caps (amorti
 PENDING_COPIES = 4  # device -> host copies in flight before the oldest is waited for
 # a pass of fewer batches runs in the main process: starting workers and shipping their items cost more than the
 # overlap gives back (H200, 8 workers: 1-32 batches of 1,024 took 1.1-2x the in-process time, 64 batches 0.9x;
-# 2-core CPU, 1 worker, batches of 256: 16 batches 1.14x, 64 batches 0.92x; docs/gpu_report.md). Per-step embeds
-# (negative cache, SNM, small refreshes) are such passes.
+# 2-core CPU, 1 worker, batches of 256: 16 batches 1.14x, 64 batches 0.92x; docs/generated/gpu_report.md). Per-step
+# embeds (negative cache, SNM, small refreshes) are such passes.
 WORKER_MIN_BATCHES = 32
 
 
@@ -214,7 +214,8 @@ def _quiet_worker(_: int) -> None:
 def chunk_batches(rows: int, batch_size: int, num_workers: int) -> int:
     """Batches per worker item: CHUNK_BATCHES, or fewer when the rows would not give every worker two items (a
     few big items leave the workers idle while the device waits for the first one: at 4,096 rows, batch 1,024 and 8
-    workers one 8-batch item made embed_rows 0.4x SentenceTransformer.encode on an H100, docs/gpu_report.md)."""
+    workers one 8-batch item made embed_rows 0.4x SentenceTransformer.encode on an H100,
+    docs/generated/gpu_report.md)."""
     if num_workers <= 0:
         return CHUNK_BATCHES
     return max(1, min(CHUNK_BATCHES, -(-rows // (batch_size * 2 * num_workers))))

@@ -1,5 +1,5 @@
 """The corpus's token ids, computed once: every later corpus pass reads them instead of tokenising again (on an H100
-the tiny tower's pass spent 59% of its time tokenising, docs/gpu_report.md).
+the tiny tower's pass spent 59% of its time tokenising, docs/generated/gpu_report.md).
 
 A token cache is a folder beside the buffer (`<buffer>.tokens`), laid out like the buffer (store.py, build.py):
 `manifest.json` (rows, id dtype, the fingerprints of the corpus and of the tokenizer's definition, `max_length`,

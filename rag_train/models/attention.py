@@ -8,14 +8,14 @@ as a float mask, rebuilt as [B, H, L, L] from bias and padding in every layer; n
   d 256 to T5-base. Every T5 of a process that runs on CPU runs eager (`eager_t5_attention_on_cpu`), on a GPU
   machine too.
 * CUDA, the encoder's forward without gradient under bf16 autocast, as `embed_rows` runs it (one H200, T5-base
-  shape, 1,024 rows with half of them padded, interleaved rounds; docs/gpu_report.md): eager
+  shape, 1,024 rows with half of them padded, interleaved rounds; docs/generated/gpu_report.md): eager
   1.29x faster at 256 tokens (475 against 613 ms), 1.18x at 64. The corpus passes run eager
   (`pass_attention`). Training steps on CUDA keep SDPA: not measured there.
 * FlexAttention fuses the bias and the padding into one kernel (on an H100 the forward of a base-shaped tower at
   256 tokens was 71-78% elementwise work, much of it the [B, H, L, L] fp32 scores and bias). `retriever.encoder_kernel`:
   `auto` keeps the kernels above everywhere until a GPU session has measured flex faster with a bounded number of
-  compiles over a real pass's batch lengths (docs/gpu_report.md, the embed stage); `flex` runs it for the corpus
-  pass and training (CUDA, towers without dropout), `eager` nowhere.
+  compiles over a real pass's batch lengths (docs/generated/gpu_report.md, the embed stage); `flex` runs it for the
+  corpus pass and training (CUDA, towers without dropout), `eager` nowhere.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
-"""Every GPU figure from one command (scripts/gpu_report.py; docs/gpu_report.md), in stages sized for a short lease
-on a bare GPU machine: each stage builds what it needs from scratch (toy world, buffer, models), finishes within
-about 8 minutes on one H100, and writes `<stage>.json` and `<stage>.md` under `--out`; `--assemble` turns whatever
-fragments exist into docs/gpu_report.md. A stage times the code users run, through the existing benchmarks:
+"""Every GPU figure from one command (scripts/gpu_report.py; docs/generated/gpu_report.md), in stages sized for a
+short lease on a bare GPU machine: each stage builds what it needs from scratch (toy world, buffer, models), finishes
+within about 8 minutes on one H100, and writes `<stage>.json` and `<stage>.md` under `--out`; `--assemble` turns
+whatever fragments exist into docs/generated/gpu_report.md. A stage times the code users run, through the existing
+benchmarks:
 
   embed   `buffer/embed.py::embed_rows` vs `SentenceTransformer.encode` (rag_lab/bench/embed.py), tiny / small /
           base-shaped towers at 64 / 128 / 256 tokens, plus a host-side profile of `embed_rows`;

@@ -30,7 +30,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--out", default=None, help="folder of the stage fragments (<stage>.json / .md)")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when there is one)")
     parser.add_argument("--quick", action="store_true", help="toy sizes (CI; on CPU the only sensible choice)")
-    parser.add_argument("--doc", default=str(ROOT / "docs" / "gpu_report.md"), help="--assemble writes this")
+    parser.add_argument("--doc", default=str(ROOT / "docs" / "generated" / "gpu_report.md"),
+                        help="--assemble writes this")
     parser.add_argument("--wheels-dir", default=str(ROOT / ".whl"), help="wheels a stage installs first, if there")
     parser.add_argument("--work", default=None, help="scratch folder (default: a temporary one, removed after)")
     parser.add_argument("--scale-rows", type=int, default=None, help="toy passages of the scale stages")

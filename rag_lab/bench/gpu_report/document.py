@@ -1,5 +1,5 @@
 """A stage's fragment (`<stage>.json` + `<stage>.md`) and the document assembled from the fragments
-(docs/gpu_report.md)."""
+(docs/generated/gpu_report.md)."""
 
 from __future__ import annotations
 
@@ -72,16 +72,16 @@ def commands_markdown() -> list[str]:
         *[f"PYTHONUNBUFFERED=1 python3 scripts/gpu_report.py --stage {s} --device cuda --out $OUT "
           "--work runs/gpu_report" for s in STAGES],
         "```", "",
-        "The reply's `files_at` folder holds the stage's two files: copy them into `docs/gpu_report/` (replacing "
-        "that stage's CPU fragments) and assemble this page from whatever is there (a stage with no fragment is "
-        "listed as missing):", "",
-        "```bash", "python scripts/gpu_report.py --assemble --out docs/gpu_report", "```", "",
+        "The reply's `files_at` folder holds the stage's two files: copy them into `docs/generated/gpu_report/` "
+        "(replacing that stage's CPU fragments) and assemble this page from whatever is there (a stage with no "
+        "fragment is listed as missing):", "",
+        "```bash", "python scripts/gpu_report.py --assemble --out docs/generated/gpu_report", "```", "",
         "`--stage list` prints the stages with their expected minutes; `--stage all` runs them one after another "
         "(longer than one 10-minute command on a GPU); `--device cpu --quick --stage all` runs every stage at toy "
-        "size with one torch thread (`tests/test_gpu_report.py`; the fragments under `docs/gpu_report/` came from "
-        "`--device cpu --quick --stage all --out docs/gpu_report`). If `scale` outruns its limit, a second call on "
-        "the still-warm machine with the same `--work` reuses the world the first one generated and indexed "
-        "(those two rows then read 'not measured'), or `--scale-rows` makes the world smaller "
+        "size with one torch thread (`tests/test_gpu_report.py`; the fragments under `docs/generated/gpu_report/` came "
+        "from `--device cpu --quick --stage all --out docs/generated/gpu_report`). If `scale` outruns its limit, a "
+        "second call on the still-warm machine with the same `--work` reuses the world the first one generated and "
+        "indexed (those two rows then read 'not measured'), or `--scale-rows` makes the world smaller "
         "(generation, indexing and the "
         "corpus passes are linear in the rows). Exit status: 0 done, 1 a stage's own check "
         "failed (its results disagree with their reference; no fragment is written) or pip failed, 2 bad "
