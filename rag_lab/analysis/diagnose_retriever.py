@@ -460,8 +460,9 @@ def held_out_map(run: Path, steps: Sequence[int] = (), k: Optional[int] = None, 
     files = resolve_data(cfg.data, Accelerator(cpu=True), ["retrieval-train"], ["retrieval-dev"])
     corpus = Corpus.open(files.passages)
     checkpoints = checkpoint_steps(run, steps)
+    buffer = Buffer.open(run / "buffer")
     if hidden is None:
-        in_loop = checkpoint_corrector(checkpoints[-1], Buffer.open(run / "buffer").dim)
+        in_loop = checkpoint_corrector(checkpoints[-1], buffer.dim)
         if in_loop is None:
             raise ConfigError(f"{run}: strategy.name={cfg.strategy.name!r} has no corrector to take the width "
                               "from; give --fit-hidden H")
@@ -475,6 +476,7 @@ def held_out_map(run: Path, steps: Sequence[int] = (), k: Optional[int] = None, 
         training_queries = target.encode_queries(training.texts[:cfg.data.max_train_examples]).float()
     held = torch.zeros(len(corpus), dtype=torch.bool)
     held[dev.gold] = True
+    kept = torch.nonzero(~held).squeeze(1)  # the rows every fit draws from
     every_row = torch.ones(len(corpus), dtype=torch.bool)
 
     def measured(vectors: torch.Tensor) -> dict[str, float]:
@@ -487,10 +489,10 @@ def held_out_map(run: Path, steps: Sequence[int] = (), k: Optional[int] = None, 
               "fresh": measured(fresh), "sources": []}
     for checkpoint in [None, *checkpoints[:-1]]:
         with torch.no_grad():
-            source = (Buffer.open(run / "buffer").tensor().float() if checkpoint is None
+            source = (buffer.tensor().float() if checkpoint is None
                       else embed_corpus(checkpoint_retriever(run, checkpoint), corpus))
         fits = [fit_offline(source, fresh, training_queries, hidden, fit_steps, cfg.train.temperature, loss=loss,
-                            pool=torch.nonzero(~held).squeeze(1))
+                            pool=kept)
                 for loss in ("mse", cfg.strategy.corrector.loss)]
         with torch.no_grad():
             rows = dict(zip(MAP_ROWS, (measured(v) for v in (source, *(fit(source) for fit in fits)))))
