@@ -271,7 +271,8 @@ class BufferConfig:
     embed_batch_size: int = 256  # passages per batch, at most
     embed_batch_tokens: int = 0  # padded tokens per batch, at most (0: embed_batch_size x max_passage_length)
     # DataLoader worker processes that read and tokenise passages while the model encodes (0: in the main
-    # process). On a GPU host give it several cores (e.g. 8); on a 2-core CPU host 1 (docs/embed_benchmark.md)
+    # process). On a GPU host give it several cores (e.g. 8); on a 2-core CPU host 1 (docs/embed_benchmark.md).
+    # The token cache's build, where this process only waits, uses them from 2 up (1: tokenised here)
     embed_workers: int = 1
     # tokenise the corpus once into a token cache (`<buffer folder>.tokens`, buffer/tokens.py) that every later
     # corpus pass reads instead of tokenising again (the same vectors); false: every pass tokenises

@@ -251,6 +251,25 @@ def test_workers_0_and_2_give_the_same_bytes(world, tmp_path, monkeypatch):
     assert folder_bytes(tmp_path / "in-process") == folder_bytes(tmp_path / "workers")
 
 
+def test_one_worker_or_one_piece_tokenises_in_this_process(world, tmp_path, monkeypatch):
+    """No worker process is started for fewer than two workers' worth of pieces (this process would only wait for
+    it); two workers over several pieces start them."""
+    import multiprocessing.process
+
+    corpus, _, tokenizer, _ = world
+    started = []
+    start = multiprocessing.process.BaseProcess.start
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start",
+                        lambda self: (started.append(self.name), start(self))[1])
+    build_token_cache(corpus, tokenizer, tmp_path / "one-worker", shard_rows=SHARD_ROWS, num_workers=1)
+    build_token_cache(corpus, tokenizer, tmp_path / "one-piece", shard_rows=SHARD_ROWS, num_workers=4)
+    assert started == []  # ROWS_PER_ITEM rows per piece: every 16-row shard is one piece
+    monkeypatch.setattr(tokens_module, "ROWS_PER_ITEM", 5)
+    build_token_cache(corpus, tokenizer, tmp_path / "two-workers", shard_rows=SHARD_ROWS, num_workers=2)
+    assert len(started) == 2 * 4  # two per shard, four shards
+    assert folder_bytes(tmp_path / "one-worker") == folder_bytes(tmp_path / "two-workers")
+
+
 def test_passes_from_cached_ids_give_the_bytes_of_passes_that_tokenise(world, tmp_path, monkeypatch):
     """Rows unsorted and repeated, enough for the chunked plan (and workers on the tokenising side); the cache handed
     over or registered; with it no passage is tokenised."""

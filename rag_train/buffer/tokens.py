@@ -253,9 +253,13 @@ def _as_is(item):
 def tokenize_rows(corpus: Corpus, tokenizer: PassageTokenizer, start: int, end: int, dtype: str,
                   num_workers: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """(flat ids, int64 offsets from 0) of corpus rows [start, end), tokenised in `num_workers` DataLoader workers
-    (0: in this process); the same bytes whatever `num_workers` is."""
+    (0: in this process); the same bytes whatever `num_workers` is. Fewer than two workers' worth of pieces are
+    tokenised here: this process only waits for its workers, so one worker adds a fork and nothing else (and a
+    fork of a process whose gloo threads are running hung a two-process test about once in 50 launches)."""
     pieces = [(s, min(s + ROWS_PER_ITEM, end)) for s in range(start, end, ROWS_PER_ITEM)]
     workers = min(num_workers, len(pieces))
+    if workers < 2:
+        workers = 0
     # numpy items as they are (the default would make tensors of them); its own generator, as in embed.py
     loader = DataLoader(_Pieces(corpus, tokenizer, pieces, dtype), batch_size=None, shuffle=False,
                         num_workers=workers, collate_fn=_as_is, worker_init_fn=_quiet_worker if workers else None,
