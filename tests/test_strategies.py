@@ -240,15 +240,15 @@ def test_negative_cache_never_samples_the_positive(world):
 def test_corrector_search_goes_through_h(world, fused, monkeypatch):
     """Also with buffer.fused_search: the strategy's search scores its chunks with the fused scorer (its function
     left uncompiled here: tests/test_search.py checks the compiled one)."""
-    import rag_train.buffer.search as search_module
+    import rag_train.buffer.chunk_scores as chunk_scores
 
     calls = []
 
     def uncompiled(device_type):
         calls.append(device_type)
-        return search_module._corrector_chunk_scores
+        return chunk_scores.corrector_chunk_scores
 
-    monkeypatch.setattr(search_module, "_compiled_chunk_scores", uncompiled)
+    monkeypatch.setattr(chunk_scores, "compiled_chunk_scores", uncompiled)
     strategy, model = make(world, "corrector", fused=fused, corrector=CorrectorConfig(hidden=12))
     assert isinstance(strategy, CorrectorStrategy)
     stale = stale_matrix(world)

@@ -37,7 +37,8 @@ import numpy as np
 import torch
 
 from rag_lab.bench.machine import cpu_name, peak_rss_bytes, rss_kib, synchronize
-from rag_train.buffer.search import _chunk_topk, fp32_mm, search
+from rag_train.buffer.chunk_scores import fp32_mm
+from rag_train.buffer.search import _chunk_topk, search
 from rag_train.models.corrector import Corrector
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
