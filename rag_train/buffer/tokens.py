@@ -254,8 +254,8 @@ def tokenize_rows(corpus: Corpus, tokenizer: PassageTokenizer, start: int, end: 
                   num_workers: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """(flat ids, int64 offsets from 0) of corpus rows [start, end), tokenised in `num_workers` DataLoader workers
     (0: in this process); the same bytes whatever `num_workers` is. Fewer than two workers' worth of pieces are
-    tokenised here: this process only waits for its workers, so one worker adds a fork and nothing else (and a
-    fork of a process whose gloo threads are running hung a two-process test about once in 50 launches)."""
+    tokenised here: this process only waits for its workers, so one worker adds a fork and nothing else (and a fork
+    of a process whose gloo threads were running hung a two-process test once in 139 launches, docs/test_suite.md)."""
     pieces = [(s, min(s + ROWS_PER_ITEM, end)) for s in range(start, end, ROWS_PER_ITEM)]
     workers = min(num_workers, len(pieces))
     if workers < 2:
