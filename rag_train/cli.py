@@ -126,10 +126,13 @@ def end_process(status: int = 0) -> NoReturn:
     through a `noexcept` destructor ends in `std::terminate` ("terminate called without an active exception",
     SIGABRT) after all the work is done. So on success every rank meets every group in a barrier (no rank
     tears down while a peer still sends), the groups are destroyed, the atexit hooks run, output and logging
-    are flushed, and the process ends with `os._exit`; on a fault (status != 0) a peer may be dead, so no
-    collective is attempted: output is flushed and the status kept."""
+    are flushed, and the process ends with `os._exit`. A run stopped by a stop signal (PREEMPTED_EXIT) ends the
+    same way: every rank agreed to stop at the same boundary, so every rank gets here, and the barrier keeps a rank
+    that finished first from exiting while a slower one still writes its last record or its line (a launcher stops
+    the other ranks as soon as one exits non-zero). On a fault (any other status) a peer may be dead, so no
+    collective is attempted: output is flushed and the status kept. A failed barrier still ends with `status`."""
     try:
-        if status == 0:
+        if status in (0, PREEMPTED_EXIT):
             _end_process_groups()
             atexit._run_exitfuncs()
     finally:

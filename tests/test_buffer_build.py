@@ -437,11 +437,14 @@ def test_a_stop_signal_ends_embed_corpus_at_a_shard_boundary_and_the_rerun_is_by
 def test_a_stop_signal_to_one_of_two_embedding_processes_stops_both_and_the_rerun_is_byte_identical(
         world, tmp_path, uninterrupted):
     """SIGTERM to rank 1 only (shards 5-9) once its first shard is on disk: both ranks agree at the next shard
-    boundary (one all-reduce per shard), each prints its line and exits 6; the two-process rerun finishes the
-    buffer byte for byte as the uninterrupted one-process run."""
+    boundary (one all-reduce per shard), each prints its line and exits 6, rank 1 waiting for rank 0 although rank
+    0 ends 2 s later with the usual signal handlers back (the launcher stops the other ranks when one exits
+    non-zero: before `end_process` waited, that killed rank 0 before its line in a CI run); the
+    two-process rerun finishes the buffer byte for byte as the uninterrupted one-process run."""
     out, pids = tmp_path / "buf", tmp_path / "pids"
     pids.mkdir()
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", EMBED_SLEEP=SLOW, EMBED_PID_DIR=str(pids))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", EMBED_SLEEP=SLOW, EMBED_PID_DIR=str(pids),
+               EMBED_RANK0_END_DELAY="2")
     proc = subprocess.Popen(launch_command(ROOT / "tests/dist/embed_slow.py", *embed_args(world, out), processes=2),
                             cwd=tmp_path, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             start_new_session=True, env=env)
