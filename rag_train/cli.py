@@ -108,7 +108,7 @@ def run_recipe(schema: type[T], default_config: Path, train: Callable[[T], dict]
         with exit_on_fault():
             report(cfg, train(cfg))
     except SystemExit as exc:  # a known fault: its status is kept
-        end_process(exit_status(exc))
+        end_process(exit_status(exc), together=getattr(exc.__cause__, "every_process", False))
     end_process(0)
 
 
@@ -117,7 +117,7 @@ def exit_status(exc: SystemExit) -> int:
     return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
 
 
-def end_process(status: int = 0) -> NoReturn:
+def end_process(status: int = 0, together: bool = False) -> NoReturn:
     """Leave an entry script without interpreter teardown.
 
     gloo's process groups have no shutdown: `destroy_process_group()` leaves their threads alive, and DeepSpeed
@@ -126,13 +126,14 @@ def end_process(status: int = 0) -> NoReturn:
     through a `noexcept` destructor ends in `std::terminate` ("terminate called without an active exception",
     SIGABRT) after all the work is done. So on success every rank meets every group in a barrier (no rank
     tears down while a peer still sends), the groups are destroyed, the atexit hooks run, output and logging
-    are flushed, and the process ends with `os._exit`. A run stopped by a stop signal (PREEMPTED_EXIT) ends the
-    same way: every rank agreed to stop at the same boundary, so every rank gets here, and the barrier keeps a rank
-    that finished first from exiting while a slower one still writes its last record or its line (a launcher stops
-    the other ranks as soon as one exits non-zero). On a fault (any other status) a peer may be dead, so no
-    collective is attempted: output is flushed and the status kept. A failed barrier still ends with `status`."""
+    are flushed, and the process ends with `os._exit`. An end every rank reaches alike (`together`: a stop agreed
+    at the same boundary, an error all raise after the collective that told them; `rag_train.preemption`) ends the
+    same way, its status kept: the barrier keeps a rank that got there first from exiting while a slower one still
+    writes its last record or its line (a launcher stops the other ranks as soon as one exits non-zero). On any
+    other fault a peer may be dead, so no collective is attempted: output is flushed and the status kept. A failed
+    barrier still ends with `status`."""
     try:
-        if status in (0, PREEMPTED_EXIT):
+        if status == 0 or together:
             _end_process_groups()
             atexit._run_exitfuncs()
     finally:

@@ -3,13 +3,15 @@ of obeyed at once so that a long loop stops at a boundary where nothing is lost:
 checkpoint (`rag_train.train.run.TrainingRun.stop_if_signalled`), a shard with its record (`agreed_rounds`: the
 buffer's, `rag_train.buffer.build.build_buffer`, and the token cache's, `rag_train.buffer.tokens.build_token_cache`).
 The entry scripts end a `Preempted` run with exit status 6 (`rag_train.cli.PREEMPTED_EXIT`). One mechanism for every
-loop: the same handler, the same agreement between processes, the same exit."""
+loop: the same handler, the same agreement between processes, the same exit. An end every process reaches alike
+(a stop, or an error all of them raise after the collective that told them) is marked `every_process`: the ranks then
+end together (`rag_train.cli.end_process`), none stopped by the launcher before its last writes and its line."""
 
 from __future__ import annotations
 
 import signal
 import threading
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, TypeVar
 
 import torch
 
@@ -18,6 +20,18 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # what schedulers and spot inst
 
 class Preempted(Exception):
     """A loop stopped on a stop signal at a boundary, with its work so far kept (the entry scripts' exit status 6)."""
+
+    every_process = True  # raised by every process at the same boundary (`agreed_rounds`, after `StopSignal.agreed`)
+
+
+E = TypeVar("E", bound=BaseException)
+
+
+def raised_by_every_process(exc: E) -> E:
+    """`exc`, marked as raised alike by every process of the launch after the collective that told them all (a run
+    directory's lock refused, processes that disagree), so that they end together (`rag_train.cli.end_process`)."""
+    exc.every_process = True  # type: ignore[attr-defined]
+    return exc
 
 
 class StopSignal:

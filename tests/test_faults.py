@@ -639,6 +639,25 @@ def test_a_stop_signal_to_one_of_two_processes_stops_both_after_its_step_and_res
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("marked", [True, False])
+def test_an_error_every_process_raises_ends_them_together(tmp_path, marked):
+    """Every process raises the same error after a collective, rank 0 5 s after rank 1. Marked
+    `raised_by_every_process` (a refused lock, a disagreement, a stop): rank 1 waits for rank 0 in `end_process`,
+    both print their line and exit 2. Unmarked (any fault, after which a peer may be dead, so no collective is
+    tried): rank 1 exits at once and the launcher stops rank 0 with SIGTERM before its line."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", EVERY_PROCESS="1" if marked else "0")
+    proc = subprocess.run(launch_command(ROOT / "tests/dist/end_together.py", processes=2), capture_output=True,
+                          text=True, timeout=300, cwd=tmp_path, env=env)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr.split("failed (exitcode")[0], proc.stderr[-3000:]
+    lines = {line for line in proc.stderr.splitlines() if "error: every process refuses the same input" in line}
+    rank0, rank1 = "[rank 0] error: every process refuses the same input", "[rank 1] error: every process refuses " \
+        "the same input"
+    assert lines == ({rank0, rank1} if marked else {rank1}), proc.stderr[-3000:]
+    assert ("Signal 15 (SIGTERM) received by PID" in proc.stderr) != marked, proc.stderr[-3000:]  # rank 0 stopped
+    assert "exitcode  : 2" in proc.stderr.split("Root Cause (first observed failure):")[1], proc.stderr[-3000:]
+
+
+@pytest.mark.slow
 def test_two_processes_into_a_locked_run_directory_both_stop_naming_the_holder(recipe_toy_dir, tmp_path):
     """The main process takes the lock and tells the other: both ranks stop with exit 2 before writing."""
     out = tmp_path / "run"

@@ -44,7 +44,7 @@ from rag_train.io import (
     write_step,
 )
 from rag_train.launch import make_accelerator
-from rag_train.preemption import Preempted, StopSignal
+from rag_train.preemption import Preempted, StopSignal, raised_by_every_process
 from rag_train.train.curves import STRATEGY_PLOT, plot_strategy_log
 from rag_train.train.run_dir import (
     CHECKPOINTS,
@@ -148,10 +148,10 @@ class TrainingRun:
             if len(set(values)) > 1:
                 differ = [rank for rank, v in enumerate(values) if v != values[0]]
                 shown = ", ".join(f"rank {r}: {str(v)[:16]}" for r, v in enumerate(values))
-                raise ConfigError(
+                raise raised_by_every_process(ConfigError(
                     f"processes disagree on the {key.replace('_', ' ')} "
                     f"(rank(s) {differ} differ from rank 0; {shown}); "
-                    "every process must run the same config on the same corpus and buffer. Nothing was trained.")
+                    "every process must run the same config on the same corpus and buffer. Nothing was trained."))
 
     def check_corpus(self, corpus: Any) -> None:
         """Before long work: the config fits this corpus (no k larger than it), and every process has it."""

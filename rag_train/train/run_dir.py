@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 from rag_train.config import ConfigError, flatten
 from rag_train.io import CorruptFileError, write_step
+from rag_train.preemption import raised_by_every_process
 
 CHECKPOINTS = "checkpoints"
 CONFIG_FILE = "config.yaml"
@@ -218,5 +219,5 @@ def lock_run_directory(directory: Path, purpose: str, accelerator: Any) -> Optio
 
         refusal = broadcast_object_list([refusal], from_process=0)[0]
     if refusal is not None:
-        raise RunLockedError(refusal)
+        raise raised_by_every_process(RunLockedError(refusal))
     return lock
