@@ -354,20 +354,25 @@ def test_corrector_regime_plans_each_feed_with_its_own_stale_and_exhaustive(tmp_
         assert "strategy.refresh_every=2" not in corrector_regime.run(plan, world, "b-stale", 0).overrides
 
 
-def test_corrector_regime_collects_only_seeds_whose_every_row_finished(tmp_path):
-    """A seed part way through (seed 1: two rows finished) is left out of every row, so each mean is over the same
-    seeds; seeds 0 and 2 finished and are kept, in seed order."""
-    plan = Plan(tmp_path, [0, 1, 2], [64], tmp_path / "docs", quick=True)
+def test_corrector_regime_collects_only_seeds_whose_every_row_of_the_feed_finished(tmp_path):
+    """A seed part way through a feed (seed 1: two paper-feed rows finished) is left out of that feed's every row, so
+    each mean of a feed is over the same seeds; seeds 0 and 2 finished and are kept, in seed order. Seed 3 finished
+    every paper-feed row and no row of today's: it counts in the paper feed's rows only."""
+    plan = Plan(tmp_path, [0, 1, 2, 3], [64], tmp_path / "docs", quick=True)
     world = corrector_regime.QUICK.worlds[0]
-    for seed, rows in ((0, corrector_regime.ROWS), (1, ("b-stale", "b-corrector")), (2, corrector_regime.ROWS)):
-        for index, row in enumerate(rows):
+    paper = [row for row, spec in corrector_regime.ROWS.items() if spec[1] == "paper"]
+    for seed, rows in ((0, corrector_regime.ROWS), (1, ("b-stale", "b-corrector")), (2, corrector_regime.ROWS),
+                       (3, paper)):
+        for row in rows:
             out = corrector_regime.run(plan, world, row, seed).out
             out.mkdir(parents=True)
+            index = list(corrector_regime.ROWS).index(row)
             (out / "metrics.json").write_text(json.dumps(retriever_metrics(0.1 * seed + 0.01 * index)))
     rows = collect(plan)["sections"]["corrector_regime"]["worlds"]["w300-s1"]
-    assert set(rows) == set(corrector_regime.ROWS)
+    assert list(rows) == list(corrector_regime.ROWS)
     for index, row in enumerate(corrector_regime.ROWS):
-        assert [m["recall"]["1"] for m in rows[row]] == [0.01 * index, 0.2 + 0.01 * index]
+        seeds = (0, 2, 3) if row in paper else (0, 2)
+        assert [m["recall"]["1"] for m in rows[row]] == pytest.approx([0.1 * s + 0.01 * index for s in seeds])
 
 
 def test_corrector_regime_report_measures_closure_within_each_feed(tmp_path):

@@ -102,8 +102,13 @@ def prepare(plan: Plan, threads) -> None:
 
 
 def rows(plan: Plan, world: tuple[int, int]) -> dict[str, list[dict]]:
-    """The section's rows on `world`, from the seeds whose every row has finished."""
-    return plan.complete_seeds({row: functools.partial(run, plan, world, row) for row in ROWS})
+    """The section's rows on `world`, each feed's from the seeds whose every row of that feed has finished (a feed's
+    closures pair only its own rows, so a seed whose paper-feed rows are done counts there before today's are)."""
+    found: dict[str, list[dict]] = {}
+    for feed in FEEDS:
+        found.update(plan.complete_seeds({row: functools.partial(run, plan, world, row) for row, spec in ROWS.items()
+                                          if spec[1] == feed}))
+    return {row: found[row] for row in ROWS}
 
 
 def collect(plan: Plan) -> dict:
