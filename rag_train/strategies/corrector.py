@@ -42,7 +42,7 @@ class CorrectorConfig:
     max_loss: float = 0.0
     # the first layer reads the stale vectors standardized by the buffer's own per-dimension mean and sd (computed
     # once at start: the buffer never changes); the same function class, but hidden units that respond to how
-    # passages differ, not to the direction an anisotropic language-model buffer shares (docs/toy_world.md)
+    # passages differ, not to the direction an anisotropic language-model buffer shares (docs/described_table1_log.md)
     standardize: bool = False
     # optimizer updates of h per training step on the step's (rows, fresh g(y)) pairs (and the replay): the first
     # is the recipe's optimizer step, the other updates - 1 run right after it with h's own AdamW (lr above), from
