@@ -65,9 +65,9 @@ class DescribedBudget:
                              "people)")
 
 
-# the three worlds of docs/described_table1_log.md's LM-init rows, where exhaustive has flattened by step 2,500 (on a 3,000-passage
-# world it still rises at step 1,500: 44 -> 59 -> 63 -> 65); 217 runs of 470-1,800 s each (two or three sharing 2
-# cores), so about a day on 2 cores: a many-core machine with --jobs is where it fits hours
+# the three worlds of docs/described_table1_log.md's LM-init rows, where exhaustive has flattened by step 2,500 (on a
+# 3,000-passage world it still rises at step 1,500: 44 -> 59 -> 63 -> 65); 217 runs of 470-1,800 s each (two or three
+# sharing 2 cores), so about a day on 2 cores: a many-core machine with --jobs is where it fits hours
 FULL = DescribedBudget(worlds=((10000, 0), (6000, 1), (16000, 2)), other_world=(3000, 9),
                        pretrain=("train.steps=1000", "train.batch_size=32", "train.eval_every=0"),
                        overrides=("train.steps=4000", "train.eval_every=500", "strategy.warm_start_steps=500",
