@@ -634,7 +634,7 @@ QUICK_ENTRIES = tuple(QUICK_SITES)  # "reproduce (launching a run)" is full-only
 
 def integrity(root: Path) -> list[str]:
     """Everything under `root` that is half-written or lost its consistency: temporary leftovers, unreadable JSON,
-    checkpoints / buffers / saved models / exports whose files do not match their checksums."""
+    checkpoints / buffers / token caches / saved models / exports whose files do not match their checksums."""
     from rag_train.io import read_json, sha256_file, verify_checksums
 
     problems = []
@@ -666,6 +666,15 @@ def integrity(root: Path) -> list[str]:
             shard = sidecar.with_suffix(".npy")
             if not shard.is_file() or sha256_file(shard) != record["sha256"]:
                 problems.append(f"{shard}: missing or not what {sidecar} records")
+        except Exception as exc:
+            problems.append(str(exc)[:200])
+    for sidecar in root.rglob("ids-*.json"):  # a token-cache shard: its ids and offsets, each with its sha256
+        try:
+            record = read_json(sidecar)
+            for key in ("ids", "offsets"):
+                shard = sidecar.parent / record[key]
+                if not shard.is_file() or sha256_file(shard) != record[f"{key}_sha256"]:
+                    problems.append(f"{shard}: missing or not what {sidecar} records")
         except Exception as exc:
             problems.append(str(exc)[:200])
     for weights in root.rglob("*.safetensors"):

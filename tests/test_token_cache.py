@@ -309,3 +309,22 @@ def test_a_registered_cache_of_another_max_length_is_passed_over(world, tmp_path
     manifest = json.loads((tmp_path / "tokens" / "manifest.json").read_text())
     (tmp_path / "tokens" / "manifest.json").write_text(json.dumps({**manifest, "complete": False}))
     assert finished_token_cache(tmp_path / "tokens") is None and finished_token_cache(tmp_path / "none") is None
+
+
+def test_the_fault_matrixs_integrity_check_reads_the_token_caches_records(world, tmp_path):
+    """tests/fault_matrix.py's `integrity()`, which every fault cell's output must pass, checks each token-cache shard
+    against its record: nothing on a built cache; an ids file changed by one byte and a removed offsets file are named."""
+    import fault_matrix
+
+    corpus, _, tokenizer, _ = world
+    folder = tmp_path / "run" / "buffer.tokens"
+    build_token_cache(corpus, tokenizer, folder, shard_rows=SHARD_ROWS)
+    assert fault_matrix.integrity(tmp_path / "run") == []
+    changed, removed = folder / "ids-00001.npy", folder / "offsets-00002.npy"
+    data = bytearray(changed.read_bytes())
+    data[-1] ^= 1
+    changed.write_bytes(bytes(data))
+    removed.unlink()
+    assert sorted(fault_matrix.integrity(tmp_path / "run")) == sorted(
+        [f"{changed}: missing or not what {folder / 'ids-00001.json'} records",
+         f"{removed}: missing or not what {folder / 'ids-00002.json'} records"])
