@@ -313,7 +313,8 @@ def test_a_registered_cache_of_another_max_length_is_passed_over(world, tmp_path
 
 def test_the_fault_matrixs_integrity_check_reads_the_token_caches_records(world, tmp_path):
     """tests/fault_matrix.py's `integrity()`, which every fault cell's output must pass, checks each token-cache shard
-    against its record: nothing on a built cache; an ids file changed by one byte and a removed offsets file are named."""
+    against its record: nothing on a built cache; an ids file changed by one byte and a removed offsets file are
+    named."""
     import fault_matrix
 
     corpus, _, tokenizer, _ = world
