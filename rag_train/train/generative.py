@@ -117,128 +117,176 @@ def _examples(path: str, corpus: Corpus, targets: Targets, limit: Optional[int])
     return [ex.question for ex in examples], [targets.gold(corpus, ex) for ex in examples]
 
 
-@releases_on_input_fault
-def train_generative(cfg: GenerativeConfig) -> dict:
-    run = TrainingRun(cfg, "generative")
-    acc = run.accelerator
-    files = resolve_data(cfg.data, acc, ["retrieval-train"], ["retrieval-dev"])
-    generator, tokenizer = _generator_and_tokenizer(cfg, files.tokenizer)  # first: an offline hub id fails at once
-    with acc.main_process_first():
-        corpus = Corpus.open(files.passages)
-    run.agree(corpus_fingerprint=corpus.fingerprint)
-    targets = build_targets(corpus, tokenizer, cfg.targets.identifier, progress=acc.is_main_process)
-    train_questions, train_gold = [], []
-    for path in files.train:
-        questions, gold = _examples(path, corpus, targets, None)
-        train_questions += questions
-        train_gold += gold
-    # one (question, target) pair per gold target: a multi-hop question trains on each of its titles (GENRE / KILT)
-    pairs = [(q, t) for q, gold in zip(train_questions[: cfg.data.max_train_examples], train_gold) for t in gold]
-    train_questions, train_targets = [q for q, _ in pairs], [t for _, t in pairs]
-    dev_sets = {dataset_name(p): _examples(p, corpus, targets, cfg.data.max_eval_examples) for p in files.dev}
+class GenerativeRecipe:
+    """Generative retrieval (seed 003) as a recipe of the RLM's and the retriever's shape: `setup()`, `train()`
+    (`train_step` is one step: CONTRA's contrastive stage first, then teacher-forced target titles or ids under the
+    output space), `save()`. With Np Decoding the output space is a CE table, rebuilt on ASYNC's schedule and after
+    CONTRA's stage."""
 
-    optimizer = (Adafactor(generator.parameters(), lr=cfg.train.lr, scale_parameter=False, relative_step=False,
-                           warmup_init=False, weight_decay=cfg.train.weight_decay) if cfg.optimizer == "adafactor"
-                 else torch.optim.AdamW(generator.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay))
-    scheduler = linear_warmup(optimizer, cfg.train.warmup_steps)
-    model, optimizer, scheduler = run.prepare(Trainable(generator=generator), optimizer, scheduler)
-    generator = acc.unwrap_model(model).generator  # the same module, on the device
-    eos = tokenizer.eos_token_id
+    def __init__(self, cfg: GenerativeConfig):
+        self.cfg = cfg
+        self.run = TrainingRun(cfg, "generative")
+        self.accelerator = self.run.accelerator
+        self.step = 0
+        self.history = self.run.history  # restored by run.resume(), checkpointed by run.save()
 
-    step = run.resume()
-    contrastive = cfg.np.contrastive_steps if cfg.np.enabled else 0
-    total = contrastive + cfg.train.steps
-    rebuild_every = (rebuild_interval(cfg.np.rebuild_every_epochs, len(train_questions), cfg.train.batch_size)
-                     if cfg.np.variant == "async" else 0)
-    # checkpointed with the run: a resumed run keeps the earlier ones
-    ce_builds = run.totals.setdefault("ce_builds", [])
+    def setup(self) -> None:
+        """The generator (first: an offline hub id fails at once), the corpus and its targets, the (question, target)
+        pairs, the optimizer, the latest checkpoint when resuming, and the output space (the CE table the checkpoint
+        was trained with, or a new one)."""
+        cfg, acc, run = self.cfg, self.accelerator, self.run
+        files = resolve_data(cfg.data, acc, ["retrieval-train"], ["retrieval-dev"])
+        generator, self.tokenizer = _generator_and_tokenizer(cfg, files.tokenizer)
+        with acc.main_process_first():
+            corpus = self.corpus = Corpus.open(files.passages)
+        run.agree(corpus_fingerprint=corpus.fingerprint)
+        targets = self.targets = build_targets(corpus, self.tokenizer, cfg.targets.identifier,
+                                               progress=acc.is_main_process)
+        train_questions, train_gold = [], []
+        for path in files.train:
+            questions, gold = _examples(path, corpus, targets, None)
+            train_questions += questions
+            train_gold += gold
+        # one (question, target) pair per gold target: a multi-hop question trains on each of its titles (GENRE / KILT)
+        pairs = [(q, t) for q, gold in zip(train_questions[: cfg.data.max_train_examples], train_gold) for t in gold]
+        self.train_questions, self.train_targets = [q for q, _ in pairs], [t for _, t in pairs]
+        self.dev_sets = {dataset_name(p): _examples(p, corpus, targets, cfg.data.max_eval_examples)
+                         for p in files.dev}
 
-    def use_table(table: CETable, record: bool = True) -> OutputSpace:
-        generator.set_ce(table.vectors, table.row_token, cfg.np.decoder_inputs)
+        optimizer = (Adafactor(generator.parameters(), lr=cfg.train.lr, scale_parameter=False, relative_step=False,
+                               warmup_init=False, weight_decay=cfg.train.weight_decay) if cfg.optimizer == "adafactor"
+                     else torch.optim.AdamW(generator.parameters(), lr=cfg.train.lr,
+                                            weight_decay=cfg.train.weight_decay))
+        scheduler = linear_warmup(optimizer, cfg.train.warmup_steps)
+        self.model, self.optimizer, self.scheduler = run.prepare(Trainable(generator=generator), optimizer, scheduler)
+        self.generator = acc.unwrap_model(self.model).generator  # the same module, on the device
+        self.eos = self.tokenizer.eos_token_id
+
+        self.step = run.resume()
+        self.contrastive = cfg.np.contrastive_steps if cfg.np.enabled else 0
+        self.total = self.contrastive + cfg.train.steps
+        self.rebuild_every = (rebuild_interval(cfg.np.rebuild_every_epochs, len(self.train_questions),
+                                               cfg.train.batch_size) if cfg.np.variant == "async" else 0)
+        # checkpointed with the run: a resumed run keeps the earlier ones
+        self.ce_builds = run.totals.setdefault("ce_builds", [])
+        if not cfg.np.enabled:
+            self.space = OutputSpace.vanilla(targets, self.eos)
+        elif self.step:  # resuming: the table the checkpoint was trained with (recorded in ce_builds when built)
+            pointer = read_json(run.latest_checkpoint() / CE_POINTER)
+            inside = pointer.get("in_run")  # a table in the run's own folder is found there, wherever the run moved
+            directory = run.dir / inside if inside and (run.dir / inside).is_dir() else Path(pointer["directory"])
+            self.space = self.use_table(load_ce_table(directory, targets_fingerprint=targets.fingerprint),
+                                        record=False)
+        else:
+            self.space = self.use_table(self.build_table())
+
+    def build_table(self) -> CETable:
+        return ensure_ce(self.run, self.generator, self.targets, self.corpus, self.tokenizer, self.cfg)
+
+    def use_table(self, table: CETable, record: bool = True) -> OutputSpace:
+        """Np Decoding's output space over `table`, set into the generator (recorded in `ce_builds` at this step)."""
+        self.generator.set_ce(table.vectors, table.row_token, self.cfg.np.decoder_inputs)
         if record:
-            ce_builds.append({"step": step, "directory": str(table.directory), "rows": len(table.vectors)})
-        return OutputSpace.np_decoding(table, eos)
+            self.ce_builds.append({"step": self.step, "directory": str(table.directory), "rows": len(table.vectors)})
+        return OutputSpace.np_decoding(table, self.eos)
 
-    if not cfg.np.enabled:
-        space = OutputSpace.vanilla(targets, eos)
-    elif step:  # resuming: the table the checkpoint was trained with (recorded in ce_builds when it was built)
-        pointer = read_json(run.latest_checkpoint() / CE_POINTER)
-        inside = pointer.get("in_run")  # a table in the run's own folder is found there, wherever the run moved
-        directory = run.dir / inside if inside and (run.dir / inside).is_dir() else Path(pointer["directory"])
-        space = use_table(load_ce_table(directory, targets_fingerprint=targets.fingerprint), record=False)
-    else:
-        space = use_table(ensure_ce(run, generator, targets, corpus, tokenizer, cfg))
-
-    def save_pointer(folder: Path) -> None:
-        if acc.is_main_process and space.table is not None:
+    def save_pointer(self, folder: Path) -> None:
+        """Where the CE table of the output space is, beside a checkpoint or the saved generator."""
+        run, space = self.run, self.space
+        if self.accelerator.is_main_process and space.table is not None:
             table = Path(space.table.directory).resolve()
             inside = table.relative_to(run.dir.resolve()).as_posix() if run.dir.resolve() in table.parents else None
             atomic_write_json(folder / CE_POINTER, {"directory": str(space.table.directory), "in_run": inside})
 
-    def evaluate() -> dict:
+    def evaluate(self) -> dict:
         """Each process beam-searches its share of every dev set; the rankings are gathered."""
+        cfg, acc, space = self.cfg, self.accelerator, self.space
         out = {}
-        for name, (questions, gold) in dev_sets.items():
+        for name, (questions, gold) in self.dev_sets.items():
             share = local_slice_range(len(questions), acc.process_index, acc.num_processes)
-            ranked = rank_targets(generator, tokenizer, questions[share.start:share.stop], space.trie, space.end_ids,
-                                  cfg.eval.num_beams, cfg.generator.max_question_length, cfg.eval.batch_size,
-                                  progress=acc.is_main_process)
+            ranked = rank_targets(self.generator, self.tokenizer, questions[share.start:share.stop], space.trie,
+                                  space.end_ids, cfg.eval.num_beams, cfg.generator.max_question_length,
+                                  cfg.eval.batch_size, progress=acc.is_main_process)
             ranked = [r for part in gather_object([ranked]) for r in part] if acc.num_processes > 1 else ranked
             out[name] = ranking_metrics(ranked, gold, cfg.eval.recall_at)
         return out
 
-    history = run.history  # restored by run.resume(), checkpointed by run.save()
-    if cfg.train.eval_every and step == 0:
-        history.append({"step": 0, **evaluate()})
-    started, first_step = time.time(), step
-    bar = tqdm(total=total, initial=step, desc="generative", disable=not acc.is_main_process)
-    while step < total:
-        if space.table is not None and step and (step == contrastive and cfg.np.variant == "contra"
-                                                 or rebuild_every and step % rebuild_every == 0):
-            space = use_table(ensure_ce(run, generator, targets, corpus, tokenizer, cfg))
-        picked = local_slice(global_batch(len(train_questions), cfg.train.batch_size, cfg.train.seed, step), acc)
-        batch_targets = [train_targets[i] for i in picked]
-        inputs = tokenizer([train_questions[i] for i in picked], padding=True, truncation=True,
-                           max_length=cfg.generator.max_question_length, return_tensors="pt").to(acc.device)
-        if step < contrastive:  # CONTRA's stage: the first decoder output against every CE row
-            positives = space.positives(batch_targets, len(generator.ce)).to(acc.device)
-            loss = model(lambda parts: token_contrastive_loss(
+    def train_step(self, step: int) -> torch.Tensor:
+        """One step on the global batch of `step` (its CE table rebuilt first when the schedule says); its loss."""
+        cfg, acc, space = self.cfg, self.accelerator, self.space
+        if space.table is not None and step and (step == self.contrastive and cfg.np.variant == "contra"
+                                                 or self.rebuild_every and step % self.rebuild_every == 0):
+            space = self.space = self.use_table(self.build_table())
+        picked = local_slice(global_batch(len(self.train_questions), cfg.train.batch_size, cfg.train.seed, step), acc)
+        batch_targets = [self.train_targets[i] for i in picked]
+        inputs = self.tokenizer([self.train_questions[i] for i in picked], padding=True, truncation=True,
+                                max_length=cfg.generator.max_question_length, return_tensors="pt").to(acc.device)
+        if step < self.contrastive:  # CONTRA's stage: the first decoder output against every CE row
+            positives = space.positives(batch_targets, len(self.generator.ce)).to(acc.device)
+            loss = self.model(lambda parts: token_contrastive_loss(
                 parts.generator.first_output_state(inputs["input_ids"], inputs["attention_mask"]),
                 parts.generator.ce, positives))
         else:
             labels = space.labels(batch_targets).to(acc.device)
-            loss = model(lambda parts: parts.generator(**inputs, labels=labels).loss)
-        optimizer_step(acc, loss, list(model.parameters()), optimizer, scheduler, run.guard, cfg.train.max_grad_norm)
-        step += 1
-        bar.update(1)
-        if step % cfg.train.log_every == 0 or step == total:
-            run.log({"loss" if step > contrastive else "contrastive_loss": loss.item()}, step)
-            bar.set_postfix(loss=f"{loss.item():.3f}")
-        if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < total:
-            history.append({"step": step, **evaluate()})
-            run.log(flat_metrics(history[-1]), step)
-        if cfg.train.save_every and step % cfg.train.save_every == 0 and step < total:
-            run.save(step, extra=save_pointer)
-        run.stop_if_signalled(step, extra=save_pointer)
-    bar.close()
-    train_seconds = time.time() - started
+            loss = self.model(lambda parts: parts.generator(**inputs, labels=labels).loss)
+        optimizer_step(acc, loss, list(self.model.parameters()), self.optimizer, self.scheduler, self.run.guard,
+                       cfg.train.max_grad_norm)
+        return loss
 
-    run.save(step, extra=save_pointer)  # first: a final evaluation that fails is redone by resuming from here
-    final = evaluate()
-    if acc.is_main_process:
-        save_pretrained_atomic(run.dir / "generator", generator, tokenizer)
-        save_pointer(run.dir / "generator")
-    acc.wait_for_everyone()
-    main = next(iter(final.values()))
-    metrics = {"r_precision": main["r_precision"], "recall": main["recall"], "datasets": final,
-               "decoding": f"np-{cfg.np.variant}" if cfg.np.enabled else "vanilla", "targets": len(targets),
-               "ce_rows": len(space.table.vectors) if space.table is not None else None, "ce_builds": list(ce_builds),
-               "steps": step, "steps_per_second": (step - first_step) / train_seconds if step > first_step else None,
-               "history": history}
-    run.log(flat_metrics({"step": step, **final}), step)
-    run.write_metrics(metrics)
-    run.end()
-    return metrics
+    def train(self) -> None:
+        """Steps until the contrastive stage and `train.steps` are done, with evaluations and checkpoints."""
+        cfg, run, total = self.cfg, self.run, self.total
+        if cfg.train.eval_every and self.step == 0:
+            self.history.append({"step": 0, **self.evaluate()})
+        started, self.first_step = time.time(), self.step
+        bar = tqdm(total=total, initial=self.step, desc="generative", disable=not self.accelerator.is_main_process)
+        while self.step < total:
+            loss = self.train_step(self.step)
+            self.step += 1
+            step = self.step
+            bar.update(1)
+            if step % cfg.train.log_every == 0 or step == total:
+                run.log({"loss" if step > self.contrastive else "contrastive_loss": loss.item()}, step)
+                bar.set_postfix(loss=f"{loss.item():.3f}")
+            if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < total:
+                self.history.append({"step": step, **self.evaluate()})
+                run.log(flat_metrics(self.history[-1]), step)
+            if cfg.train.save_every and step % cfg.train.save_every == 0 and step < total:
+                run.save(step, extra=self.save_pointer)
+            run.stop_if_signalled(step, extra=self.save_pointer)
+        bar.close()
+        self.train_seconds = time.time() - started
+
+    def save(self) -> dict:
+        """The last checkpoint, the final evaluation, the generator with its CE pointer, metrics.json (returned)."""
+        cfg, acc, run, step, space = self.cfg, self.accelerator, self.run, self.step, self.space
+        run.save(step, extra=self.save_pointer)  # first: a final evaluation that fails is redone by resuming from here
+        final = self.evaluate()
+        if acc.is_main_process:
+            save_pretrained_atomic(run.dir / "generator", self.generator, self.tokenizer)
+            self.save_pointer(run.dir / "generator")
+        acc.wait_for_everyone()
+        main = next(iter(final.values()))
+        first_step = self.first_step
+        metrics = {"r_precision": main["r_precision"], "recall": main["recall"], "datasets": final,
+                   "decoding": f"np-{cfg.np.variant}" if cfg.np.enabled else "vanilla", "targets": len(self.targets),
+                   "ce_rows": len(space.table.vectors) if space.table is not None else None,
+                   "ce_builds": list(self.ce_builds), "steps": step,
+                   "steps_per_second": (step - first_step) / self.train_seconds if step > first_step else None,
+                   "history": self.history}
+        run.log(flat_metrics({"step": step, **final}), step)
+        run.write_metrics(metrics)
+        run.end()
+        return metrics
+
+
+@releases_on_input_fault
+def train_generative(cfg: GenerativeConfig) -> dict:
+    """Generative retrieval end to end (`GenerativeRecipe`); returns what metrics.json holds."""
+    recipe = GenerativeRecipe(cfg)
+    recipe.setup()
+    recipe.train()
+    return recipe.save()
 
 
 def rebuild_interval(epochs: float, examples: int, batch_size: int) -> int:
