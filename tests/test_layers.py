@@ -58,8 +58,10 @@ LAYERS = [
     Layer("6 recipes", ("rag_train.train",),
           "`train/` (`schema.py`: the recipes' config schemas; `run.py`: run directory, checkpoints, trackers; "
           "`step.py`: data order, the optimizer step and its fault guard; `run_corpus.py`: the corpus a run trained "
-          "on, checked by export / evaluate / resume; `retriever.py`: Algorithm 1, with `batching/` (one module per "
-          "large-batch option); `rlm.py`: Algorithm 2; `generative.py`; `lm_pretrain.py`; `warm_start.py`; "
+          "on, checked by export / evaluate / resume; `retriever.py`: Algorithm 1 (`RetrieverRecipe`), with "
+          "`batching/` (one module per large-batch option); `rlm.py`: Algorithm 2 (`RLMRecipe`); `generative.py` "
+          "(`GenerativeRecipe`; the three recipes `setup()` / `train()` with one `train_step` / `save()`); "
+          "`lm_pretrain.py`; `warm_start.py`; "
           "`passages.py`; `trainable.py`; `memory.py`; `summary.py`; `curves.py`: the strategy's per-step values as a "
           "figure)", "strategies, eval, generative"),
     Layer("7 serving", ("rag_train.serving",),
