@@ -42,7 +42,22 @@ def test_a_tie_is_level_and_identical_rows_are_level():
     assert v.word == LEVEL and -1.0 <= v.ci[0] and v.ci[1] <= 1.0 and v.p > 0.05
     same = compare("GradCache", a, "in-batch 16", a)
     assert (same.word, same.t, same.p) == (LEVEL, 0.0, 1.0)
-    assert compare("A", a, "B", [x - 0.5 for x in a]).word == BEATS  # a constant shift: no spread, a win
+
+
+
+def test_equal_differences_take_the_sign_test():
+    """Differences that do not vary leave the t-test no spread: p is the sign test's 2 x 0.5^n, so a constant shift
+    decides from 6 seeds on; below that it is level within the tolerance and undecided beyond it."""
+    a = [50.0, 60.0, 55.0, 52.0, 58.0, 61.0]
+    six = compare("A", a, "B", [x - 3.0 for x in a])
+    assert (six.word, six.winner, six.p) == (BEATS, "A", pytest.approx(2 / 64))
+    assert "every difference equal: sign test p 0.031" in six.summary()
+    five = compare("A", a[:5], "B", [x - 3.0 for x in a[:5]])
+    assert (five.word, five.p, five.ci) == (UNDECIDED, pytest.approx(2 / 32), pytest.approx((3.0, 3.0)))
+    assert compare("A", a[:5], "B", [x - 0.5 for x in a[:5]]).word == LEVEL  # within ±1 on every seed
+    # -3.7 on each of three seeds, as fractions of 300 questions times 100 (equal but for float rounding): p 0.25
+    three = compare("(c)", [0.597 * 100, 0.583 * 100, 0.57 * 100], "SNM", [0.634 * 100, 0.62 * 100, 0.607 * 100])
+    assert three.word == UNDECIDED and three.p == pytest.approx(0.25) and math.isinf(three.t)
 
 
 def test_one_outlier_seed_makes_the_mean_look_better_but_is_no_win():
@@ -65,14 +80,19 @@ def test_holm_by_hand_and_the_family_of_variants():
     family = compare_variants("base", base, {"good": good, "noisy": [20.0, 15.0, 31.0], "one seed": [11.0]})
     assert family["good"].p_adjusted == pytest.approx(3 * p) and family["good"].word == BEATS  # 0.039: still a win
     assert family["noisy"].p_adjusted == pytest.approx(max(3 * p, min(1.0, 2 * family["noisy"].p)))
-    assert family["one seed"].word == UNDECIDED and family["one seed"].reason == "fewer than 2 paired seeds (1)"
+    assert family["one seed"].word == UNDECIDED and family["one seed"].reason == "fewer than 3 paired seeds (1)"
 
 
-def test_fewer_than_two_paired_seeds_is_undecided():
+def test_fewer_than_three_paired_seeds_is_undecided():
+    """Two seeds give the t-test one degree of freedom: the committed -3.7 / -3.7 of (c) against SNM on world 2
+    (equal to the question) decides nothing, and neither does a large gap on two seeds."""
+    two = compare("(c)", [59.7, 58.3], "SNM", [63.3, 62.0])
+    assert (two.word, two.t, two.reason) == (UNDECIDED, None, "fewer than 3 paired seeds (2)")
+    assert compare("A", [90.0, 91.0], "B", [10.0, 12.0]).word == UNDECIDED
     v = compare("A", [90.0], "B", [10.0])
     assert (v.word, v.t, v.p, v.n) == (UNDECIDED, None, None, 1)
     assert v.summary() == ("undecided (A 90.0 vs B 10.0, n 1 paired seeds; per-seed differences +80.0; alpha 0.05, "
-                           "tolerance ±1): fewer than 2 paired seeds (1)")
+                           "tolerance ±1): fewer than 3 paired seeds (1)")
     assert compare("A", [90.0, 80.0, 70.0], "B", [10.0]).n == 1  # the row with one seed pairs its first
     assert compare("A", [], "B", []).summary().startswith("undecided (A - vs B -, n 0 paired seeds;")
 
@@ -139,7 +159,7 @@ def test_np_gain_picked_from_three_variants_is_decided_with_holm():
                            "(per seed: +9.3, +26.3, +6.3); seed 003: +4.4 single-hop. A gain of at least 4 points: "
                            "**undecided** (the verdict rule, the best of 3 variants: undecided (Np Decoding BASE")
     assert "paired t 2.24, p 0.154 (Holm over 3: " in line
-    main["base"] = runs(0.364, 0.197, 0.410)  # +15 on every seed, the best mean
+    main["base"] = runs(0.364, 0.187, 0.420)  # +15 / +14 / +16, the best mean: t 26, p 0.0015 (Holm: 0.0044)
     assert "points: **reached**" in np_gain(main)[0]
 
 

@@ -37,7 +37,7 @@ def pair_claims(rows: dict[str, list[dict]], paper: dict[str, float], pairs: lis
         diff = statistics.mean(100 * value(m) for m in a) - statistics.mean(100 * value(m) for m in b)
         wins = sum(d > 0 for d in rule.diffs)
         ref = paper[better] - paper[worse]
-        test = "" if rule.p is None else f"; paired t {rule.t:.2f}, p {rule.p:.3f}"
+        test = f"; {rule.test()}" if rule.test() else ""
         lines.append(f"- {better} − {worse}: measured {diff:+.1f} {unit} ({better} ahead on {wins}/{rule.n} "
                      f"seeds{test}), paper {ref:+.1f} → **{_verdict(rule, better, ref)}**.")
     return lines

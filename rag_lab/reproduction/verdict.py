@@ -13,6 +13,7 @@ from scipy import stats
 
 ALPHA = 0.05
 TOLERANCE = 1.0
+MIN_SEEDS = 3
 BEATS, LEVEL, UNDECIDED = "beats", "level", "undecided"
 RULE = f"""\
 "A beats B" is a verdict only if a paired test over seeds says so. The two rows ran on the same seeds and worlds; their
@@ -21,12 +22,17 @@ values are paired by seed and the per-seed differences A - B go through a two-si
 one family, the p-values are Holm-adjusted over the m (one comparison of the family alone: Bonferroni, m p, which
 Holm never exceeds) and the confidence interval of the mean difference is taken at level 1 - alpha / m. Three words:
 
-- **beats**: at least 2 paired seeds and the adjusted p below alpha = {ALPHA}; the row with the higher mean beats the
-  other.
+- **beats**: at least {MIN_SEEDS} paired seeds and the adjusted p below alpha = {ALPHA}; the row with the higher mean
+  beats the other.
 - **level**: the test does not reject and the whole confidence interval lies within ±{TOLERANCE:g} (points of the
   metric); identical per-seed values are level.
-- **undecided**: fewer than 2 paired seeds, or the test does not reject while the interval reaches beyond the
-  tolerance: the seeds cannot tell a win from a tie.
+- **undecided**: fewer than {MIN_SEEDS} paired seeds (two seeds give the t-test one degree of freedom and an sd read
+  off one difference), or the test does not reject while the interval reaches beyond the tolerance: the seeds cannot
+  tell a win from a tie.
+
+Per-seed differences that are all equal and not zero (a metric counted in whole questions makes that happen by
+chance) leave the t-test no spread to judge: there p is the exact sign test's, 2 x 0.5^n, so such a difference decides
+only from 6 seeds on.
 
 Each verdict reports both rows' mean ± sd, the per-seed differences, t, p (and the adjusted p) and n. A paper's claim
 ("reproduces", "reproduced", "reached") holds only where the rule orders the rows as the paper does; a threshold the
@@ -71,6 +77,14 @@ class Verdict:
             return f"{self.winner} beats {self.b if self.winner == self.a else self.a}"
         return self.word
 
+    def test(self) -> str:
+        """The test that decided, as `paired t T, p P` (the sign test where every difference is equal); "" untested."""
+        if self.p is None:
+            return ""
+        if math.isfinite(self.t):
+            return f"paired t {self.t:.2f}, p {self.p:.3f}"
+        return f"every difference equal: sign test p {self.p:.3f}"
+
     def summary(self) -> str:
         """The verdict with what it rests on: each row's mean ± sd, the per-seed differences, t, p, n, the level."""
         def row(name: str, values: tuple[float, ...]) -> str:
@@ -81,7 +95,7 @@ class Verdict:
         if self.diffs:
             parts.append("per-seed differences " + " / ".join(f"{d:+.1f}" for d in self.diffs))
         if self.p is not None:
-            test = f"paired t {self.t:.2f}, p {self.p:.3f}"
+            test = self.test()
             if self.m > 1:
                 test += f" (Holm over {self.m}: {self.p_adjusted:.3f})"
             parts.append(test)
@@ -109,10 +123,11 @@ def holm(pvalues: Sequence[float]) -> list[float]:
 
 
 def _test(diffs: list[float], confidence: float) -> tuple[float, float, tuple[float, float]]:
-    """t, two-sided p and the CI of the mean difference; differences that do not vary decide without a t."""
+    """t, two-sided p and the CI of the mean difference; differences that do not vary take the sign test's p."""
     mean, sd = statistics.mean(diffs), statistics.stdev(diffs)
-    if sd == 0.0:
-        return (0.0, 1.0, (mean, mean)) if mean == 0.0 else (math.copysign(math.inf, mean), 0.0, (mean, mean))
+    if sd <= 1e-9 * max(1.0, max(abs(d) for d in diffs)):  # equal up to float rounding (0.597 * 100 - 0.634 * 100)
+        return (0.0, 1.0, (mean, mean)) if mean == 0.0 else (math.copysign(math.inf, mean), 2 * 0.5 ** len(diffs),
+                                                              (mean, mean))
     se, dof = sd / math.sqrt(len(diffs)), len(diffs) - 1
     t = mean / se  # ttest_rel's statistic, without its precision warning on nearly constant differences
     half = float(stats.t.ppf(0.5 + confidence / 2, dof)) * se
@@ -122,7 +137,7 @@ def _test(diffs: list[float], confidence: float) -> tuple[float, float, tuple[fl
 def _decide(a: str, av: tuple, b: str, bv: tuple, p_adjusted: Optional[float], t, p, ci, m: int, alpha: float,
             tolerance: float) -> Verdict:
     if p_adjusted is None:
-        word, winner, reason = UNDECIDED, None, f"fewer than 2 paired seeds ({len(av)})"
+        word, winner, reason = UNDECIDED, None, f"fewer than {MIN_SEEDS} paired seeds ({len(av)})"
     elif p_adjusted < alpha:
         word, winner, reason = BEATS, (a if t > 0 else b), ""
     elif -tolerance <= ci[0] and ci[1] <= tolerance:
@@ -142,7 +157,7 @@ def compare(a: str, a_values: Sequence[float], b: str, b_values: Sequence[float]
     """The rule on two rows whose values are in seed order (a row that ran fewer seeds pairs its first n); `m`: the
     comparisons in the family (Bonferroni, m p: Holm's bound for any one of them)."""
     av, bv = _paired(a_values, b_values)
-    if len(av) < 2:
+    if len(av) < MIN_SEEDS:
         return _decide(a, av, b, bv, None, None, None, None, m, alpha, tolerance)
     t, p, ci = _test([x - y for x, y in zip(av, bv)], 1 - alpha / m)
     return _decide(a, av, b, bv, min(1.0, m * p), t, p, ci, m, alpha, tolerance)
@@ -151,10 +166,10 @@ def compare(a: str, a_values: Sequence[float], b: str, b_values: Sequence[float]
 def compare_variants(baseline: str, baseline_values: Sequence[float], variants: dict[str, Sequence[float]], *,
                      alpha: float = ALPHA, tolerance: float = TOLERANCE) -> dict[str, Verdict]:
     """Every variant against one baseline, Holm-adjusted over all of them (the family when the best one is picked; a
-    variant with fewer than 2 paired seeds counts, with p 1, and is undecided)."""
+    variant with fewer than MIN_SEEDS paired seeds counts, with p 1, and is undecided)."""
     m = len(variants)
     pairs = {name: _paired(values, baseline_values) for name, values in variants.items()}
-    tests = {name: _test([x - y for x, y in zip(av, bv)], 1 - alpha / m) if len(av) >= 2 else None
+    tests = {name: _test([x - y for x, y in zip(av, bv)], 1 - alpha / m) if len(av) >= MIN_SEEDS else None
              for name, (av, bv) in pairs.items()}
     holm_p = holm([1.0 if test is None else test[1] for test in tests.values()])  # an untested variant: p 1
     adjusted = {name: q for (name, test), q in zip(tests.items(), holm_p) if test is not None}
