@@ -32,12 +32,8 @@ def exit_on_fault() -> Iterator[None]:
     the file, line, field or key) and a non-zero status, without a traceback; a run stopped by a stop signal with
     its work kept (a training step's checkpoint, a buffer's finished shards) prints that one line and ends with
     PREEMPTED_EXIT; anything else propagates."""
-    from rag_train.buffer.store import BufferError
     from rag_train.data.errors import DataError
     from rag_train.io import CheckError, CorruptFileError, StorageError
-    from rag_train.models.reader import ReaderLoadError
-    from rag_train.preemption import Preempted
-    from rag_train.serving.export import ExportError
 
     prefix = f"[rank {os.environ['RANK']}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
 
@@ -49,11 +45,13 @@ def exit_on_fault() -> Iterator[None]:
 
     try:
         yield
-    except Preempted as exc:
+    except _imported("rag_train.preemption:Preempted") as exc:
         _end_progress_bars()
         print(f"{prefix}{exc}", file=sys.stderr, flush=True)
         raise SystemExit(PREEMPTED_EXIT) from exc
-    except (ConfigError, DataError, BufferError, CorruptFileError, ReaderLoadError, ExportError) as exc:
+    except (ConfigError, DataError, CorruptFileError, *_imported("rag_train.buffer.store:BufferError",
+                                                              "rag_train.models.reader:ReaderLoadError",
+                                                              "rag_train.serving.export:ExportError")) as exc:
         stop(str(exc), INPUT_FAULT_EXIT, exc)
     except FloatingPointError as exc:
         stop(str(exc), NUMERICAL_FAULT_EXIT, exc)
@@ -73,6 +71,14 @@ def exit_on_fault() -> Iterator[None]:
         stop("a collective operation with the other processes failed: another process died, or hung longer than "
              "train.collective_timeout; stopping. The last checkpoint is intact (train.resume=true continues from "
              f"it). Cause: {text.splitlines()[0][:300]}", PEER_FAULT_EXIT, exc)
+
+
+def _imported(*names: str) -> tuple[type, ...]:
+    """The exception classes among `names` ("module:Class") whose module is loaded: one that is not cannot have been
+    raised, and loading it to catch nothing would make every entry script pay for it (the reader's module loads
+    transformers' T5, seconds of CPU, before a bad argument can be reported)."""
+    pairs = (name.split(":") for name in names)
+    return tuple(getattr(sys.modules[module], cls) for module, cls in pairs if module in sys.modules)
 
 
 def _end_progress_bars() -> None:

@@ -1,4 +1,4 @@
-"""The fault matrix (issue 32): every entry point that writes, tried with a kill at a random write and a resume, a
+"""The fault matrix: every entry point that writes, tried with a kill at a random write and a resume, a
 full disk at every write it makes, a read-only output folder and a damaged input of each kind it reads.
 
 Every cell runs the entry point as its script runs (`runpy` of scripts/*.py with its argv, or the library call

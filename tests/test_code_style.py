@@ -12,7 +12,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CODE = [ROOT / "rag_train", ROOT / "rag_lab", ROOT / "scripts"]
-ANYWHERE = re.compile(r"\b20\d\d-\d\d-\d\d\b|\b[Ii]ssues? #?\d+")  # also in strings: the brief's grep
+DATE = r"\b20\d\d-\d\d-\d\d\b"
+ISSUE = r"\b[Ii]ssues? #?\d+"
+ANYWHERE = re.compile(f"{DATE}|{ISSUE}")  # also in strings: the brief's grep
 IN_PROSE = re.compile(r"(?:^|[\s(\[])#\d+\b|\bPR ?#?\d+\b")  # only in comments and docstrings: "#333" is a colour
 
 
@@ -29,15 +31,16 @@ def prose(text: str) -> list[tuple[int, str]]:
     return found
 
 
-def citations(folders: list[Path]) -> list[str]:
-    """`path:line: text` of every line under `folders` that cites a date or an issue number."""
+def citations(folders: list[Path], anywhere: re.Pattern = ANYWHERE) -> list[str]:
+    """`path:line: text` of every line under `folders` that cites a date or an issue number (`anywhere`: what counts
+    in code as well as in prose)."""
     problems = []
     for folder in folders:
         for path in sorted(folder.rglob("*.py")):
             text = path.read_text()
             where = path.relative_to(folder.parent)
             problems += [f"{where}:{n}: {line.strip()}" for n, line in enumerate(text.splitlines(), 1)
-                         if ANYWHERE.search(line)]
+                         if anywhere.search(line)]
             problems += [f"{where}:{n}: {line.strip()}" for n, line in prose(text) if IN_PROSE.search(line)]
     return sorted(set(problems))
 
@@ -45,6 +48,13 @@ def citations(folders: list[Path]) -> list[str]:
 def test_no_code_line_cites_a_date_or_an_issue():
     problems = citations(CODE)
     assert not problems, "say why, not when (dates and issue numbers go to docs/):\n" + "\n".join(problems)
+
+
+def test_no_test_cites_an_issue():
+    """The tests too, but for dates: a test may hold one as data (an evidence file's run date)."""
+    planted = "tests/test_code_style.py:"  # this file's citations are the ones its own test plants
+    problems = [p for p in citations([ROOT / "tests"], re.compile(ISSUE)) if not p.startswith(planted)]
+    assert not problems, "say why, not when:\n" + "\n".join(problems)
 
 
 def test_a_planted_date_and_issue_are_found(tmp_path):

@@ -165,7 +165,7 @@ DAMAGES = ["truncated-arrow", "missing-arrow", "missing-state", "truncated-state
 
 @pytest.mark.parametrize("damage", DAMAGES)
 def test_a_damaged_saved_dataset_is_named_as_corpus_and_as_qa_set(tmp_path, damage):
-    """Issue 32: a datasets.save_to_disk folder cut short (truncated Arrow file, state.json or an Arrow file missing,
+    """A datasets.save_to_disk folder cut short (truncated Arrow file, state.json or an Arrow file missing,
     state.json truncated), as passages or as a QA / retrieval dev set: a DataError naming the file at fault (was an
     OSError / json error from inside datasets or pyarrow), and no corpus index left behind."""
     from rag_train.eval.retrieval import load_eval_set

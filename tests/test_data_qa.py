@@ -184,7 +184,7 @@ def _degenerate_file(tmp_path: Path) -> Path:
 
 
 def test_answers_that_normalise_to_nothing_are_reported_by_policy(tmp_path, caplog):
-    """Issue 32: answers SQuAD's normalisation empties ("The", "a") or leaves as punctuation ("—", "..."), against
+    """Answers SQuAD's normalisation empties ("The", "a") or leaves as punctuation ("—", "..."), against
     which an empty prediction would score EM 1, are never taken silently: data.empty_answers=warn (the default)
     keeps them and logs the count and the first ones with their lines, drop removes them (and q2, left with no
     answer), error refuses the file naming the same."""
@@ -225,4 +225,4 @@ def test_the_empty_answer_policy_is_a_config_key(tmp_path, recipe_toy_dir):
                        "data.empty_answers=error", f"train.output_dir={out}", "train.tracker=null"])
     with pytest.raises(DataError, match=f"^{train}: 4 answer"):
         train_rlm(cfg)
-    assert not out.exists()  # nothing written is left (issue 32, item 8): the corrected rerun is not refused
+    assert not out.exists()  # nothing written is left: the corrected rerun is not refused

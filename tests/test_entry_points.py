@@ -105,7 +105,13 @@ def test_evaluate_on_a_folder_that_is_no_run_is_bad_input_in_one_line(tmp_path):
 
 
 def test_make_toy_data_with_a_bad_size_is_bad_input_in_one_line(tmp_path):
-    proc = run_script(ROOT / "scripts" / "make_toy_data.py", "--out", tmp_path / "toy", "--passages", "3")
+    """...and is told before torch or transformers load: exit_on_fault catches the error classes of the modules the
+    script loaded, without loading the others (the reader's loads transformers' T5, seconds of CPU)."""
+    loaded = "import atexit, sys; atexit.register(lambda: print('loaded', [m for m in ('torch', 'transformers') " \
+             "if m in sys.modules], file=sys.stderr)); import runpy; sys.argv = sys.argv[1:]; " \
+             "runpy.run_path(sys.argv[0], run_name='__main__')"
+    proc = run_script("-c", loaded, ROOT / "scripts" / "make_toy_data.py", "--out", tmp_path / "toy", "--passages", "3")
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "error:" in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().endswith("loaded []")
     assert not (tmp_path / "toy" / "manifest.json").exists()

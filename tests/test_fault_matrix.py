@@ -1,4 +1,4 @@
-"""The fault matrix in CI (issue 32): the quick cells of tests/fault_matrix.py — for every entry point that writes,
+"""The fault matrix in CI: the quick cells of tests/fault_matrix.py — for every entry point that writes,
 a kill at a random write and the resume, a full disk at a few of its writes (each resumed), a read-only output folder
 and every damaged input it reads — must end as documented (exit status, one `error:` line naming the path, nothing
 lost or half-written, the resumed run equal to the uninterrupted one) and as docs/generated/fault_matrix.json records;

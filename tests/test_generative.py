@@ -279,7 +279,7 @@ def test_real_data_config_fails_clearly_offline(monkeypatch, tmp_path):
 def test_async_run_resumes_to_the_uninterrupted_weights(recipe_toy_dir, tmp_path):
     """ASYNC rebuilds the CE every 2 steps; a run killed after its step-4 checkpoint and resumed ends on the same
     weights and the same CE table as 6 steps in one go (the checkpoint's CE pointer, the step-indexed data order
-    and the rebuild schedule), and with the same metrics.json `history` and `ce_builds` (issue 32: the history was
+    and the rebuild schedule), and with the same metrics.json `history` and `ce_builds` (the history was
     [] after a resume and the builds before it were lost)."""
     import shutil
 

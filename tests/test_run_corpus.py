@@ -1,5 +1,5 @@
 """A run records the corpus it trained on (absolute paths + fingerprint); export and evaluate refuse any other,
-from whatever directory they run (issue 22, item 1)."""
+from whatever directory they run."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A run directory is a unit (issue 16): a finished or partial run is never overwritten without a flag, a resumed
+"""A run directory is a unit: a finished or partial run is never overwritten without a flag, a resumed
 run computes what the uninterrupted one would (config edits refused by key, the evaluation history kept, a
 buffer of another model refused), tracker logs survive the saved model, a full disk during a checkpoint is
 named, leftovers of killed writers are removed, saved folders get the usual permissions, recall@k above the
@@ -90,7 +90,7 @@ def test_a_finished_or_partial_run_is_never_overwritten(recipe_toy_dir, tmp_path
 
 
 def test_a_run_stopped_by_bad_input_does_not_refuse_the_corrected_rerun(recipe_toy_dir, tmp_path):
-    """Issue 32: a fresh run that stops on bad input (an unknown passage id in its training file, found after it
+    """A fresh run that stops on bad input (an unknown passage id in its training file, found after it
     wrote config.yaml and corpus.json) takes them back: the folder holds no state worth keeping, and the corrected
     command in the same folder runs without train.overwrite (it was refused as "already holds a run")."""
     from rag_train.data.errors import DataError
@@ -356,7 +356,7 @@ def exit_status(call, capsys) -> tuple[int, str]:
 
 def test_a_full_disk_while_saving_the_final_retriever_exits_5_naming_it(recipe_toy_dir, tmp_path, finished, monkeypatch,
                                                                          capsys):
-    """Issue 32: the retriever saved at the end of training hits a full disk (safetensors: SafetensorError, was a
+    """The retriever saved at the end of training hits a full disk (safetensors: SafetensorError, was a
     traceback and exit 1): exit 5 with one line naming the folder and the space it needs, no half-written folder;
     once there is space, train.resume=true finishes the run as the uninterrupted one."""
     out = copy_run(finished, tmp_path / "run", killed=True)
@@ -387,7 +387,7 @@ def test_resuming_from_the_final_checkpoint_does_not_write_it_again(recipe_toy_d
 
 
 def test_a_full_disk_during_export_exits_5_naming_the_export(tmp_path, finished):
-    """Issue 32: `rag-train export` on a disk that fills up (RLIMIT_FSIZE 64 KiB: the kernel refuses to grow the
+    """`rag-train export` on a disk that fills up (RLIMIT_FSIZE 64 KiB: the kernel refuses to grow the
     weights file, safetensors raises SafetensorError 'File too large (os error 27)'): exit 5 and one line naming the
     export folder and the space it needs (was a traceback, exit 1); nothing is left behind."""
     run = tmp_path / "run"
@@ -409,7 +409,7 @@ def test_a_full_disk_during_export_exits_5_naming_the_export(tmp_path, finished)
 
 
 def test_a_buffer_build_out_of_disk_names_the_shard_and_resumes(recipe_toy_dir, tmp_path, monkeypatch, capsys):
-    """Issue 32: the disk fills while shard 1 of the stale buffer is written (numpy's write fails with ENOSPC): the
+    """The disk fills while shard 1 of the stale buffer is written (numpy's write fails with ENOSPC): the
     error names the shard's path and the space the rest of the build needs (was `[Errno 28] No space left on
     device`, no path), exit 5; shard 0 is intact and the next build reuses it."""
     import errno as errnos
@@ -487,7 +487,7 @@ def test_a_killed_export_is_cleaned_up_and_saved_folders_get_the_usual_modes(tmp
 
 
 def test_exported_and_saved_files_follow_the_umask(tmp_path, finished):
-    """Issue 32: every file of an export, of the saved retriever and of a checkpoint gets 0666 & ~umask, like the
+    """Every file of an export, of the saved retriever and of a checkpoint gets 0666 & ~umask, like the
     other files of a run (safetensors >= 0.8 writes through a private temporary file: model.safetensors was 0600,
     unreadable by the serving user or the operator's group)."""
     from rag_train.serving.export import export_retriever

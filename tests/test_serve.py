@@ -174,7 +174,7 @@ def test_error_table_covers_every_kind_of_answer(server):
 
 @pytest.mark.parametrize("character", ["\u00e9", "\U0001F600"], ids=["e-acute", "outside-the-BMP"])
 def test_escaped_non_ascii_questions_within_the_limits_are_answered(server, character):
-    """Issue 32: 32 questions of 1,000 characters each, every character \\u-escaped as json.dumps writes it (6
+    """32 questions of 1,000 characters each, every character \\u-escaped as json.dumps writes it (6
     bytes each, 12 for a surrogate pair: a 192 / 384 KB body for 32,000 characters) are within the limits, which are
     on the parsed request, and answered (was 413, a limit on the escaped bytes); one character more in a question is
     a 422 saying it counts characters."""
@@ -260,7 +260,7 @@ def test_a_chunked_body_over_the_limit_is_cut_off_on_a_real_server(server):
 
 
 def test_a_chunked_gigabyte_gets_413_and_its_connection_closed(server):
-    """Issue 32: a client streams up to 1 GB chunked, without asking for the connection to be closed: the 413 says
+    """A client streams up to 1 GB chunked, without asking for the connection to be closed: the 413 says
     `Connection: close` and the server closes the connection (docs/serving.md) instead of reading, and discarding,
     the rest of the body while the client keeps sending. The close is a lingering one (the answer, FIN, then what
     still arrives drained for up to 2 s): a plain close with unread bytes resets the connection, and the reset could
@@ -325,7 +325,7 @@ def test_content_length_with_transfer_encoding_gets_400_and_the_connection_close
 
 
 def test_stalled_clients_are_cut_off_and_do_not_delay_others(server):
-    """Issue 32 (slowloris, loopback only): 100 connections that stall inside their headers and 100 that send their
+    """Slowloris (loopback only): 100 connections that stall inside their headers and 100 that send their
     headers and stall inside the body. A healthy client is answered within its usual latency meanwhile, and after
     --request-timeout every stalled connection is closed (the body stalls with a 408) instead of being held."""
     import selectors

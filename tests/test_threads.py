@@ -1,4 +1,4 @@
-"""A CPU run uses the cores it is given (issue 31): `accelerate launch` exports OMP_NUM_THREADS=1 unless asked
+"""A CPU run uses the cores it is given: `accelerate launch` exports OMP_NUM_THREADS=1 unless asked
 otherwise, and the run's setup replaces that default with the available cores shared out between the processes on
 the machine, but keeps a count the user asked for (OMP_NUM_THREADS, the launcher's flag, `train.cpu_threads`).
 Real processes, counted against the test's own affinity mask."""

@@ -408,7 +408,7 @@ def test_a_finished_warm_start_stage_with_other_settings_is_refused(recipe_toy_d
 
 def test_resume_continues_as_if_uninterrupted(recipe_toy_dir, tmp_path):
     """Same weights and EM; metrics.json's `corpus_passes` keeps the passes made before the resume (the token cache
-    and stale buffer builds; issue 32: only those after it were listed)."""
+    and stale buffer builds, not only the passes after it)."""
     whole = rlm.train_rlm(config(recipe_toy_dir, tmp_path / "whole", "corrector", **{"train.save_every": 2}))
     rlm.train_rlm(config(recipe_toy_dir, tmp_path / "split", "corrector", steps=2))
     resumed = rlm.train_rlm(config(recipe_toy_dir, tmp_path / "split", "corrector", **{"train.resume": "true"}))

@@ -1,4 +1,4 @@
-"""The suite's warnings mean something (issue 31): `pyproject.toml` makes the warnings that mean a bug (any
+"""The suite's warnings mean something: `pyproject.toml` makes the warnings that mean a bug (any
 UserWarning, the project's included; transformers' deprecated `past_key_values`) errors, so they fail the test that
 raised them unless it asserts them. Checked by running pytest, with the project's settings, on a small test file in
 a fresh process."""
