@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import dataclasses
 import errno
 import json
 import logging
@@ -92,8 +93,13 @@ def _end_progress_bars() -> None:
 
 def parse_cli(schema: type[T], argv: Optional[list[str]] = None, description: str = "",
               default_config: Optional[str | Path] = None) -> T:
-    """`script.py [--config FILE] [key=value ...]`; on a bad config print the reason and exit 2."""
-    parser = argparse.ArgumentParser(description=description or schema.__doc__)
+    """`script.py [--config FILE] [key=value ...]`; on a bad config print the reason and exit 2. `--help` ends with
+    the alternatives of every plugged section (strategies, batching options) and the keys each reads."""
+    plugged = [(spec.name, spec.default_factory().__doc__) for spec in dataclasses.fields(schema)
+               if callable(spec.default_factory) and hasattr(spec.default_factory(), "unread_keys")]
+    epilog = "\n\n".join(f"{name}:\n{doc}" for name, doc in plugged) or None
+    parser = argparse.ArgumentParser(description=description or schema.__doc__, epilog=epilog,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=default_config, help=f"YAML config file (default: {default_config})")
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
     args = parser.parse_args(argv)

@@ -62,8 +62,9 @@ class FirstRows(Strategy):
 # Runs in a fresh interpreter with the new module's folder added to the package's search path before the
 # package (and its discovery) is imported: exactly what a new file in rag_train/strategies/ does.
 DRIVER = drop_in("rag_train.strategies") + '''
-import dataclasses, json, sys
+import contextlib, dataclasses, io, json, sys
 
+from rag_train.cli import parse_cli
 from rag_train.config import ConfigError, flatten, load_config
 from rag_train.strategies import REGISTRY, StrategyConfig
 from rag_train.train.retriever import train_retriever
@@ -71,6 +72,10 @@ from rag_train.train.schema import RetrieverTrainConfig, RLMConfig
 
 config, args = sys.argv[2], sys.argv[3:]
 out = {"registered": "first_rows" in REGISTRY}
+shown = io.StringIO()  # the training script's --help lists every strategy and its keys
+with contextlib.redirect_stdout(shown), contextlib.suppress(SystemExit):
+    parse_cli(RetrieverTrainConfig, ["--help"])
+out["help"] = next(line.strip() for line in shown.getvalue().splitlines() if line.strip().startswith("first_rows:"))
 for name, schema, extra in [("bad_key", RetrieverTrainConfig, ["strategy.first_row=-1"]),
                             ("rlm", RLMConfig, []),
                             ("too_large", RetrieverTrainConfig, ["strategy.first_row=100000",
@@ -108,6 +113,7 @@ def test_a_new_strategy_is_one_file(recipe_toy_dir, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
     assert out["registered"]
+    assert out["help"].startswith("first_rows: first_row  (")  # documented where a user asks for the keys
     assert out["bad_key"] == "strategy.first_row=-1 must be >= 0"  # its own validation
     assert "is not one of the strategies the RLM recipe (Algorithm 2) takes" in out["rlm"]  # its declared limit
     assert out["too_large"].startswith("strategy.first_row=100000 is larger than the corpus")  # its corpus limit
