@@ -905,3 +905,31 @@ def test_quick_corrector_refresh_section_reuses_the_regimes_rows(seed_sections):
         m = json.loads((source / f"{row}-seed0" / "metrics.json").read_text())
         assert (f"| {corrector_refresh.label(row)} | 1 | {m['reembedded_passages']:,} | "
                 f"{100 * m['reembedded_passages'] / 1200:.1f}% | {100 * m['recall']['1']:.1f} |") in section
+
+
+def test_list_runs_prints_the_plan_without_launching(tmp_path, capsys):
+    """`--list-runs`: the ablation at hidden 64 and 256 over seeds 0 and 1, by hand: 64 has folders of its own, 256
+    (configs/toy/retriever.yaml's size) is Table 1's corrector run, listed once under table1 when both sections are
+    asked for; a run with metrics.json is finished; nothing is launched or prepared (no world, no LM)."""
+    from rag_lab.reproduction import command
+
+    runs = tmp_path / "runs"
+    finished = runs / "ablation" / "corrector-h64-seed1"
+    finished.mkdir(parents=True)
+    (finished / "metrics.json").write_text("{}")
+    args = ["--quick", "--seeds", "0", "1", "--hidden", "64", "256", "--runs", str(runs), "--list-runs"]
+    command.main([*args, "--only", "ablation"])
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(line["out"], line["finished"]) for line in lines] == [
+        (str(runs / "ablation" / "corrector-h64-seed0"), False), (str(finished), True),
+        (str(runs / "table1" / "random" / "corrector-seed0"), False),
+        (str(runs / "table1" / "random" / "corrector-seed1"), False)]
+    assert lines[0]["script"] == "train_retriever.py" and lines[0]["config"] == str(RETRIEVER_CONFIG)
+    assert {"strategy.corrector.hidden=64", "train.seed=0", "strategy.name=corrector"} <= set(lines[0]["overrides"])
+    assert not any(o.startswith("strategy.corrector.hidden=") for o in lines[2]["overrides"])
+    command.main([*args, "--only", "table1", "ablation"])
+    both = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert len({line["out"] for line in both}) == len(both)  # each run once
+    assert [line["section"] for line in both if "/table1/random/corrector-" in line["out"]] == ["table1", "table1"]
+    assert [line["out"] for line in both if line["section"] == "ablation"] == [line["out"] for line in lines[:2]]
+    assert sorted(p.name for p in runs.iterdir()) == ["ablation"]  # nothing prepared or written

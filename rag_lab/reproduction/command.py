@@ -23,6 +23,7 @@ one torch thread per run.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import shlex
@@ -70,6 +71,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "run's output waits for it)")
     parser.add_argument("--quick", action="store_true", help="tiny budgets on a 300-passage world, for testing")
     parser.add_argument("--report-only", action="store_true", help="launch nothing; rewrite the report")
+    parser.add_argument("--list-runs", action="store_true",
+                        help="launch nothing; print every run the sections would launch, one JSON object per line "
+                             "(section, script, config, out, overrides, finished), each run once, in launch order")
     parser.add_argument("--evidence", type=Path, default=None,
                         help="also write every finished run's summary into this folder (docs/evidence: committed)")
     parser.add_argument("--from-evidence", type=Path, default=None,
@@ -101,6 +105,10 @@ def main(argv=None) -> None:
     """scripts/reproduce.py, inside its `exit_on_fault` (a damaged metrics.json: 2, a full disk or read-only folder:
     5, one `error:` line): a run that failed ends this process with the run's status."""
     args = parse_args(argv)
+    if args.list_runs:
+        for line in planned_runs(Plan(args.runs, args.seeds, args.hidden, args.out, quick=args.quick), args.only):
+            print(json.dumps(line))
+        return
     try:
         reproduce(args, argv)
     except subprocess.CalledProcessError as exc:  # a run failed: it printed its own `error:` line above
@@ -109,6 +117,19 @@ def main(argv=None) -> None:
         print(f"error: the run in {out} failed with exit status {exc.returncode} (its own error is above); "
               "scripts/reproduce.py resumes it when run again", file=sys.stderr, flush=True)
         raise SystemExit(status) from None
+
+
+def planned_runs(plan: Plan, names: list[str]) -> list[dict]:
+    """What `execute` would launch for the sections `names`, without preparing or launching anything: the way to see
+    a plan before hours of runs, and to compare two versions' plans (a run's folder and overrides are its identity)."""
+    lines, seen = [], set()
+    for name in names:
+        for run in sections()[name].runs(plan):
+            if run.out not in seen:
+                seen.add(run.out)
+                lines.append({"section": name, "script": run.script, "config": str(run.config), "out": str(run.out),
+                              "overrides": list(run.overrides), "finished": run.metrics() is not None})
+    return lines
 
 
 def reproduce(args: argparse.Namespace, argv) -> None:
