@@ -42,7 +42,13 @@ from rag_train.generative.search import rank_targets, ranking_metrics
 from rag_train.generative.targets import Targets, build_targets
 from rag_train.generative.trie import Trie
 from rag_train.io import atomic_write_json, read_json
-from rag_train.train.run import TrainingRun, flat_metrics, releases_on_input_fault, save_pretrained_atomic
+from rag_train.train.run import (
+    TrainingRun,
+    flat_metrics,
+    releases_on_input_fault,
+    save_pretrained_atomic,
+    steps_per_second,
+)
 from rag_train.train.step import global_batch, linear_warmup, local_slice, optimizer_step
 from rag_train.train.trainable import Trainable
 
@@ -238,7 +244,7 @@ class GenerativeRecipe:
         cfg, run, total = self.cfg, self.run, self.total
         if cfg.train.eval_every and self.step == 0:
             self.history.append({"step": 0, **self.evaluate()})
-        started, self.first_step = time.time(), self.step
+        started, first_step = time.time(), self.step
         bar = tqdm(total=total, initial=self.step, desc="generative", disable=not self.accelerator.is_main_process)
         while self.step < total:
             loss = self.train_step(self.step)
@@ -255,7 +261,7 @@ class GenerativeRecipe:
                 run.save(step, extra=self.save_pointer)
             run.stop_if_signalled(step, extra=self.save_pointer)
         bar.close()
-        self.train_seconds = time.time() - started
+        self.steps_per_second = steps_per_second(first_step, self.step, time.time() - started)
 
     def save(self) -> dict:
         """The last checkpoint, the final evaluation, the generator with its CE pointer, metrics.json (returned)."""
@@ -267,12 +273,11 @@ class GenerativeRecipe:
             self.save_pointer(run.dir / "generator")
         acc.wait_for_everyone()
         main = next(iter(final.values()))
-        first_step = self.first_step
         metrics = {"r_precision": main["r_precision"], "recall": main["recall"], "datasets": final,
                    "decoding": f"np-{cfg.np.variant}" if cfg.np.enabled else "vanilla", "targets": len(self.targets),
                    "ce_rows": len(space.table.vectors) if space.table is not None else None,
                    "ce_builds": list(self.ce_builds), "steps": step,
-                   "steps_per_second": (step - first_step) / self.train_seconds if step > first_step else None,
+                   "steps_per_second": self.steps_per_second,
                    "history": self.history}
         run.log(flat_metrics({"step": step, **final}), step)
         run.write_metrics(metrics)

@@ -36,7 +36,7 @@ from rag_train.strategies import StrategyContext, build_strategy, strategy_class
 from rag_train.train.batching import MicroBatch, StepParts, check_batching, tower_grad_norms
 from rag_train.train.memory import PeakMemory
 from rag_train.train.passages import ensure_buffer, ensure_token_cache
-from rag_train.train.run import TrainingRun, flat_metrics, releases_on_input_fault
+from rag_train.train.run import TrainingRun, flat_metrics, releases_on_input_fault, steps_per_second
 from rag_train.train.schema import RetrieverTrainConfig
 from rag_train.train.step import global_batch, linear_warmup, local_slice, optimizer_step
 from rag_train.train.trainable import Trainable, deepspeed_stage, full_weights, save_parts
@@ -140,7 +140,7 @@ class RetrieverRecipe:
         cfg, acc, run, strategy = self.cfg, self.accelerator, self.run, self.strategy
         if cfg.train.eval_every and self.step == 0:
             self.record_eval()
-        self.first_step, started, eval_seconds = self.step, time.time(), 0.0
+        first_step, started, eval_seconds = self.step, time.time(), 0.0
         bar = tqdm(total=cfg.train.steps, initial=self.step, desc="retriever", disable=not acc.is_main_process)
         memory = PeakMemory(acc.device, cfg.batching.memory_fraction)
         self.peak_memory = 0.0
@@ -176,7 +176,8 @@ class RetrieverRecipe:
                 run.save(step, extra=self.save_state)
             run.stop_if_signalled(step, extra=self.save_state)
         bar.close()
-        self.train_seconds = time.time() - started - eval_seconds  # training steps only: evaluations left out
+        # training steps only: evaluations left out
+        self.steps_per_second = steps_per_second(first_step, self.step, time.time() - started - eval_seconds)
 
     # -- evaluation and the end ------------------------------------------------------------------------
 
@@ -223,7 +224,7 @@ class RetrieverRecipe:
             "reembedded_passages": strategy.embedded,
             "strategy_summary": strategy.summary(),  # the strategy's own values (memory, re-encoding counts, ...)
             "steps": step,
-            "steps_per_second": (step - self.first_step) / self.train_seconds if step > self.first_step else None,
+            "steps_per_second": self.steps_per_second,
             "strategy": cfg.strategy.name,
             "batching": cfg.batching.name,
             "peak_memory_mib": self.peak_memory,  # over this process's steps (CPU: peak RSS; CUDA: max allocated)

@@ -46,7 +46,13 @@ from rag_train.models.reader import FiDReader
 from rag_train.strategies import StrategyContext, build_strategy, strategy_class
 from rag_train.train.gate import RetrieverGate
 from rag_train.train.passages import ensure_buffer, ensure_token_cache
-from rag_train.train.run import TrainingRun, flat_metrics, releases_on_input_fault, save_pretrained_atomic
+from rag_train.train.run import (
+    TrainingRun,
+    flat_metrics,
+    releases_on_input_fault,
+    save_pretrained_atomic,
+    steps_per_second,
+)
 from rag_train.train.schema import RLMConfig
 from rag_train.train.step import global_batch, linear_warmup, local_slice, optimizer_step, seed_stage
 from rag_train.train.trainable import Trainable, full_weights, save_parts
@@ -269,7 +275,7 @@ class RLMRecipe:
         cfg, acc, guard = self.cfg, self.accelerator, self.run.guard
         if cfg.train.eval_every and self.step == 0:
             self.record_eval()
-        self.first_step, started, eval_seconds = self.step, time.time(), 0.0
+        first_step, started, eval_seconds = self.step, time.time(), 0.0
         bar = tqdm(total=cfg.train.steps, initial=self.step, desc=f"rlm[{cfg.strategy.name}]",
                    disable=not acc.is_main_process)
         while self.step < cfg.train.steps:
@@ -291,7 +297,8 @@ class RLMRecipe:
                 self.run.save(step, extra=self.strategy.save)
             self.run.stop_if_signalled(step, extra=self.strategy.save)
         bar.close()
-        self.train_seconds = time.time() - started - eval_seconds  # training steps only: evaluations left out
+        # training steps only: evaluations left out
+        self.steps_per_second = steps_per_second(first_step, self.step, time.time() - started - eval_seconds)
 
     def evaluate(self, final: bool) -> tuple[dict, dict]:
         """Every process ranks over its share of the corpus and generates for all questions: not in lockstep.
@@ -337,7 +344,7 @@ class RLMRecipe:
             "retriever_trained_from_step": self.gate.opened_at,
             "collapsed_at_step": self.gate.collapsed_at,
             "steps": step,
-            "steps_per_second": (step - self.first_step) / self.train_seconds if step > self.first_step else None,
+            "steps_per_second": self.steps_per_second,
             "strategy": self.cfg.strategy.name,
             "history": self.history,
             "warm_start_retriever": self.warm_recall,

@@ -456,6 +456,12 @@ def is_input_fault(exc: BaseException) -> bool:
     return isinstance(exc, (ConfigError, DataError, BufferError, CorruptFileError, ReaderLoadError))
 
 
+def steps_per_second(first_step: int, last_step: int, seconds: float) -> Optional[float]:
+    """The training steps this process ran per second of training, for metrics.json (None where it ran none: a
+    finished run resumed)."""
+    return (last_step - first_step) / seconds if last_step > first_step else None
+
+
 def flat_metrics(entry: dict) -> dict[str, float]:
     """Evaluation results as tracker scalars, for every recipe:
     {"nq": {"recall": {"5": .4}}} -> {"eval/nq/recall@5": .4}."""
