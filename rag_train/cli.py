@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import sys
+import typing
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator, NoReturn, Optional, TypeVar
@@ -95,9 +96,9 @@ def parse_cli(schema: type[T], argv: Optional[list[str]] = None, description: st
               default_config: Optional[str | Path] = None) -> T:
     """`script.py [--config FILE] [key=value ...]`; on a bad config print the reason and exit 2. `--help` ends with
     the alternatives of every plugged section (strategies, batching options) and the keys each reads."""
-    plugged = [(spec.name, spec.default_factory().__doc__) for spec in dataclasses.fields(schema)
-               if callable(spec.default_factory) and hasattr(spec.default_factory(), "unread_keys")]
-    epilog = "\n\n".join(f"{name}:\n{doc}" for name, doc in plugged) or None
+    sections = typing.get_type_hints(schema)  # the section classes (the schemas' annotations are strings)
+    epilog = "\n\n".join(f"{spec.name}:\n{sections[spec.name].__doc__}" for spec in dataclasses.fields(schema)
+                         if hasattr(sections[spec.name], "unread_keys")) or None
     parser = argparse.ArgumentParser(description=description or schema.__doc__, epilog=epilog,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=default_config, help=f"YAML config file (default: {default_config})")
