@@ -806,10 +806,10 @@ def test_quick_corrector_regime_section_feeds_each_row_its_subset(seed_sections)
 def test_corrector_refresh_plans_its_rows_on_the_paper_feed_from_the_regimes_world(tmp_path):
     """The drift-aware refresh's rows: corrector_regime's world, LM and budget, the paper feed; the exhaustive rows
     differ from corrector_regime's exhaustive only in their interval, the drift rows from its (d) only in the refresh
-    keys (watching cos(B[y], g(y)))."""
+    keys (watching cos(B[y], g(y))), at the full budget's values and folder names."""
     plan = Plan(tmp_path, [0, 1, 2], [256], tmp_path / "docs")
     runs = corrector_refresh.runs(plan)
-    assert len(runs) == len(corrector_regime.FULL.worlds) * 3 * len(corrector_refresh.ROWS)
+    assert len(runs) == len(corrector_regime.FULL.worlds) * 3 * 4
     assert len({r.out for r in runs}) == len(runs)
     world = corrector_regime.FULL.worlds[0]
     model = f"retriever.model={plan.described_lm(world).folder()}"
@@ -818,21 +818,48 @@ def test_corrector_refresh_plans_its_rows_on_the_paper_feed_from_the_regimes_wor
         return load_config(RetrieverTrainConfig, RETRIEVER_CONFIG, [o for o in run.overrides if o != model])
 
     regime = {row: config(corrector_regime.run(plan, world, row, 1)) for row in ("b-exhaustive", "d-corrector")}
-    for row, (_, strategy, _) in corrector_refresh.ROWS.items():
+    own = corrector_refresh.rows_of(plan)
+    assert list(own) == ["corrector-below25", "exhaustive-every1000", "corrector-below50", "exhaustive-every500"]
+    for row, spec in own.items():
         run = corrector_refresh.run(plan, world, row, 1)
         assert model in run.overrides and run.out.parent.parent.name == "corrector_refresh"
         c = config(run)
-        base = regime["b-exhaustive" if strategy == "exhaustive" else "d-corrector"]
-        if strategy == "exhaustive":
+        base = regime["b-exhaustive" if spec.strategy == "exhaustive" else "d-corrector"]
+        if spec.strategy == "exhaustive":
             assert c.strategy.refresh_every == {"exhaustive-every500": 500, "exhaustive-every1000": 1000}[row]
+            assert spec.label == f"exhaustive, every {c.strategy.refresh_every:,} steps"
             c.strategy.refresh_every = base.strategy.refresh_every
         else:
-            own = c.strategy.corrector
-            assert (own.refresh_watch, own.refresh_window, own.refresh_below) == (
+            mine = c.strategy.corrector
+            assert (mine.refresh_watch, mine.refresh_window, mine.refresh_below) == (
                 "cos_stale", 10, {"corrector-below50": 0.5, "corrector-below25": 0.25}[row])
-            own.refresh_watch, own.refresh_below = "subset_overlap@4", 0.0
+            assert spec.label == f"(d) + refresh when cos(B[y], g(y)) < {mine.refresh_below}"
+            mine.refresh_watch, mine.refresh_below = "subset_overlap@4", 0.0
         c.train.output_dir = base.train.output_dir
         assert c == base, row
+
+
+def test_corrector_refresh_quick_rows_refresh_within_the_quick_budget(tmp_path):
+    """At --quick (8 steps, exhaustive every 2) the intervals and the drift window scale with the budget, and the
+    folders and labels follow: the full budget's every 500 / 1,000 and window of 10 steps would never refresh in 8."""
+    plan = Plan(tmp_path, [0], [64], tmp_path / "docs", quick=True)
+    world = corrector_regime.QUICK.worlds[0]
+    own = corrector_refresh.rows_of(plan)
+    assert list(own) == ["corrector-below98", "exhaustive-every8", "corrector-below99", "exhaustive-every4"]
+    model = f"retriever.model={plan.described_lm(world).folder()}"
+
+    def config(run: Run):
+        return load_config(RetrieverTrainConfig, RETRIEVER_CONFIG, [o for o in run.overrides if o != model])
+
+    steps = config(corrector_regime.run(plan, world, "b-stale", 0)).train.steps
+    for row, spec in own.items():
+        c = config(corrector_refresh.run(plan, world, row, 0))
+        assert c.train.steps == steps == 8
+        if spec.strategy == "exhaustive":
+            assert c.strategy.refresh_every in (4, 8) and spec.label.endswith(f"every {c.strategy.refresh_every} steps")
+        else:
+            assert c.strategy.corrector.refresh_window == 2 < steps
+            assert spec.label.endswith(f"< {c.strategy.corrector.refresh_below}")
 
 
 def test_corrector_refresh_collects_seeds_where_its_rows_and_the_reused_ones_finished(tmp_path):
@@ -841,7 +868,7 @@ def test_corrector_refresh_collects_seeds_where_its_rows_and_the_reused_ones_fin
     plan = Plan(tmp_path, [0, 1, 2], [64], tmp_path / "docs", quick=True)
     world = corrector_regime.QUICK.worlds[0]
     reused = [row for row in corrector_refresh.REUSED if row != "b-snm"]
-    own = list(corrector_refresh.ROWS)
+    own = list(corrector_refresh.rows_of(plan))
     every = list(corrector_refresh.REUSED)
     finished = {0: (every, own), 1: (reused, own), 2: (every, own[1:])}
     for seed, (regime_rows, refresh_rows) in finished.items():
@@ -851,7 +878,7 @@ def test_corrector_refresh_collects_seeds_where_its_rows_and_the_reused_ones_fin
             out.mkdir(parents=True)
             (out / "metrics.json").write_text(json.dumps(retriever_metrics(0.1 * seed + 0.01 * index)))
     rows = collect(plan)["sections"]["corrector_refresh"]["worlds"]["w300-s1"]
-    assert set(rows) == {*corrector_refresh.REUSED, *corrector_refresh.ROWS}
+    assert set(rows) == {*corrector_refresh.REUSED, *own}
     assert all(len(runs) == 1 and runs[0]["recall"]["1"] < 0.1 for runs in rows.values())
 
 
@@ -870,7 +897,8 @@ def test_corrector_refresh_report_puts_each_row_on_the_cost_closure_curve():
             "b-snm": runs([0.60, 0.62], 20_000), "d-corrector": runs([0.50, 0.52], 0),
             "corrector-below25": runs([0.72, 0.74], 6_000, [[180, 900], [200, 1100]]),
             "exhaustive-every1000": runs([0.60, 0.60], 6_000), "corrector-below50": [], "exhaustive-every500": []}
-    text = "\n".join(corrector_refresh.corrector_refresh_section({"worlds": {"w3000-s1": rows}}))
+    own = corrector_refresh.own_rows(corrector_refresh.FULL)
+    text = "\n".join(corrector_refresh.corrector_refresh_section({"worlds": {"w3000-s1": rows}, "own": own}))
     table = [line for line in text.splitlines() if line.startswith("| ") and "seeds" not in line]
     assert [line.split(" | ")[0][2:] for line in table] == [
         "stale", "(d) = (c), 2 updates of h per step, replay of 4 steps", "(d) + refresh when cos(B[y], g(y)) < 0.25",
@@ -888,22 +916,29 @@ def test_corrector_refresh_report_puts_each_row_on_the_cost_closure_curve():
 @pytest.mark.xdist_group("seed_sections")
 def test_quick_corrector_refresh_section_reuses_the_regimes_rows(seed_sections):
     """`reproduce.py --quick --only corrector_regime corrector_refresh` end to end (`seed_sections`): each row ran on
-    the regime's world and feed with its refresh keys, counted what it re-embedded, and the report's curve shows
-    them beside the reused corrector_regime rows, with their metrics."""
+    the regime's world and feed with its refresh keys and refreshed within the 8 steps: exhaustive every 4 / 8 steps
+    re-embedded the 300 passages 2 / 1 times, each drift row at least once, after the steps it lists (and the
+    cosine's window of 2 steps needs 2 steps after the start or a refresh); the report's curve shows them beside
+    the reused corrector_regime rows, with their metrics."""
     runs = seed_sections
     folder, regime = runs / "corrector_refresh" / "w300-s1", runs / "corrector_regime" / "w300-s1"
-    for row, (_, strategy, _) in corrector_refresh.ROWS.items():
+    for row, spec in corrector_refresh.own_rows(corrector_refresh.QUICK).items():
         config = (folder / f"{row}-seed0" / "config.yaml").read_text()
         m = json.loads((folder / f"{row}-seed0" / "metrics.json").read_text())
-        assert f"name: {strategy}\n" in config and "top_k: 8\n" in config and "uniform_negatives: 8\n" in config
-        if strategy == "corrector":
+        assert f"name: {spec.strategy}\n" in config and "top_k: 8\n" in config and "uniform_negatives: 8\n" in config
+        if spec.strategy == "corrector":
             assert "refresh_watch: cos_stale\n" in config
-            assert m["reembedded_passages"] == 300 * len(m["strategy_summary"]["refresh_steps"])
+            steps = m["strategy_summary"]["refresh_steps"]
+            assert steps and all(later - earlier >= 2 for earlier, later in zip([0, *steps], steps)), steps
+            assert m["reembedded_passages"] == 300 * len(steps)
+        else:
+            assert m["reembedded_passages"] == 300 * {"exhaustive-every4": 2, "exhaustive-every8": 1}[row]
     report = (runs / "report" / "reproduction.md").read_text()
     section = report[report.index("## The drift-aware refresh"):]
-    for row, source in (("b-stale", regime), ("b-exhaustive", regime), ("exhaustive-every1000", folder)):
+    own = corrector_refresh.own_rows(corrector_refresh.QUICK)
+    for row, source in (("b-stale", regime), ("b-exhaustive", regime), ("exhaustive-every8", folder)):
         m = json.loads((source / f"{row}-seed0" / "metrics.json").read_text())
-        assert (f"| {corrector_refresh.label(row)} | 1 | {m['reembedded_passages']:,} | "
+        assert (f"| {corrector_refresh.label(own, row)} | 1 | {m['reembedded_passages']:,} | "
                 f"{100 * m['reembedded_passages'] / 1200:.1f}% | {100 * m['recall']['1']:.1f} |") in section
 
 
