@@ -21,6 +21,7 @@ from rag_lab.reproduction import (
     corrector_refresh,
     corrector_regime,
     described,
+    dynnibal,
     generative,
     table1,
     table3,
@@ -476,6 +477,24 @@ def test_quick_large_batches_section_runs_seed_002s_table(seed_sections):
     assert (runs / "report" / "figures" / "large_batches" / "grad_ratio_raw_lm.png").stat().st_size > 0
 
 
+def test_dynnibal_controls_are_sized_from_the_schedule(tmp_path):
+    """The full budget by hand: Dynnibal encodes 6,000 targets twice (after steps 500 and 1,000) and d' + s' = 288 at
+    the 19 other multiples of 50 after step 500: 17,472, the count its runs reported (docs/dynnibal.md); SNM
+    re-encodes its targets 1,500 / 50 = 30 times, so 582 targets re-encode 17,460; 352 x 10/3 = 1,173 and 3,520
+    targets; the paper's 128 / 768 of d 64 is 11 landmarks. The runs name them."""
+    plan = Plan(tmp_path, [0], [64], tmp_path / "docs")
+    cfg = dynnibal.scheduled(dynnibal.FULL.overrides)
+    assert dynnibal.dynnibal_reencoded(cfg, 6000) == 17_472
+    assert dynnibal.row_sizes(plan) == {"warm_start_steps": 500, "equal_reencoding_targets": 582,
+                                        "targets_3x": 1173, "targets_10x": 3520, "paper_landmarks": 11}
+    assert dynnibal.snm_row_targets(plan) == {"snm": 352, "snm-equal-reencoding": 582, "snm-3x": 1173,
+                                              "snm-10x": 3520}
+    overrides = {row: dynnibal.run(plan, "lm", row, 0).overrides for row in dynnibal.ROWS}
+    assert overrides["snm-10x"][-1] == "strategy.snm_targets=3520" and "strategy.name=snm" in overrides["snm-10x"]
+    assert overrides["dynnibal-paper-ratio"][-1] == "strategy.landmarks=11"
+    assert overrides["exhaustive-rare"][-1] == "strategy.refresh_every=500"
+
+
 @pytest.mark.xdist_group("seed_sections")
 def test_quick_dynnibal_section_runs_seed_001s_rows(seed_sections):
     """`reproduce.py --quick --only dynnibal --jobs 2` end to end (`seed_sections`; 8 steps: uniform warm start for 3,
@@ -486,7 +505,8 @@ def test_quick_dynnibal_section_runs_seed_001s_rows(seed_sections):
     runs = seed_sections
     passages, landmarks, samples = 300, 8, 32  # QUICK's world and Nyström sizes
     folder = runs / "dynnibal"
-    rows = ("uniform", "dynnibal-plus0", "dynnibal", "snm", "exhaustive", "exhaustive-rare")
+    rows = ("uniform", "dynnibal-plus0", "dynnibal", "snm", "exhaustive", "exhaustive-rare", "snm-equal-reencoding",
+            "snm-3x", "snm-10x")
     metrics = {(init, row): json.loads((folder / init / f"{row}-seed0" / "metrics.json").read_text())
                for init in ("lm", "pretrained") for row in rows}
     for init in ("lm", "pretrained"):
@@ -496,6 +516,13 @@ def test_quick_dynnibal_section_runs_seed_001s_rows(seed_sections):
                               "snm": (8 // 2) * (3 * landmarks + samples),
                               "exhaustive-rare": 2 * passages}  # after steps 3 and 6: once per warm-start length
         assert metrics[init, "dynnibal"]["strategy_summary"]["full_encodings"] == 2
+        # the controls: SNM re-encodes min(targets, 300) every 2 steps; the paper's d'/d keeps 11 of 64 dimensions
+        controls = {row: metrics[init, row] for row in ("snm-equal-reencoding", "snm-3x", "snm-10x")}
+        assert {row: m["reembedded_passages"] for row, m in controls.items()} == {
+            "snm-equal-reencoding": 4 * 180, "snm-3x": 4 * 187, "snm-10x": 4 * 300}
+        paper = json.loads((folder / init / "dynnibal-paper-ratio-seed0" / "metrics.json").read_text())
+        assert paper["strategy_summary"]["low_dim"] == 11
+        assert paper["reembedded_passages"] == 2 * passages + 3 * (11 + samples)
     pretrained = (folder / "pretrained" / "uniform-seed0" / "config.yaml").read_text()
     assert f"model: {folder / 'pretrain' / 'retriever'}\n" in pretrained
     report = (runs / "report" / "reproduction.md").read_text()
