@@ -940,6 +940,32 @@ def test_corrector_refresh_report_puts_each_row_on_the_cost_closure_curve():
     assert "_(not run: `--only corrector_refresh`)_" in "\n".join(corrector_refresh.corrector_refresh_section(None))
 
 
+def test_corrector_refresh_verdicts_pair_each_drift_row_with_d_and_the_nearest_cost():
+    """By hand, 3 seeds: the refresh at 0.25 (6,000 re-embedded) against (d): +22 / +21 / +22 points, mean 21.67, sd
+    0.577, t = 21.67 / (0.577 / sqrt 3) = 65, p 0.0002, x 2 comparisons: beats; against exhaustive every 1,000 steps
+    (6,000: nearer than every 500's 12,000), +12 / +14 / +12: t 19, p 0.0028 x 2: beats too; one seed less and every
+    comparison is undecided."""
+    def runs(values, reembedded):
+        return [retriever_metrics(v, reembedded=reembedded) for v in values]
+
+    rows = {"b-stale": runs([0.40, 0.50, 0.45], 0), "b-exhaustive": runs([0.80, 0.70, 0.75], 120_000),
+            "d-corrector": runs([0.50, 0.53, 0.51], 0), "corrector-below25": runs([0.72, 0.74, 0.73], 6_000),
+            "exhaustive-every1000": runs([0.60, 0.60, 0.61], 6_000),
+            "exhaustive-every500": runs([0.70, 0.70, 0.70], 12_000)}
+    own = corrector_refresh.own_rows(corrector_refresh.FULL)
+    lines = corrector_refresh.verdict_lines(rows, own)
+    assert lines[0] == "R@1 by the verdict rule over the 2 comparisons below (each p times 2: Holm's bound):"
+    assert lines[1].startswith("- (d) + refresh when cos(B[y], g(y)) < 0.25 against (d) = (c), 2 updates of h per "
+                               "step, replay of 4 steps: (d) + refresh when cos(B[y], g(y)) < 0.25 beats")
+    assert "per-seed differences +22.0 / +21.0 / +22.0; paired t 65.00, p 0.000 (Holm over 2: 0.000)" in lines[1]
+    assert "per-seed differences +12.0 / +14.0 / +12.0; paired t 19.00, p 0.003 (Holm over 2: 0.006)" in lines[2]
+    assert lines[2].startswith("- (d) + refresh when cos(B[y], g(y)) < 0.25 against exhaustive, every 1,000 steps: "
+                               "(d) + refresh when cos(B[y], g(y)) < 0.25 beats")
+    for row in rows.values():
+        del row[2]
+    assert all("fewer than 3 paired seeds (2)" in line for line in corrector_refresh.verdict_lines(rows, own)[1:])
+
+
 @pytest.mark.xdist_group("seed_sections")
 def test_quick_corrector_refresh_section_reuses_the_regimes_rows(seed_sections):
     """`reproduce.py --quick --only corrector_regime corrector_refresh` end to end (`seed_sections`): each row ran on

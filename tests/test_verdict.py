@@ -203,6 +203,28 @@ def test_np_gain_picked_from_three_variants_is_decided_with_holm():
     assert "points: **reached**" in np_gain(main)[0]
 
 
+def test_contra_above_base_is_decided_by_the_rule():
+    """Seed 003's "by a large margin" for CONTRA over BASE, on the committed per-seed R-precision (CONTRA 32.7 / 32.3 /
+    27.7, BASE 30.7 / 31.0 / 32.3: differences +2.0 / +1.3 / -4.6, p 0.855): undecided; +3 / +4 / +5: reproduced;
+    BASE ahead by 3 / 4 / 5: not reproduced; without CONTRA runs, no line."""
+    from rag_lab.reproduction.generative import contra_claim
+
+    def runs(*rps):
+        return [{"datasets": {"seen": {"r_precision": r}}} for r in rps]
+
+    main = {"vanilla": runs(0.2, 0.2, 0.2), "base": runs(0.307, 0.310, 0.323), "contra": runs(0.327, 0.323, 0.277)}
+    (line,) = contra_claim(main)
+    assert line.startswith("- Seen people, R-precision: Np Decoding CONTRA against Np Decoding BASE (seed 003: the "
+                           "contrastively trained CE encoder \"further increases the performance by a large margin\"): "
+                           "**undecided** (undecided (")
+    assert "per-seed differences +2.0 / +1.3 / -4.6; paired t -0.21, p 0.855" in line
+    main["contra"] = runs(0.337, 0.350, 0.373)
+    assert "**reproduced**" in contra_claim(main)[0]
+    main["contra"] = runs(0.277, 0.270, 0.273)
+    assert "**not reproduced**" in contra_claim(main)[0]
+    assert contra_claim({"base": main["base"], "contra": []}) == []
+
+
 def test_the_committed_report_states_the_rule_as_the_code_does():
     """docs/generated/reproduction.md's "How verdicts are decided" is the generator's RULE, word for word."""
     from pathlib import Path

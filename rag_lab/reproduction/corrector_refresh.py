@@ -20,6 +20,7 @@ from rag_lab.experiments import RECALL_AT, cell, closure, gap_share
 from rag_lab.reproduction import corrector_regime
 from rag_lab.reproduction.plan import RETRIEVER_CONFIG, Plan, Run, build_lm, world_name
 from rag_lab.reproduction.sections import Report, Section, register
+from rag_lab.reproduction.verdict import compare
 from rag_train.strategies import overrides_read_by
 
 
@@ -48,7 +49,7 @@ class Row:
 
 
 def own_rows(budget: RefreshBudget) -> dict[str, Row]:
-    """The section's rows by folder, in the order they run: each threshold, then the interval of about its cost."""
+    """The section's rows by folder, in the order they run: a threshold, then an exhaustive interval, in turn."""
     rows = {}
     for below, every in zip(budget.below, budget.every):
         rows[f"corrector-below{round(100 * below)}"] = Row(
@@ -153,6 +154,30 @@ def refresh_lines(rows: dict[str, list[dict]], own: dict[str, Row]) -> list[str]
     return lines
 
 
+def reembedded(runs: list[dict]) -> float:
+    return sum(m["reembedded_passages"] for m in runs) / len(runs)
+
+
+def verdict_lines(rows: dict[str, list[dict]], own: dict[str, Row]) -> list[str]:
+    """Each drift-aware row against (d) without a refresh (does re-embedding help the corrector?) and against the
+    exhaustive interval whose mean re-embedded passages are nearest its own (does it beat a fixed schedule at about
+    its cost?): R@1 by the verdict rule, each p times the comparisons made (Holm's bound)."""
+    fixed = [row for row, spec in own.items() if spec.strategy == "exhaustive" and rows.get(row)]
+    pairs = []
+    for row in drift_rows(rows, own):
+        if rows.get("d-corrector"):
+            pairs.append((row, "d-corrector"))
+        if fixed:
+            pairs.append((row, min(fixed, key=lambda other: abs(reembedded(rows[other]) - reembedded(rows[row])))))
+    if not pairs:
+        return []
+    r1 = {row: [100 * m["recall"]["1"] for m in rows[row]] for pair in pairs for row in pair}
+    return [f"R@1 by the verdict rule over the {len(pairs)} comparisons below (each p times {len(pairs)}: Holm's "
+            "bound):"] + [
+        f"- {label(own, a)} against {label(own, b)}: "
+        f"{compare(label(own, a), r1[a], label(own, b), r1[b], m=len(pairs)).summary()}" for a, b in pairs]
+
+
 def goal_line(rows: dict[str, list[dict]], own: dict[str, Row]) -> Optional[str]:
     """The goal as the issue states it, for each drift-aware row: >= 90% of the gap of the means at every k of
     RECALL_AT, with at most 5% of exhaustive's re-embedded passages. None unless the gap's ends and a row ran."""
@@ -185,8 +210,8 @@ def corrector_refresh_section(results: Optional[dict]) -> list[str]:
     for world, rows in worlds.items():
         if any(rows.get(row) for row in own):
             lines += [f"### {world}", "", curve_table(rows, own), ""]
-            refreshes = refresh_lines(rows, own)
-            lines += refreshes + ([""] if refreshes else [])
+            for block in (refresh_lines(rows, own), verdict_lines(rows, own)):
+                lines += block + ([""] if block else [])
             goal = goal_line(rows, own)
             lines += [goal, ""] if goal else []
     return lines
