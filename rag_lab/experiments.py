@@ -212,7 +212,7 @@ def batching_table(results: dict[str, list[dict]]) -> str:
              "|---|" + "---|" * (len(ks) + 4)]
     for label, runs in results.items():
         recalls = " | ".join(cell([r["recall"][k] for r in runs]) for k in ks)
-        probed = any(key.startswith("probe/") for r in runs for key in r.get("by_step", {}))
+        probed = any(probe_values(r) for r in runs)
         speed = "- (probed)" if probed else f"{statistics.mean(r['steps_per_second'] for r in runs):.2f}"
         memory = max(r["peak_memory_mib"] for r in runs)
         ratio = cell([r.get("grad_ratio_passage_query") for r in runs], scale=1.0, digits=2)
@@ -229,24 +229,36 @@ PROBED_VALUES = {"grad_norm_passage": "‖∇g‖", "grad_norm_query": "‖∇f�
                  "query_norm": "mean ‖q‖", "fresh_minus_banked_score": "fresh − banked score"}
 
 
+def probe_values(metrics: dict, skip: int = 50) -> dict[str, Optional[float]]:
+    """A `batching.probe_gradients` run's per-step probe series reduced as the probe table reports them: per probed
+    loss and value (`<loss>/<value>`), the mean over the steps after the first `skip` (the median for the ratio: a
+    step whose query gradient nearly vanishes gives a ratio of 1,000); None where the run has no more steps; {}
+    for a run without the probe. A run's evidence keeps these (`probe_summary`) instead of the series."""
+    if "probe_summary" in metrics:
+        return metrics["probe_summary"]
+    by_step, out = metrics.get("by_step", {}), {}
+    for variant in PROBED_LOSSES:
+        for key in PROBED_VALUES:
+            series = by_step.get(f"probe/{variant}/{key}")
+            if series:
+                average = statistics.median if key.startswith("grad_ratio") else statistics.mean
+                out[f"{variant}/{key}"] = average(series[skip:]) if len(series) > skip else None
+    return out
+
+
 def probe_table(results: dict[str, list[dict]], skip: int = 50) -> str:
     """ContAccum's `batching.probe_gradients` runs of `results` (others are left out): per setup and per loss
-    computed at the run's own weights each step, the mean over the steps after the first `skip` of each value
-    (the median for the ratio; then mean ± sd over seeds): both towers' gradient norms and their ratio (seed
-    002's Figure 5), the loss's gradient with respect to the fresh passage and query vectors, the vectors' norms
-    and the fresh-minus-banked score."""
-    def average(key: str):  # a step whose query gradient nearly vanishes gives a ratio of 1,000: medians
-        return statistics.median if key.startswith("grad_ratio") else statistics.mean
-
+    computed at the run's own weights each step, `probe_values` (then mean ± sd over seeds): both towers' gradient
+    norms and their ratio (seed 002's Figure 5), the loss's gradient with respect to the fresh passage and query
+    vectors, the vectors' norms and the fresh-minus-banked score."""
     lines = ["| setup | loss at the step's weights | " + " | ".join(PROBED_VALUES.values()) + " |",
              "|---|---|" + "---|" * len(PROBED_VALUES)]
     for label, runs in results.items():
+        values = [probe_values(r, skip) for r in runs]
         for variant, name in PROBED_LOSSES.items():
-            series = [{key: r.get("by_step", {}).get(f"probe/{variant}/{key}") for key in PROBED_VALUES} for r in runs]
-            if not all(s["grad_norm_query"] for s in series):
+            if not all(f"{variant}/grad_norm_query" in v for v in values):
                 continue
-            cells = [cell([average(key)(s[key][skip:]) if s[key] and len(s[key]) > skip else None
-                           for s in series], scale=1.0, digits=3) for key in PROBED_VALUES]
+            cells = [cell([v.get(f"{variant}/{key}") for v in values], scale=1.0, digits=3) for key in PROBED_VALUES]
             lines.append(f"| {label} | {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -386,39 +398,77 @@ def batching_sweep_table(results: dict[str, list[dict]], local: int, micros: lis
     return "\n".join(lines)
 
 
-def grad_ratio_figure(results: dict[str, list[dict]], labels: list[str], path: Path, smooth: int = 25) -> None:
-    """Seed 002's Figure 5: ||grad g|| / ||grad f|| per optimizer step of the setups in `labels` (mean over seeds,
-    then a running mean over `smooth` steps), log scale; dashed: passage-only banks."""
+def grad_ratio_curves(results: dict[str, list[dict]], labels: list[str], smooth: int = 25,
+                      every: int = 5) -> dict[str, list[list[float]]]:
+    """Seed 002's Figure 5 as points: per setup of `labels`, ||grad g|| / ||grad f|| per optimizer step (mean over
+    seeds, then a running mean over `smooth` steps), every `every`-th point as [step, value]; setups without the
+    series are left out. Small enough to commit beside the runs' evidence, which drops per-step series."""
+    curves = {}
+    for label in labels:
+        series = [r.get("grad_ratio_by_step") for r in results.get(label, [])]
+        if not series or not all(series):
+            continue
+        length = min(map(len, series))
+        mean = [statistics.mean(s[i] for s in series) for i in range(length)]
+        window = min(smooth, length)
+        smoothed = [(window + i, sum(mean[i:i + window]) / window) for i in range(length - window + 1)]
+        curves[label] = [[step, value] for step, value in smoothed[::every]]
+    return curves
+
+
+def grad_ratio_figure(curves: dict[str, list[list[float]]], path: Path) -> None:
+    """Seed 002's Figure 5 from `grad_ratio_curves`, log scale; dashed: passage-only banks."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import numpy as np
 
     from rag_train.io import atomic_open
 
     fig, ax = plt.subplots(figsize=(6.4, 3.8))
-    for label in labels:
-        curves = [r.get("grad_ratio_by_step") for r in results[label]]
-        if not curves or not all(curves):
-            continue
-        length = min(map(len, curves))
-        mean = np.mean([c[:length] for c in curves], axis=0)
-        window = min(smooth, length)
-        smoothed = np.convolve(mean, np.ones(window) / window, mode="valid")
+    for label, points in curves.items():
         style = "--" if "w/o M_q" in label else ("-" if "ContAccum" in label else ":")
-        ax.plot(np.arange(window, length + 1), smoothed, style, label=label.replace(" (w/o M_q)", ", w/o M_q"))
+        ax.plot([x for x, _ in points], [y for _, y in points], style, label=label.replace(" (w/o M_q)", ", w/o M_q"))
     ax.axhline(1.0, color="black", linewidth=0.6)
     ax.set_yscale("log")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("‖∇g‖ / ‖∇f‖ (passage / query tower)")
     ax.legend(fontsize=7)
     fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
     try:
         with atomic_open(path, "wb") as handle:
             fig.savefig(handle, dpi=110, format="png")
     finally:
         plt.close(fig)
+
+
+def batching_runs(local: int, micros: list[int], banks: list[int], hard_negatives: int = 0,
+                  probe: bool = False) -> dict[str, tuple[str, list[str]]]:
+    """Every setup of `batching_setups` as {label: (run folder name without the seed, its overrides)}; with `probe`
+    Table 1's ContAccum runs (`probed_setups`) also probe their gradients, in folders of their own (a run without
+    the probe is not reused for it)."""
+    probed = probed_setups(local, micros, banks) if probe else []
+    out = {}
+    for label, extra in batching_setups(local, micros, banks, hard_negatives).items():
+        slug = "".join(c for c in label.replace(" ", "_") if c.isalnum() or c in "_-")
+        out[label] = ((f"{slug}-probed", [*extra, "batching.probe_gradients=true"]) if label in probed
+                      else (slug, extra))
+    return out
+
+
+def probed_setups(local: int, micros: list[int], banks: list[int]) -> list[str]:
+    """Table 1's ContAccum and its two passage-only banks (stale, and of the step's own weights)."""
+    n, k, m = local, micros[0], banks[0]
+    return [f"ContAccum {n}x{k}, M={m}", f"ContAccum {n}x{k}, passage-only bank M={m} (w/o M_q)",
+            f"ContAccum {n}x{k}, passage-only bank M={m}, banks emptied each step (w/o M_q, w/o past encoders)"]
+
+
+def plotted_setups(setups: list[str], local: int, micros: list[int]) -> list[str]:
+    """Figure 5's setups: Table 1's K, every option at N_total, each bank with and without M_q (in-batch negatives
+    only)."""
+    return [label for label in setups
+            if f"{local}x{micros[0]}" in label and "emptied" not in label and "uniform" not in label]
 
 
 def compare_batching_main(argv: Optional[list[str]] = None) -> None:
@@ -445,16 +495,9 @@ def compare_batching_main(argv: Optional[list[str]] = None) -> None:
     if min(args.micro) < 1 or min(args.bank) < 1 or args.local < 1 or args.hard_negatives < 0:
         parser.error("--local, --micro and --bank take positive integers, --hard-negatives a count")
 
-    setups = batching_setups(args.local, args.micro, args.bank, args.hard_negatives)
-    n, k = args.local, args.micro[0]  # Table 1's N_local and K
-    m = args.bank[0]  # Table 1's ContAccum and its two passage-only banks (stale, and of the step's own weights)
-    probed = [f"ContAccum {n}x{k}, M={m}", f"ContAccum {n}x{k}, passage-only bank M={m} (w/o M_q)",
-              f"ContAccum {n}x{k}, passage-only bank M={m}, banks emptied each step (w/o M_q, w/o past encoders)"]
+    setups = batching_runs(args.local, args.micro, args.bank, args.hard_negatives, probe=bool(args.probe_out))
     started, results = time.time(), {}
-    for label, extra in setups.items():
-        slug = "".join(c for c in label.replace(" ", "_") if c.isalnum() or c in "_-")
-        if args.probe_out and label in probed:  # its own folder: a run without the probe is not reused for it
-            extra, slug = [*extra, "batching.probe_gradients=true"], f"{slug}-probed"
+    for label, (slug, extra) in setups.items():
         results[label] = [run_once(ROOT / "scripts" / "train_retriever.py", args.config,
                                    Path(args.runs) / f"{slug}-seed{seed}",
                                    [*args.overrides, *extra, f"train.seed={seed}"], threads=1)
@@ -466,11 +509,9 @@ def compare_batching_main(argv: Optional[list[str]] = None) -> None:
                  args.sweep_out)
     if args.probe_out:
         print()
+        probed = probed_setups(args.local, args.micro, args.bank)
         _publish(probe_table({label: results[label] for label in probed}), "the probe table", started, args.probe_out)
     if args.figure:
-        Path(args.figure).parent.mkdir(parents=True, exist_ok=True)
-        # Table 1's K: every option at N_total, each bank with and without M_q (in-batch negatives only)
-        plotted = [label for label in setups
-                   if f"{n}x{k}" in label and "emptied" not in label and "uniform" not in label]
-        grad_ratio_figure(results, plotted, Path(args.figure))
+        grad_ratio_figure(grad_ratio_curves(results, plotted_setups(list(setups), args.local, args.micro)),
+                          Path(args.figure))
         print(f"figure: {args.figure}", file=sys.stderr)

@@ -14,7 +14,15 @@ from pathlib import Path
 
 import pytest
 
-from rag_lab.experiments import PROBED_VALUES, batching_setups, batching_sweep_table, probe_table
+from rag_lab.experiments import (
+    PROBED_VALUES,
+    batching_setups,
+    batching_sweep_table,
+    batching_table,
+    grad_ratio_curves,
+    probe_table,
+    probe_values,
+)
 from rag_lab.reproduction import (
     ablation,
     command,
@@ -451,12 +459,97 @@ def test_probe_table_averages_the_steps_after_the_first_then_the_seeds():
     assert len(lines) == 2 + 3 + 2 and not any("plain" in line for line in lines)
 
 
+def test_probe_values_are_what_the_probe_table_reads_from_the_series():
+    """A probed run reduced to `probe_values` (what its evidence keeps) gives the probe table and the table's
+    "(probed)" marker exactly as its per-step series do: one path against the other; an unprobed run reduces to {}."""
+    def run(offset: float) -> dict:
+        steps = {f"probe/{v}/{key}": [100.0, offset + i, offset + 2 * i, offset - i]
+                 for i, v in enumerate(("banks", "no_banks"), 1) for key in PROBED_VALUES}
+        return {"by_step": steps, "recall": {"1": 0.1}, "mrr@10": 0.1, "steps_per_second": 1.0,
+                "peak_memory_mib": 1.0}
+
+    series = {"probed": [run(0.0), run(3.0)], "plain": [batching_metrics(0.1, 0.2)] * 2}
+    reduced = {label: [{k: v for k, v in r.items() if k != "by_step"} | {"probe_summary": probe_values(r, 1)}
+                       for r in runs] for label, runs in series.items()}
+    assert probe_values(series["plain"][0]) == {}
+    # banks (i = 1): steps 1-3 are 1, 2, -1 -> mean 0.667; the ratio's median is 1
+    assert probe_values(series["probed"][0], 1)["banks/grad_norm_query"] == pytest.approx(2 / 3)
+    assert probe_values(series["probed"][0], 1)["banks/grad_ratio_passage_query"] == 1.0
+    assert probe_table(reduced, skip=1) == probe_table(series, skip=1)
+    assert "- (probed)" in batching_table(reduced).splitlines()[2]
+
+
+def test_grad_ratio_curves_by_hand():
+    """Two seeds' ratios (1, 3, 5, 7) and (3, 5, 7, 9): means 2, 4, 6, 8; a running mean over 2 steps: 3, 5, 7 at
+    steps 2, 3, 4; every second point kept: steps 2 and 4; a setup without the series is left out."""
+    results = {"a": [{"grad_ratio_by_step": [1, 3, 5, 7]}, {"grad_ratio_by_step": [3, 5, 7, 9]}],
+               "b": [{"grad_ratio_passage_query": 1.0}]}
+    assert grad_ratio_curves(results, ["a", "b"], smooth=2, every=2) == {"a": [[2, 3.0], [4, 7.0]]}
+
+
+def test_seed_002s_claim_by_the_rule():
+    """ContAccum 40 / 42 / 41 against GradCache 30 / 33 / 31, GradAccum 20 / 24 / 22 and in-batch 10 / 11 / 13: beats
+    all three (Holm over 3) -> reproduced; GradCache at 41 / 40 / 43 instead: undecided against it -> undecided."""
+    from rag_lab.reproduction.large_batches import claim_line
+
+    def runs(*r1s):
+        return [batching_metrics(r, 0.5) for r in r1s]
+
+    results = {"ContAccum 4x4, M=64": runs(0.40, 0.42, 0.41), "GradCache 4x4": runs(0.30, 0.33, 0.31),
+               "GradAccum 4x4": runs(0.20, 0.24, 0.22), "in-batch 4 (what fits)": runs(0.10, 0.11, 0.13)}
+    line = claim_line(results, 4, 4, 64)
+    assert line.startswith("Seed 002's claim (ContAccum 4x4, M=64 above GradCache 4x4, GradAccum 4x4, in-batch 4 "
+                           "(what fits) at N_total 16), R@1 by the verdict rule, Holm over the 3: **reproduced**. "
+                           "against GradCache 4x4: ContAccum 4x4, M=64 beats GradCache 4x4")
+    results["GradCache 4x4"] = runs(0.41, 0.40, 0.43)
+    assert "Holm over the 3: **undecided**." in claim_line(results, 4, 4, 64)
+    assert claim_line({"GradCache 4x4": results["GradCache 4x4"]}, 4, 4, 64) is None
+
+
+def test_compare_batching_runs_what_the_large_batches_section_runs(tmp_path, monkeypatch):
+    """scripts/compare_batching.py with the section's arguments launches the section's runs: the same folders with
+    the same overrides (so either reuses the other's finished runs), and writes the Table 1 and probe table the
+    section computes from them (run_once replaced by a recorder returning made-up metrics of each folder)."""
+    from rag_lab import experiments
+    from rag_lab.reproduction import large_batches
+
+    plan = Plan(tmp_path / "runs", [0, 1], [64], tmp_path / "docs", quick=True)
+    launched = {}
+
+    def metrics(out: Path) -> dict:
+        seed, index = int(out.name[-1]), sorted(run.out for run in large_batches.runs(plan)).index(out)
+        steps = {f"probe/{v}/{key}": [0.5 + seed + index] * 60 for v in ("banks", "no_banks") for key in PROBED_VALUES}
+        return {**batching_metrics(0.1 + 0.01 * index + 0.02 * seed, 0.5), "grad_ratio_passage_query": 1.0 + seed,
+                **({"by_step": steps} if "probe" in out.name else {})}
+
+    def record(script, config, out, overrides, threads=None):
+        launched[Path(out)] = list(overrides)
+        return metrics(Path(out))
+
+    monkeypatch.setattr(experiments, "run_once", record)
+    budget, setups = large_batches.QUICK, large_batches.setups(plan)
+    table, probe = tmp_path / "table.md", tmp_path / "probe.md"
+    common = [o for o in large_batches.run(plan, "GradCache 2x2", 0).overrides
+              if o not in ("train.seed=0", *setups["GradCache 2x2"][1])]
+    experiments.compare_batching_main(
+        ["--local", str(budget.local), "--micro", *map(str, budget.micros), "--bank", *map(str, budget.banks),
+         "--hard-negatives", str(budget.hard_negatives), "--seeds", "0", "1",
+         "--runs", str(plan.runs / "large_batches"), "--out", str(table), "--probe-out", str(probe), *common])
+    assert launched == {run.out: run.overrides for run in large_batches.runs(plan)}
+    results = {label: [metrics(large_batches.run(plan, label, seed).out) for seed in (0, 1)] for label in setups}
+    assert table.read_text() == batching_table(results) + "\n"
+    probed = experiments.probed_setups(budget.local, list(budget.micros), list(budget.banks))
+    assert probe.read_text() == probe_table({label: results[label] for label in probed}) + "\n"
+
+
 @pytest.mark.xdist_group("seed_sections")
 def test_quick_large_batches_section_runs_seed_002s_table(seed_sections):
-    """`reproduce.py --quick --only large_batches` end to end (`seed_sections`): the runs, the table in
-    reproduction.md and the per-step gradient-ratio curve. GradCache N x K computes the full-batch gradient, so its
-    run equals in-batch at N_total (same seed, same batches) to every metric; the tower ratio is logged at every
-    step, and the probed ContAccum run's probe with the banks is the run's own gradient at every step."""
+    """`reproduce.py --quick --only large_batches` end to end (`seed_sections`): the section's own runs (the folders
+    and overrides of scripts/compare_batching.py), each with its evidence; the report's Table 1 is the runs' metrics;
+    the per-step gradient-ratio curve and the probe. GradCache N x K computes the full-batch gradient, so its run
+    equals in-batch at N_total (same seed, same batches) to every metric; the tower ratio is logged at every step,
+    and the probed ContAccum run's probe with the banks is the run's own gradient at every step; its evidence keeps
+    the probe reduced, not the series."""
     runs = seed_sections
     folder = runs / "large_batches"
     cache, full = (json.loads((folder / f"{name}-seed0" / "metrics.json").read_text())
@@ -468,13 +561,16 @@ def test_quick_large_batches_section_runs_seed_002s_table(seed_sections):
     by_step = contaccum["by_step"]  # the probe with the banks, in the recipe's loop: each step's own gradient
     assert by_step["probe/banks/grad_ratio_passage_query"] == contaccum["grad_ratio_by_step"]
     assert len(by_step["probe/no_banks/grad_ratio_passage_query"]) == 6
+    evidence = json.loads((runs.parent / "evidence" / "large_batches" / "ContAccum_2x2_M4-probed-seed0.json")
+                          .read_text())["metrics"]
+    assert "by_step" not in evidence and evidence["probe_summary"] == probe_values(contaccum)
     report = (runs / "report" / "reproduction.md").read_text()
-    table = (runs / "report" / "large_batches_raw_lm_table.md").read_text().strip()
-    assert table in report and "| GradCache 2x2 |" in table
-    assert "| ContAccum 2x2, M=4, +1 uniform negatives per question, w/o M_h |" in table  # --hard-negatives 1
-    probe = (runs / "report" / "large_batches_raw_lm_probe.md").read_text().strip()
-    assert probe in report and "| ContAccum 2x2, M=4 | without the banked query rows M_q |" in probe
-    assert (runs / "report" / "figures" / "large_batches" / "grad_ratio_raw_lm.png").stat().st_size > 0
+    section = report[report.index("## Seed 002 in its own regime"):]
+    assert (f"| GradCache 2x2 | {100 * cache['recall']['1']:.1f} | {100 * cache['recall']['5']:.1f} |") in section
+    assert "| ContAccum 2x2, M=4, +1 uniform negatives per question, w/o M_h |" in section  # hard_negatives 1
+    assert "| ContAccum 2x2, M=4 | without the banked query rows M_q |" in section
+    assert "Holm over the 3: **undecided**" in section  # one seed
+    assert (runs / "report" / "figures" / "reproduction" / "large_batches_grad_ratio.png").stat().st_size > 0
 
 
 def test_dynnibal_controls_are_sized_from_the_schedule(tmp_path):

@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
+from rag_lab.experiments import probe_values
 from rag_train.io import read_json
 
 META = "reproduce.json"
@@ -42,8 +43,11 @@ PER_STEP = ("by_step", "grad_ratio_by_step")  # a value per step (thousands in a
 
 def split_timing(metrics: dict) -> tuple[dict, dict]:
     """(metrics without per-machine times and per-step series, those times): wall_seconds and each corpus pass's
-    seconds."""
+    seconds. A gradient probe's series are kept reduced as the report reads them (`probe_summary`)."""
     kept = {k: v for k, v in metrics.items() if k != "wall_seconds" and k not in PER_STEP}
+    probe = probe_values(metrics)
+    if probe:
+        kept["probe_summary"] = probe
     timing = {"wall_seconds": metrics["wall_seconds"]} if "wall_seconds" in metrics else {}
     passes = metrics.get("corpus_passes")
     if passes:
