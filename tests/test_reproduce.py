@@ -338,7 +338,7 @@ def test_corrector_regime_plans_each_feed_with_its_own_stale_and_exhaustive(tmp_
     assert len(runs) == len(worlds) * 3 * len(corrector_regime.ROWS) == len({r.out for r in runs})
     assert sorted(corrector_regime.RUN_ORDER) == sorted(corrector_regime.ROWS)  # every row runs, once
     rows = len(corrector_regime.ROWS)
-    assert len(worlds) == 2  # seed by seed: every world's seed 0 before any seed 1
+    assert len(worlds) == 3  # seed by seed: every world's seed 0 before any seed 1
     assert [(r.out.parent.name, r.out.name.rsplit("-seed", 1)[1]) for r in runs[::rows]] == [
         (f"w{p}-s{s}", str(seed)) for seed in (0, 1, 2) for p, s in worlds]
     for world in worlds:

@@ -226,5 +226,5 @@ SECTION = register(Section(
     help="the drift-aware refresh (the corrector re-embedding the buffer when its drift crosses a threshold) against "
          "exhaustive every 500 and 1,000 steps, on corrector_regime's worlds and paper feed, whose stale, "
          "exhaustive, SNM and corrector rows it reuses: the gap closed against the passages re-embedded "
-         "(rag_lab/reproduction/corrector_refresh.py). 24 runs of 10-40 min on one core, seed by seed.",
+         "(rag_lab/reproduction/corrector_refresh.py). 36 runs of 10-40 min on one core, seed by seed.",
     full=FULL, quick=QUICK, runs=runs, render=render, collect=collect, prepare=prepare))

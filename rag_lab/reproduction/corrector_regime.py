@@ -64,10 +64,11 @@ class CorrectorRegimeBudget:
 
 
 # two 3,000-passage worlds not tuned on (the drift-aware refresh's thresholds were read off the first one's drift, so
-# the second is where they are checked), 2,000 steps (exhaustive levels off from about step 1,500 there); the 30 runs
-# per world take 10-35 min each on one core. Every checkpoint is kept: a stopped run resumes from its last, and
-# scripts/diagnose_retriever.py --checkpoints reads the corrector's fit along training
-FULL = CorrectorRegimeBudget(worlds=((3000, 1), (3000, 2)),
+# the second is where they are checked) and the tuned world's toy seed at the same size, 2,000 steps (exhaustive
+# levels off from about step 1,500 there); the 30 runs per world take 10-35 min each on one core. Every checkpoint
+# is kept: a stopped run resumes from its last, and scripts/diagnose_retriever.py --checkpoints reads the
+# corrector's fit along training
+FULL = CorrectorRegimeBudget(worlds=((3000, 1), (3000, 2), (3000, 0)),
                              overrides=("train.steps=2000", "train.eval_every=250", "train.save_every=250",
                                         "train.keep_checkpoints=0"))
 QUICK = CorrectorRegimeBudget(worlds=((300, 1),),
@@ -227,9 +228,10 @@ def render(report: Report) -> list[str]:
 
 SECTION = register(Section(
     name="corrector_regime", order=100,
-    help="the corrector fed as seed 000 feeds it, from the LM-pretrained init on two described worlds: stale, "
-         "exhaustive and the corrector at today's subset (16 questions, top-4 + 1 uniform) and at the paper's "
-         "proportions (16, top-8 + 8 uniform), where the corrector is also tried 10.7x D wide and with extra updates "
-         "and a replay, beside SNM and the trainable cache; closure at R@1/5/20/100 within each feed "
-         "(rag_lab/reproduction/corrector_regime.py). 60 runs of 5-40 min on one core, seed by seed.",
+    help="the corrector fed as seed 000 feeds it, from the LM-pretrained init on three described worlds (two "
+         "untuned, and the tuned one's toy seed): stale, exhaustive and the corrector at today's subset (16 "
+         "questions, top-4 + 1 uniform) and at the paper's proportions (16, top-8 + 8 uniform), where the corrector "
+         "is also tried 10.7x D wide and with extra updates and a replay, beside SNM and the trainable cache; "
+         "closure at R@1/5/20/100 within each feed "
+         "(rag_lab/reproduction/corrector_regime.py). 90 runs of 5-40 min on one core, seed by seed.",
     full=FULL, quick=QUICK, runs=runs, render=render, collect=collect, prepare=prepare))
