@@ -328,6 +328,22 @@ def test_described_report_gives_each_rows_share_of_the_gap_per_seed_and_the_verd
     assert "_(not run: `--only described`)_" in "\n".join(described.described_section(None))
 
 
+def test_corrector_variants_against_the_trainable_cache_by_the_rule():
+    """By hand: the trainable cache 64 / 66 / 65; (b) 54 / 55 / 53 (-10 / -11 / -12: t -19.05, p 0.0027, x 2 by Holm
+    as the smaller p) loses; (c) 66 / 64 / 66 (+2 / -2 / +1) undecided; without the trainable cache, no line."""
+    def runs(*r1s):
+        return [retriever_metrics(r) for r in r1s]
+
+    rows = {"b-trainable_cache": runs(0.64, 0.66, 0.65), "b-corrector": runs(0.54, 0.55, 0.53),
+            "c-corrector": runs(0.66, 0.64, 0.66)}
+    line = corrector_regime.rival_line(rows)
+    assert line.startswith("The corrector variants against the trainable cache (R@1, the verdict rule, Holm over the "
+                           "2): (b) corrector, the paper's feed: trainable cache beats (b) corrector")
+    assert "per-seed differences -10.0 / -11.0 / -12.0; paired t -19.05, p 0.003 (Holm over 2: 0.005)" in line
+    assert "(c) = (b), 10.7x D wide: undecided" in line
+    assert corrector_regime.rival_line({**rows, "b-trainable_cache": []}) is None
+
+
 def test_corrector_regime_plans_each_feed_with_its_own_stale_and_exhaustive(tmp_path):
     """The corrector fed as the paper feeds it: every row from the world's LM (the described section's world and LM
     folder), each feed's stale and exhaustive read that feed's subset keys, the wide variants are 10.7x D and only

@@ -184,6 +184,19 @@ def claim_line(rows: dict[str, list[dict]]) -> Optional[str]:
             + "; ".join(parts) + ".")
 
 
+def rival_line(rows: dict[str, list[dict]]) -> Optional[str]:
+    """Each corrector variant against the trainable cache, the nearest published rival (a buffer that learns and
+    re-embeds nothing either), R@1 by the rule, Holm over the variants. None unless it and a variant ran."""
+    ran = [row for row in VARIANTS if rows.get(row)]
+    if not rows.get("b-trainable_cache") or not ran:
+        return None
+    rival = ROWS["b-trainable_cache"][0]
+    versus = compare_variants(rival, [100 * recall(m) for m in rows["b-trainable_cache"]],
+                              {ROWS[row][0]: [100 * recall(m) for m in rows[row]] for row in ran})
+    return (f"The corrector variants against the {rival} (R@1, the verdict rule, Holm over the {len(ran)}): "
+            + "; ".join(f"{name}: {verdict.summary()}" for name, verdict in versus.items()) + ".")
+
+
 def world_lines(rows: dict[str, list[dict]]) -> list[str]:
     labels = {row: f"{label} [{feed}]" for row, (label, feed, _, _) in ROWS.items()}
     paper = PAPER_TABLE1["lm"]
@@ -201,8 +214,9 @@ def world_lines(rows: dict[str, list[dict]]) -> list[str]:
     if table:
         lines += ["The corrector's tracking in the loop, on each step's subset rows (mean of the last 10% of logged "
                   "steps, over seeds; `strategy_log` in metrics.json):", "", table, ""]
-    claim = claim_line(rows)
-    return lines + ([claim, ""] if claim else [])
+    for verdicts in (claim_line(rows), rival_line(rows)):
+        lines += [verdicts, ""] if verdicts else []
+    return lines
 
 
 def corrector_regime_section(results: Optional[dict]) -> list[str]:
