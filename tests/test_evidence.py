@@ -118,3 +118,26 @@ def test_every_committed_report_is_what_its_committed_evidence_gives(evidence, r
     """The reports under docs/evidence, regenerated from their runs' committed summaries: a number edited by hand,
     or evidence added without regenerating the report, fails here."""
     command.main(["--from-evidence", str(evidence), "--out", str(report), "--check"])
+
+
+def doc_snippets(doc: Path) -> list[str]:
+    """The ```python blocks of a doc that print a table from committed evidence (they read docs/evidence/)."""
+    text, blocks = doc.read_text(), []
+    for part in text.split("```python\n")[1:]:
+        code = part.split("```\n", 1)[0]
+        if "docs/evidence/" in code and "print(" in code:
+            blocks.append(code)
+    return blocks
+
+
+def test_a_docs_table_printed_from_evidence_is_what_its_snippet_prints(in_repo, capsys):
+    """docs/corrector_regime.md renders the second untuned world's rows with the section's own code from the committed
+    evidence, and shows the snippet beside the table: run here, each snippet's output must appear in the doc as
+    written (a number edited by hand, or evidence added without re-rendering the table, fails)."""
+    doc = ROOT / "docs" / "corrector_regime.md"
+    snippets = doc_snippets(doc)
+    assert snippets, "docs/corrector_regime.md has no snippet reading docs/evidence/"
+    for code in snippets:
+        exec(compile(code, str(doc), "exec"), {})
+        printed = capsys.readouterr().out.strip()
+        assert printed and printed in doc.read_text(), printed[:200]
