@@ -69,6 +69,11 @@ def recall(m: dict, k: str = "1") -> Optional[float]:
     return m.get("recall", {}).get(k)
 
 
+def recall_points(runs: list[dict], k: str = "1") -> list[float]:
+    """A row's R@k per seed in points (0-100): what the verdict rule compares."""
+    return [100 * recall(m, k) for m in runs]
+
+
 def retrieval_curve(m: dict, k: str = "1") -> list[tuple[int, float]]:
     """(step, recall@k) from a retriever run's history plus its final evaluation."""
     points = []

@@ -597,8 +597,8 @@ def test_dynnibal_controls_are_sized_from_the_schedule(tmp_path):
     plan = Plan(tmp_path, [0], [64], tmp_path / "docs")
     cfg = dynnibal.scheduled(dynnibal.FULL.overrides)
     assert dynnibal.dynnibal_reencoded(cfg, 6000) == 17_472
-    assert dynnibal.row_sizes(plan) == {"warm_start_steps": 500, "equal_reencoding_targets": 582,
-                                        "targets_3x": 1173, "targets_10x": 3520, "paper_landmarks": 11}
+    assert dynnibal.row_sizes(plan) == {"warm_start_steps": 500, "paper_landmarks": 11, "snm": 352,
+                                        "snm-equal-reencoding": 582, "snm-3x": 1173, "snm-10x": 3520}
     assert dynnibal.snm_row_targets(plan) == {"snm": 352, "snm-equal-reencoding": 582, "snm-3x": 1173,
                                               "snm-10x": 3520}
     overrides = {row: dynnibal.run(plan, "lm", row, 0).overrides for row in dynnibal.ROWS}

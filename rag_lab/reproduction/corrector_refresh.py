@@ -16,7 +16,7 @@ import functools
 from dataclasses import dataclass
 from typing import Optional
 
-from rag_lab.experiments import RECALL_AT, cell, closure, gap_share
+from rag_lab.experiments import RECALL_AT, cell, closure, gap_share, recall_points
 from rag_lab.reproduction import corrector_regime
 from rag_lab.reproduction.plan import RETRIEVER_CONFIG, Plan, Run, build_lm, world_name
 from rag_lab.reproduction.sections import Report, Section, register
@@ -112,6 +112,10 @@ def label(own: dict[str, Row], row: str) -> str:
     return own[row].label if row in own else corrector_regime.ROWS[row][0]
 
 
+def reembedded(runs: list[dict]) -> float:
+    return sum(m["reembedded_passages"] for m in runs) / len(runs)
+
+
 def cost_share(rows: dict[str, list[dict]], row: str) -> Optional[float]:
     """The row's re-embedded passages (mean over seeds) as a share of exhaustive's (every 50 steps)."""
     full = [m["reembedded_passages"] for m in rows[HIGH]]
@@ -130,7 +134,7 @@ def curve_table(rows: dict[str, list[dict]], own: dict[str, Row]) -> str:
              "|---|---|---|---|" + "---|" * (2 * len(RECALL_AT))]
     for row in ran:
         runs = rows[row]
-        passages = sum(m["reembedded_passages"] for m in runs) / len(runs)
+        passages = reembedded(runs)
         share = cost_share(rows, row)
         recalls = " | ".join(cell([m["recall"][k] for m in runs]) for k in RECALL_AT)
         closed = " | ".join(gap_share(closure(rows, LOW, HIGH, row, k)[0]) for k in RECALL_AT)
@@ -154,10 +158,6 @@ def refresh_lines(rows: dict[str, list[dict]], own: dict[str, Row]) -> list[str]
     return lines
 
 
-def reembedded(runs: list[dict]) -> float:
-    return sum(m["reembedded_passages"] for m in runs) / len(runs)
-
-
 def verdict_lines(rows: dict[str, list[dict]], own: dict[str, Row]) -> list[str]:
     """Each drift-aware row against (d) without a refresh (does re-embedding help the corrector?) and against the
     exhaustive interval whose mean re-embedded passages are nearest its own (does it beat a fixed schedule at about
@@ -171,7 +171,7 @@ def verdict_lines(rows: dict[str, list[dict]], own: dict[str, Row]) -> list[str]
             pairs.append((row, min(fixed, key=lambda other: abs(reembedded(rows[other]) - reembedded(rows[row])))))
     if not pairs:
         return []
-    r1 = {row: [100 * m["recall"]["1"] for m in rows[row]] for pair in pairs for row in pair}
+    r1 = {row: recall_points(rows[row]) for pair in pairs for row in pair}
     return [f"R@1 by the verdict rule over the {len(pairs)} comparisons below (each p times {len(pairs)}: Holm's "
             "bound):"] + [
         f"- {label(own, a)} against {label(own, b)}: "

@@ -18,7 +18,16 @@ import statistics
 from dataclasses import dataclass
 from typing import Optional
 
-from rag_lab.experiments import RECALL_AT, cell, closure, closure_table, curve_table, gap_share, recall, retrieval_curve
+from rag_lab.experiments import (
+    RECALL_AT,
+    cell,
+    closure,
+    closure_table,
+    curve_table,
+    gap_share,
+    recall_points,
+    retrieval_curve,
+)
 from rag_lab.reproduction.paper import PAPER_INIT_LABELS, PAPER_TABLE1
 from rag_lab.reproduction.plan import RETRIEVER_CONFIG, Plan, Run, build_lm, world_name
 from rag_lab.reproduction.sections import Report, Section, register
@@ -167,8 +176,8 @@ def claim_line(rows: dict[str, list[dict]]) -> Optional[str]:
     ran = [row for row in VARIANTS if rows.get(row)]
     if not rows.get(low) or not rows.get(high) or not ran:
         return None
-    versus = (compare_variants("SNM", [100 * recall(m) for m in rows["b-snm"]],
-                               {ROWS[row][0]: [100 * recall(m) for m in rows[row]] for row in ran})
+    versus = (compare_variants("SNM", recall_points(rows["b-snm"]),
+                               {ROWS[row][0]: recall_points(rows[row]) for row in ran})
               if rows.get("b-snm") else {})
     parts, reached = [], []
     for row in ran:
@@ -191,8 +200,8 @@ def rival_line(rows: dict[str, list[dict]]) -> Optional[str]:
     if not rows.get("b-trainable_cache") or not ran:
         return None
     rival = ROWS["b-trainable_cache"][0]
-    versus = compare_variants(rival, [100 * recall(m) for m in rows["b-trainable_cache"]],
-                              {ROWS[row][0]: [100 * recall(m) for m in rows[row]] for row in ran})
+    versus = compare_variants(rival, recall_points(rows["b-trainable_cache"]),
+                              {ROWS[row][0]: recall_points(rows[row]) for row in ran})
     return (f"The corrector variants against the {rival} (R@1, the verdict rule, Holm over the {len(ran)}): "
             + "; ".join(f"{name}: {verdict.summary()}" for name, verdict in versus.items()) + ".")
 

@@ -24,7 +24,7 @@ from rag_lab.experiments import (
     gap_share,
     gap_shares_line,
     mean_recall,
-    recall,
+    recall_points,
     retrieval_curve,
 )
 from rag_lab.reproduction.paper import PAPER_INIT_LABELS, PAPER_TABLE1
@@ -143,8 +143,8 @@ def gap_lines(rows: dict[str, list[dict]], init: str) -> list[str]:
     lines = [gap_shares_line(rows, "stale", "exhaustive", CLOSERS, labels),
              closure_table(rows, "stale", "exhaustive", CLOSERS, labels, paper)]
     closed = gap_closed(low, fixed, high)
-    versus = compare("corrector", [100 * recall(m) for m in rows["corrector"]],
-                     "SNM", [100 * recall(m) for m in rows.get("snm") or []]) if rows.get("snm") else None
+    versus = compare("corrector", recall_points(rows["corrector"]),
+                     "SNM", recall_points(rows.get("snm") or [])) if rows.get("snm") else None
     above = True if versus is None else ordered(versus, "corrector")
     verdict = ("undecided (exhaustive is not above stale: no gap)" if closed is None
                else "not reproduced" if closed < 0.8 or above is False

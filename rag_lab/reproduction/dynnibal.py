@@ -29,7 +29,7 @@ from rag_lab.experiments import (
     gap_share,
     gap_shares_line,
     mean_recall,
-    recall,
+    recall_points,
     retrieval_curve,
 )
 from rag_lab.reproduction.plan import RETRIEVER_CONFIG, Plan, Run, build_lm, init_model
@@ -54,9 +54,9 @@ ROWS = {
                         ("strategy.refresh_every={warm_start_steps}",)),
     # the equal-cost controls: Dynnibal's re-encoded passages and 10/3x, 10x its device memory given to SNM
     "snm-equal-reencoding": ("SNM re-encoding as many passages as Dynnibal", "snm",
-                             ("strategy.snm_targets={equal_reencoding_targets}",)),
-    "snm-3x": ("SNM at 10/3x Dynnibal's device memory", "snm", ("strategy.snm_targets={targets_3x}",)),
-    "snm-10x": ("SNM at 10x Dynnibal's device memory", "snm", ("strategy.snm_targets={targets_10x}",)),
+                             ("strategy.snm_targets={snm-equal-reencoding}",)),
+    "snm-3x": ("SNM at 10/3x Dynnibal's device memory", "snm", ("strategy.snm_targets={snm-3x}",)),
+    "snm-10x": ("SNM at 10x Dynnibal's device memory", "snm", ("strategy.snm_targets={snm-10x}",)),
     "dynnibal-paper-ratio": ("Dynnibal, host cache at the paper's d'/d (128 / 768)", "dynnibal",
                              ("strategy.landmarks={paper_landmarks}",)),
 }
@@ -128,19 +128,23 @@ def dynnibal_reencoded(cfg: RetrieverTrainConfig, passages: int) -> int:
     return fulls * passages + refreshes * (s.landmarks + min(s.nystrom_samples, passages))
 
 
-def row_sizes(plan: Plan) -> dict[str, int]:
-    """The numbers the rows' overrides name: the schedule's warm start, SNM's targets for each control (SNM
-    re-samples and re-encodes its targets every w steps) and the landmarks at the paper's d'/d of the LM's width (the
-    retriever has no projection)."""
+def snm_row_targets(plan: Plan) -> dict[str, int]:
+    """Every SNM row's targets: at Dynnibal's device memory, at its re-encoded passages (SNM re-samples and re-encodes
+    its targets every w steps) and at MEMORY_MULTIPLES of its device memory."""
     budget = plan.budget_of(SECTION)
     cfg = scheduled(budget.overrides)
     equal = snm_targets_of(plan)
     snm_refreshes = cfg.train.steps // cfg.strategy.refresh_every
+    return {"snm": equal, "snm-equal-reencoding": round(dynnibal_reencoded(cfg, budget.world[0]) / snm_refreshes),
+            **{row: round(equal * multiple) for row, multiple in MEMORY_MULTIPLES.items()}}
+
+
+def row_sizes(plan: Plan) -> dict[str, int]:
+    """The numbers the rows' overrides name: the schedule's warm start, the landmarks at the paper's d'/d of the LM's
+    width (the retriever has no projection) and every SNM row's targets, by its row."""
     dim = lm(plan).model.d_model  # both inits' width: the GTR-like one is the other world's LM, trained
-    return {"warm_start_steps": cfg.strategy.warm_start_steps,
-            "equal_reencoding_targets": round(dynnibal_reencoded(cfg, budget.world[0]) / snm_refreshes),
-            **{f"targets_{row.split('-')[1]}": round(equal * multiple) for row, multiple in MEMORY_MULTIPLES.items()},
-            "paper_landmarks": round(PAPER_LOW_DIM * dim)}
+    return {"warm_start_steps": scheduled(plan.budget_of(SECTION).overrides).strategy.warm_start_steps,
+            "paper_landmarks": round(PAPER_LOW_DIM * dim), **snm_row_targets(plan)}
 
 
 def run(plan: Plan, init: str, row: str, seed: int) -> Run:
@@ -179,13 +183,6 @@ def equal_memory_targets(landmarks: int, nystrom_samples: int) -> int:
     return 3 * landmarks + nystrom_samples
 
 
-def snm_row_targets(plan: Plan) -> dict[str, int]:
-    """Every SNM row's targets: equal memory's and the controls'."""
-    sizes = row_sizes(plan)
-    return {row: int(overrides[0].format(**sizes).split("=")[1]) if overrides else snm_targets_of(plan)
-            for row, (_, strategy, overrides) in ROWS.items() if strategy == "snm"}
-
-
 def device_memory_pct(row: str, m: dict, passages: int, targets: dict[str, int]) -> float:
     """Full-dimension vectors an accelerator holds, as % of the whole buffer (seed 001's Mem%)."""
     if row.startswith("dynnibal"):
@@ -218,8 +215,7 @@ def gap_lines(rows: dict[str, list[dict]], passages: int, targets: dict[str, int
                              {r: label for r, (label, _, _) in ROWS.items()})]
     closed = gap_closed(low, dyn, high)
     memory = device_memory_pct("dynnibal", rows["dynnibal"][0], passages, targets)
-    versus = compare("Dynnibal", [100 * recall(m) for m in rows["dynnibal"]],
-                     "SNM", [100 * recall(m) for m in rows.get("snm") or []])
+    versus = compare("Dynnibal", recall_points(rows["dynnibal"]), "SNM", recall_points(rows.get("snm") or []))
     above = ordered(versus, "Dynnibal")
     verdict = ("undecided (exhaustive is not above uniform: no gap)" if closed is None
                else "not reproduced" if closed <= 0.5 or above is False
@@ -230,10 +226,6 @@ def gap_lines(rows: dict[str, list[dict]], passages: int, targets: dict[str, int
     return lines
 
 
-def r1(runs: list[dict]) -> list[float]:
-    return [100 * recall(m) for m in runs]
-
-
 def control_lines(rows: dict[str, list[dict]], passages: int, targets: dict[str, int]) -> list[str]:
     """The scheduled Dynnibal against each equal-cost control that ran (R@1, the rule, Holm over them), the verdict
     on the paper's "above SNM with 3-33x its memory" from the memory controls, and Dynnibal with the paper's d'/d
@@ -242,8 +234,8 @@ def control_lines(rows: dict[str, list[dict]], passages: int, targets: dict[str,
     ran = [row for row in CONTROLS if rows.get(row)]
     if rows.get("dynnibal") and ran:
         memory = {row: device_memory_pct(row, rows[row][0], passages, targets) for row in ran}
-        verdicts = dict(zip(ran, compare_variants("Dynnibal", r1(rows["dynnibal"]),
-                                                  {ROWS[row][0]: r1(rows[row]) for row in ran}).values()))
+        verdicts = dict(zip(ran, compare_variants("Dynnibal", recall_points(rows["dynnibal"]),
+                                                  {ROWS[row][0]: recall_points(rows[row]) for row in ran}).values()))
         parts = [f"{ROWS[row][0]} ({memory[row]:.1f}% device memory, {rows[row][0]['reembedded_passages']:,} "
                  f"re-embedded): {verdicts[row].summary()}" for row in ran]
         lines.append(f"The scheduled Dynnibal ({rows['dynnibal'][0]['reembedded_passages']:,} re-embedded) against "
@@ -260,7 +252,7 @@ def control_lines(rows: dict[str, list[dict]], passages: int, targets: dict[str,
         paper = rows["dynnibal-paper-ratio"]
         own = paper[0]["strategy_summary"]
         snm_memory = device_memory_pct("snm", rows["snm"][0], passages, targets)
-        versus = compare(ROWS["dynnibal-paper-ratio"][0], r1(paper), "SNM", r1(rows["snm"]))
+        versus = compare(ROWS["dynnibal-paper-ratio"][0], recall_points(paper), "SNM", recall_points(rows["snm"]))
         lines.append(f"Dynnibal with its host cache at the paper's d'/d ({own['low_dim']} of the width: "
                      f"{own['host_memory_pct']:.1f}% of the buffer in host memory, {own['device_memory_pct']:.1f}% on "
                      f"the device) against SNM at {snm_memory:.1f}%, R@1: {versus.summary()}.")

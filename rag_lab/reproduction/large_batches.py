@@ -20,7 +20,7 @@ from rag_lab.experiments import (
     plotted_setups,
     probe_table,
     probed_setups,
-    recall,
+    recall_points,
 )
 from rag_lab.reproduction.plan import RETRIEVER_CONFIG, Plan, Run, build_lm
 from rag_lab.reproduction.plots import figure_lines
@@ -94,11 +94,11 @@ def claim_line(results: dict[str, list[dict]], local: int, k: int, m: int) -> Op
     contaccum = results.get(f"ContAccum {local}x{k}, M={m}") or []
     rivals = {label: results.get(label) or [] for label in
               (f"GradCache {local}x{k}", f"GradAccum {local}x{k}", f"in-batch {local} (what fits)")}
-    rivals = {label: [100 * recall(r) for r in runs] for label, runs in rivals.items() if runs}
+    rivals = {label: recall_points(runs) for label, runs in rivals.items() if runs}
     if not contaccum or not rivals:
         return None
     name = f"ContAccum {local}x{k}, M={m}"
-    verdicts = compare_variants(name, [100 * recall(r) for r in contaccum], rivals)
+    verdicts = compare_variants(name, recall_points(contaccum), rivals)
     above = [ordered(v, name) for v in verdicts.values()]
     word = "reproduced" if all(above) else "not reproduced" if any(a is False for a in above) else "undecided"
     return (f"Seed 002's claim ({name} above " + ", ".join(verdicts) + f" at N_total {local * k}), R@1 by the "
