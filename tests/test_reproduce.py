@@ -344,6 +344,28 @@ def test_corrector_variants_against_the_trainable_cache_by_the_rule():
     assert corrector_regime.rival_line({**rows, "b-trainable_cache": []}) is None
 
 
+def test_the_gap_against_the_evaluations_noise_by_hand():
+    """Two seeds, 100 questions. Stale R@1 0.40 / 0.45 / 0.50 at steps 10 / 20 / 30 (last 0.50, mean of the last three
+    0.45), exhaustive 0.60 throughout: a gap of 10 points last (10 questions), 15 over the last three. The corrector
+    0.45 / 0.50 / 0.55: (0.55 - 0.50) / 0.10 = 50% last, (0.50 - 0.45) / 0.15 = 33% over three. Sampling error at
+    stale's last R@1 0.5: 100 sqrt(0.25 / 100) = 5.0; at R@20 0.9: 100 sqrt(0.09 / 100) = 3.0, where every row is 0.9:
+    no gap (n/a). SNM did not run: no line; without exhaustive, no table."""
+    def run(*r1s):
+        return {"recall": {"1": r1s[-1], "20": 0.9}, "steps": 30,
+                "history": [{"step": 10 * (i + 1), "retrieval": {"questions": 100, "recall": {"1": r, "20": 0.9}}}
+                            for i, r in enumerate(r1s[:-1])]}
+
+    rows = {"b-stale": [run(0.40, 0.45, 0.50)] * 2, "b-exhaustive": [run(0.60, 0.60, 0.60)] * 2,
+            "b-corrector": [run(0.45, 0.50, 0.55)] * 2, "b-snm": []}
+    table = corrector_regime.noise_table(rows, "b-stale", "b-exhaustive", ("b-corrector", "b-snm"))
+    assert table.splitlines()[2:] == [
+        "| stale → exhaustive: gap of the means, points (in dev questions, of 100) | 10.0 (10) | 15.0 (15) | 0.0 (0) "
+        "| 0.0 (0) |",
+        "| one evaluation's sampling error at stale's R@k, points | 5.0 | 5.0 | 3.0 | 3.0 |",
+        "| (b) corrector, the paper's feed: share of the gap of the means | 50% | 33% | n/a | n/a |"]
+    assert corrector_regime.noise_table({**rows, "b-exhaustive": []}, "b-stale", "b-exhaustive", ()) is None
+
+
 def test_corrector_regime_plans_each_feed_with_its_own_stale_and_exhaustive(tmp_path):
     """The corrector fed as the paper feeds it: every row from the world's LM (the described section's world and LM
     folder), each feed's stale and exhaustive read that feed's subset keys, the wide variants are 10.7x D and only

@@ -24,6 +24,7 @@ from rag_lab.experiments import (
     closure,
     closure_table,
     curve_table,
+    gap_closed,
     gap_share,
     recall_points,
     retrieval_curve,
@@ -169,6 +170,52 @@ def tracking_table(rows: dict[str, list[dict]]) -> Optional[str]:
     return "\n".join(lines)
 
 
+def evaluated_questions(m: dict) -> Optional[int]:
+    """How many dev questions a run's evaluations scored (its last evaluation in the history that says)."""
+    counts = [data["questions"] for entry in m.get("history", []) for data in entry.values()
+              if isinstance(data, dict) and "questions" in data]
+    return counts[-1] if counts else None
+
+
+def late_recall(m: dict, k: str, tail: int) -> float:
+    """R@k averaged over a run's last `tail` evaluations, its final one included."""
+    return statistics.mean(r for _, r in sorted(retrieval_curve(m, k))[-tail:])
+
+
+def noise_table(rows: dict[str, list[dict]], low: str, high: str, closers, tail: int = 3) -> Optional[str]:
+    """Markdown: at R@1 and R@20, the low -> high gap of the means (points, and dev questions) beside one evaluation's
+    sampling error at the low row's recall (binomial, 100 sqrt(p (1 - p) / n) over its n questions), and the share of
+    the gap each closer that ran closes, at the last step and over the last `tail` evaluations (a run's R@k moves by
+    a few points from one evaluation to the next). A gap of about one sampling error cannot show an 80% closure. None
+    unless low and high ran."""
+    if not rows.get(low) or not rows.get(high):
+        return None
+    n = evaluated_questions(rows[low][0])
+    columns = [(k, late) for k in ("1", "20") for late in (False, True)]
+
+    def mean(row: str, k: str, late: bool) -> float:
+        return statistics.mean(late_recall(m, k, tail) if late else m["recall"][k] for m in rows[row])
+
+    def head(k: str, late: bool) -> str:
+        return f"R@{k}, " + (f"mean of the last {tail} evaluations" if late else "last step")
+
+    gaps = [100 * (mean(high, k, late) - mean(low, k, late)) for k, late in columns]
+    errors = [None if not n else 100 * (mean(low, k, False) * (1 - mean(low, k, False)) / n) ** 0.5
+              for k, _ in columns]
+    lines = ["| | " + " | ".join(head(k, late) for k, late in columns) + " |", "|---|" + "---|" * len(columns),
+             f"| {ROWS[low][0]} → {ROWS[high][0]}: gap of the means, points"
+             + ("" if not n else f" (in dev questions, of {n})") + " | "
+             + " | ".join(f"{gap:.1f}" + ("" if not n else f" ({gap * n / 100:.0f})") for gap in gaps) + " |",
+             f"| one evaluation's sampling error at {ROWS[low][0]}'s R@k, points | "
+             + " | ".join("-" if e is None else f"{e:.1f}" for e in errors) + " |"]
+    for row in closers:
+        if rows.get(row):
+            shares = [gap_closed(mean(low, k, late), mean(row, k, late), mean(high, k, late)) for k, late in columns]
+            lines.append(f"| {ROWS[row][0]}: share of the gap of the means | "
+                         + " | ".join(gap_share(share) for share in shares) + " |")
+    return "\n".join(lines)
+
+
 def claim_line(rows: dict[str, list[dict]]) -> Optional[str]:
     """Seed 000's claim on the paper feed: a corrector variant that closes >= 80% of the gap of the means at R@1 and
     at R@20 and, by the rule (Holm over the variants), beats SNM. None unless stale, exhaustive and a variant ran."""
@@ -219,6 +266,9 @@ def world_lines(rows: dict[str, list[dict]]) -> list[str]:
                                                             if ROWS[row][2] == "corrector"}}})
         if table:
             lines += [f"Closure on {FEEDS[feed][0]} (between that feed's stale and exhaustive):", "", table, ""]
+        table = noise_table(rows, low, high, closers)
+        if table:
+            lines += [f"How far that gap stands above the evaluation's noise ({FEEDS[feed][0]}):", "", table, ""]
     table = tracking_table(rows)
     if table:
         lines += ["The corrector's tracking in the loop, on each step's subset rows (mean of the last 10% of logged "
