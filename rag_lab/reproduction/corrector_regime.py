@@ -179,7 +179,7 @@ def evaluated_questions(m: dict) -> Optional[int]:
 
 def late_recall(m: dict, k: str, tail: int) -> float:
     """R@k averaged over a run's last `tail` evaluations, its final one included."""
-    return statistics.mean(r for _, r in sorted(retrieval_curve(m, k))[-tail:])
+    return statistics.mean(r for _, r in sorted(dict(retrieval_curve(m, k)).items())[-tail:])
 
 
 def noise_table(rows: dict[str, list[dict]], low: str, high: str, closers, tail: int = 3) -> Optional[str]:
