@@ -86,6 +86,11 @@ def retrieval_curve(m: dict, k: str = "1") -> list[tuple[int, float]]:
     return points
 
 
+def late_recall(m: dict, k: str, tail: int) -> float:
+    """R@k averaged over a run's last `tail` evaluations, its final one included (one value per step)."""
+    return statistics.mean(r for _, r in sorted(dict(retrieval_curve(m, k)).items())[-tail:])
+
+
 def seed_mean_curve(runs: list[dict], curve) -> tuple[list[int], list[float], list[float], list[float]]:
     """Steps every run evaluated at, with the mean, min and max over runs."""
     curves = [dict(curve(m)) for m in runs]
@@ -196,8 +201,7 @@ def gap_report(rows: dict[str, list[dict]], tail: int = 4) -> Optional[str]:
         return None
     lines = []
     for label, value in (("at the last step", lambda m: recall(m, "1")),
-                         (f"over the last {tail} evaluations", lambda m: statistics.mean(
-                             r for _, r in sorted(dict(retrieval_curve(m)).items())[-tail:]))):
+                         (f"over the last {tail} evaluations", lambda m: late_recall(m, "1", tail))):
         means = gap_means(rows, value)
         per_seed = [gap_closed(*map(value, runs)) for runs in zip(*(rows[s] for s in GAP))]
         lines.append(f"R@1 {label}: stale {100 * means['stale']:.1f}, corrector {100 * means['corrector']:.1f}, "

@@ -26,6 +26,7 @@ from rag_lab.experiments import (
     curve_table,
     gap_closed,
     gap_share,
+    late_recall,
     recall_points,
     retrieval_curve,
 )
@@ -175,11 +176,6 @@ def evaluated_questions(m: dict) -> Optional[int]:
     counts = [data["questions"] for entry in m.get("history", []) for data in entry.values()
               if isinstance(data, dict) and "questions" in data]
     return counts[-1] if counts else None
-
-
-def late_recall(m: dict, k: str, tail: int) -> float:
-    """R@k averaged over a run's last `tail` evaluations, its final one included."""
-    return statistics.mean(r for _, r in sorted(dict(retrieval_curve(m, k)).items())[-tail:])
 
 
 def noise_table(rows: dict[str, list[dict]], low: str, high: str, closers, tail: int = 3) -> Optional[str]:
