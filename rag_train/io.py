@@ -374,6 +374,22 @@ def verify_model_files(directory: str | Path) -> None:
                 verify_checksums(directory, files, record)
 
 
+def model_digest(name_or_path: Optional[str | Path]) -> Optional[str]:
+    """One sha256 naming a local model folder's contents: of its files' {relative path: sha256}, read from the record
+    saved with them (`checksums.json`, `toy_lm.json`) or, without one, hashed here, so a folder gives the same digest
+    with or without its record. Two runs compared as starting from the same init must show the same digest: a model
+    rebuilt from the same recipe on another machine can differ in its last bits. None for a hub name or no model."""
+    directory = Path(name_or_path) if name_or_path else None
+    if directory is None or not directory.is_dir():
+        return None
+    files = next((read_json(directory / name).get("files") for name in MODEL_RECORDS if (directory / name).is_file()),
+                 None)
+    if not isinstance(files, dict):
+        files = folder_checksums(directory, exclude=MODEL_RECORDS)
+    listing = json.dumps({rel: entry["sha256"] for rel, entry in files.items()}, sort_keys=True)
+    return hashlib.sha256(listing.encode()).hexdigest()
+
+
 def read_json(path: str | Path) -> Any:
     """A JSON file written by this package; CorruptFileError naming it when it is missing or unreadable."""
     path = Path(path)

@@ -17,6 +17,7 @@ from rag_train.config import ConfigError, DataConfig, ReaderConfig, RetrieverCon
 from rag_train.data.sources import TOY_LM_MANIFEST, resolve_data
 from rag_train.data.span_corruption import corrupt, noise_mask
 from rag_train.data.toy_files import ensure_toy_world
+from rag_train.io import model_digest
 from rag_train.train.lm_pretrain import LMPretrainConfig, pretrain_toy_lm
 
 SENTINELS = [900 - i for i in range(100)]  # stand-ins for <extra_id_0>, <extra_id_1>, ...
@@ -140,3 +141,25 @@ def test_a_retriever_and_reader_load_it_like_a_real_t5_checkpoint(recipe_toy_dir
     for name, tensor in lm.state_dict().items():
         torch.testing.assert_close(reader.state_dict()[name], tensor, rtol=0, atol=0)
     ensure_toy_world(DataConfig(toy_dir=str(recipe_toy_dir), toy_passages=300))  # the world is untouched
+
+
+def test_model_digest_names_the_weights_with_or_without_their_record(recipe_toy_dir, lm_folder, tmp_path):
+    """`init_digest` (metrics.json): sha256 of {file: sha256} over the folder's files, by hand; a copy without
+    toy_lm.json hashes its files and gives the same; one changed byte of the weights, or another seed, gives another;
+    no folder (a hub id, `tiny`) gives None."""
+    files = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(lm_folder.iterdir())
+             if p.name != TOY_LM_MANIFEST}
+    assert set(files) >= {"model.safetensors", "config.json", "tokenizer.json"}
+    by_hand = hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
+    assert model_digest(lm_folder) == by_hand
+    bare = tmp_path / "bare"
+    shutil.copytree(lm_folder, bare)
+    (bare / TOY_LM_MANIFEST).unlink()
+    assert model_digest(bare) == by_hand
+    weights = bytearray((bare / "model.safetensors").read_bytes())
+    weights[-1] ^= 1
+    (bare / "model.safetensors").write_bytes(bytes(weights))
+    assert model_digest(bare) != by_hand
+    other = pretrain_toy_lm(_cfg(recipe_toy_dir, tmp_path / "seed1", seed=1), progress=False)
+    assert model_digest(other["folder"]) != by_hand
+    assert model_digest("google/t5-v1_1-base") is None and model_digest("tiny") is None and model_digest(None) is None

@@ -39,6 +39,7 @@ from rag_lab.reproduction.plan import RETRIEVER_CONFIG, Plan, Run, run_all
 from rag_lab.reproduction.report import write_report
 from rag_lab.reproduction.sections import collect, register, sections
 from rag_train.config import load_config
+from rag_train.io import model_digest
 from rag_train.train.schema import RetrieverTrainConfig, RLMConfig
 from rag_train.train.warm_start import stage_settings
 
@@ -951,6 +952,7 @@ def test_quick_corrector_regime_section_feeds_each_row_its_subset(seed_sections)
         config = (folder / f"{row}-seed0" / "config.yaml").read_text()
         top_k, uniform = {"today": (4, 1), "paper": (8, 8)}[feed]
         assert f"model: {lm}\n" in config and f"name: {strategy}\n" in config
+        assert metrics[row]["init_digest"] == model_digest(lm)  # what Plan.complete_seeds compares
         assert f"top_k: {top_k}\n" in config and f"uniform_negatives: {uniform}\n" in config
     assert "hidden_multiple: 10.7\n" in (folder / "d-corrector-seed0" / "config.yaml").read_text()
     assert {row: m["reembedded_passages"] for row, m in metrics.items() if "exhaustive" not in row
@@ -1155,3 +1157,29 @@ def test_list_runs_prints_the_plan_without_launching(tmp_path, capsys):
     assert [line["section"] for line in both if "/table1/random/corrector-" in line["out"]] == ["table1", "table1"]
     assert [line["out"] for line in both if line["section"] == "ablation"] == [line["out"] for line in lines[:2]]
     assert sorted(p.name for p in runs.iterdir()) == ["ablation"]  # nothing prepared or written
+
+
+def test_rows_of_one_comparison_must_share_their_inits_weights(tmp_path):
+    """Plan.complete_seeds (corrector_regime's and corrector_refresh's rows) refuses runs whose metrics.json names
+    different init weights (`init_digest`), naming both folders: an LM rebuilt on another machine differs in its last
+    bits, and rows from two builds are no pairs. Runs without a digest (older runs, `tiny`) are not checked."""
+    from rag_train.io import CheckError
+
+    plan = Plan(tmp_path, [0, 1], [64], tmp_path / "out")
+    runs = {row: (lambda seed, row=row: Run("train_retriever.py", RETRIEVER_CONFIG, tmp_path / f"{row}-seed{seed}"))
+            for row in ("stale", "exhaustive")}
+
+    def finish(row, seed, digest):
+        (tmp_path / f"{row}-seed{seed}").mkdir(exist_ok=True)
+        metrics = {**retriever_metrics(0.5 + seed / 10), **({"init_digest": digest} if digest else {})}
+        (tmp_path / f"{row}-seed{seed}" / "metrics.json").write_text(json.dumps(metrics))
+
+    for row, seed in [("stale", 0), ("exhaustive", 0), ("stale", 1)]:
+        finish(row, seed, "a" * 64)
+    finish("exhaustive", 1, None)
+    got = plan.complete_seeds(runs)
+    assert [m["recall"]["1"] for m in got["stale"]] == [0.5, 0.6] and len(got["exhaustive"]) == 2
+    finish("exhaustive", 1, "b" * 64)
+    with pytest.raises(CheckError, match=r"stale-seed0 and .*exhaustive-seed1 started from different weights "
+                                         r"\(init_digest aaaaaaaaaaaa and bbbbbbbbbbbb\)"):
+        plan.complete_seeds(runs)

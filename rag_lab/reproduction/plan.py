@@ -15,7 +15,7 @@ from rag_lab.experiments import run_once
 from rag_lab.reproduction import evidence
 from rag_lab.reproduction.budgets import FULL, QUICK
 from rag_train.config import load_config
-from rag_train.io import atomic_write_json, read_json, remove_temporaries_of
+from rag_train.io import CheckError, atomic_write_json, read_json, remove_temporaries_of
 from rag_train.train.lm_pretrain import LMPretrainConfig, pretrain_toy_lm
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository: its configs/ and scripts/
@@ -97,6 +97,21 @@ def run_all(runs: list[Run], threads: Optional[int], jobs: int = 1) -> list[bool
     return before
 
 
+def one_init(metrics: dict[Path, Optional[dict]]) -> None:
+    """CheckError where rows of one comparison started from different weights (`init_digest` in metrics.json): the
+    same LM recipe built on another machine can differ in its last bits, and its runs are then no pairs. Runs that
+    recorded no digest (older runs, `tiny`, a hub id) are not checked."""
+    digests = {}
+    for out, m in metrics.items():
+        if m is not None and m.get("init_digest"):
+            digests.setdefault(m["init_digest"], out)
+    if len(digests) > 1:
+        (a, first), (b, second) = list(digests.items())[:2]
+        raise CheckError(f"{first} and {second} started from different weights (init_digest {a[:12]} and "
+                         f"{b[:12]}): rows compared must share one build of their init; rerun one side from the "
+                         "other's model folder")
+
+
 class Plan:
     """What every section plans its runs from (the runs folder, the seeds, the shared budget, the toy world and the
     described worlds with their LMs) and reads their results through."""
@@ -149,6 +164,7 @@ class Plan:
         """Each row's runs (`runs[row](seed)`) in seed order, from the seeds whose every row has finished: a seed part
         way through would pair its finished rows with other seeds' in the means."""
         by_seed = [{row: self.metrics_of(run(seed)) for row, run in runs.items()} for seed in self.seeds]
+        one_init({runs[row](seed).out: m for seed, rows in zip(self.seeds, by_seed) for row, m in rows.items()})
         complete = [rows for rows in by_seed if all(m is not None for m in rows.values())]
         return {row: [rows[row] for rows in complete] for row in runs}
 

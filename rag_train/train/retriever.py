@@ -31,6 +31,7 @@ from rag_train.data.corpus import Corpus
 from rag_train.data.sources import dataset_name, resolve_data
 from rag_train.data.supervised import load_retrieval
 from rag_train.eval.retrieval import evaluate_retrieval, load_eval_set
+from rag_train.io import model_digest
 from rag_train.models.retriever import DualEncoder
 from rag_train.strategies import StrategyContext, build_strategy, strategy_class
 from rag_train.train.batching import MicroBatch, StepParts, check_batching, tower_grad_norms
@@ -227,6 +228,8 @@ class RetrieverRecipe:
             "steps_per_second": self.steps_per_second,
             "strategy": cfg.strategy.name,
             "batching": cfg.batching.name,
+            # the init's weights (None: `tiny` or a hub id): rows compared as from one init must show the same
+            "init_digest": model_digest(cfg.retriever.model),
             "peak_memory_mib": self.peak_memory,  # over this process's steps (CPU: peak RSS; CUDA: max allocated)
             # mean over this run's steps of ||grad passage tower|| / ||grad query tower|| (None: shared towers)
             "grad_ratio_passage_query": sum(grad_ratios) / len(grad_ratios) if grad_ratios else None,
