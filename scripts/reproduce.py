@@ -7,8 +7,14 @@
     python scripts/reproduce.py --report-only                   # rewrite the report from finished runs
 """
 
-from rag_lab.reproduction.command import main
-from rag_train.cli import exit_on_fault
+import os
+
+from rag_lab.reproduction.kernels import pin_cpu_kernels
+
+pin_cpu_kernels(os.environ)  # before torch loads: the evidence's AVX2 kernels (rag_lab/reproduction/kernels.py)
+
+from rag_lab.reproduction.command import main  # noqa: E402
+from rag_train.cli import exit_on_fault  # noqa: E402
 
 if __name__ == "__main__":
     with exit_on_fault():

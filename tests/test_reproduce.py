@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from rag_lab.experiments import (
     PROBED_VALUES,
@@ -35,6 +36,7 @@ from rag_lab.reproduction import (
     table3,
 )
 from rag_lab.reproduction.analysis import ANALYSIS
+from rag_lab.reproduction.kernels import pin_cpu_kernels
 from rag_lab.reproduction.plan import RETRIEVER_CONFIG, Plan, Run, run_all
 from rag_lab.reproduction.report import write_report
 from rag_lab.reproduction.sections import collect, register, sections
@@ -948,11 +950,13 @@ def test_quick_corrector_regime_section_feeds_each_row_its_subset(seed_sections)
     metrics = {row: json.loads((folder / f"{row}-seed0" / "metrics.json").read_text())
                for row in corrector_regime.ROWS}
     lm = next(world.glob("lm-*"))
+    default_kernels = torch.backends.cpu.get_cpu_capability()  # this process's: the script pins them where it can
     for row, (_, feed, strategy, _) in corrector_regime.ROWS.items():
         config = (folder / f"{row}-seed0" / "config.yaml").read_text()
         top_k, uniform = {"today": (4, 1), "paper": (8, 8)}[feed]
         assert f"model: {lm}\n" in config and f"name: {strategy}\n" in config
         assert metrics[row]["init_digest"] == model_digest(lm)  # what Plan.complete_seeds compares
+        assert metrics[row]["cpu_capability"] == ("AVX2" if pin_cpu_kernels({}) else default_kernels)
         assert f"top_k: {top_k}\n" in config and f"uniform_negatives: {uniform}\n" in config
     assert "hidden_multiple: 10.7\n" in (folder / "d-corrector-seed0" / "config.yaml").read_text()
     assert {row: m["reembedded_passages"] for row, m in metrics.items() if "exhaustive" not in row
@@ -1183,3 +1187,17 @@ def test_rows_of_one_comparison_must_share_their_inits_weights(tmp_path):
     with pytest.raises(CheckError, match=r"stale-seed0 and .*exhaustive-seed1 started from different weights "
                                          r"\(init_digest aaaaaaaaaaaa and bbbbbbbbbbbb\)"):
         plan.complete_seeds(runs)
+
+
+def test_the_reproduction_pins_avx2_kernels_where_the_cpu_has_them():
+    """rag_lab/reproduction/kernels.py by hand: ATEN_CPU_CAPABILITY=avx2 on x86-64 with the avx2 flag; nothing on a
+    CPU without it (forcing it would be an illegal instruction) or on another architecture (torch warns about a value
+    it does not know); a value the caller set is kept."""
+    with_avx2 = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma avx512f\n"
+    env = {}
+    assert pin_cpu_kernels(env, "x86_64", with_avx2) == "avx2" and env == {"ATEN_CPU_CAPABILITY": "avx2"}
+    env = {}
+    assert pin_cpu_kernels(env, "x86_64", with_avx2.replace(" avx2", "")) is None and env == {}
+    assert pin_cpu_kernels(env, "aarch64", with_avx2) is None and env == {}
+    env = {"ATEN_CPU_CAPABILITY": "avx512"}
+    assert pin_cpu_kernels(env, "x86_64", with_avx2) == "avx512" and env == {"ATEN_CPU_CAPABILITY": "avx512"}

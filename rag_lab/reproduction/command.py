@@ -13,7 +13,9 @@ Every training run is its own process (`python scripts/train_*.py` with the envi
 under --runs; a finished run (metrics.json there) is reused and an interrupted one is launched again with
 train.resume=true (from its last checkpoint if it saved one; finished RLM warm-start stages are kept), so an
 interrupted reproduction continues where it stopped. The report always covers every
-finished run it finds, whichever sections this invocation ran.
+finished run it finds, whichever sections this invocation ran. On an x86-64 host with AVX2 every run (and the toy LMs
+built in this process) uses ATen's AVX2 kernels, as the committed evidence did, unless ATEN_CPU_CAPABILITY is set:
+AVX-512 kernels round differently, and rows from two kernel sets are no pairs (rag_lab/reproduction/kernels.py).
 
 A section is one module of rag_lab/reproduction/ (rag_lab/reproduction/sections.py says what it declares); the
 sections below, in the order they run and appear in the report, are the ones found there. Times are on 2 CPU cores,

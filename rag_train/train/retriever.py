@@ -230,6 +230,8 @@ class RetrieverRecipe:
             "batching": cfg.batching.name,
             # the init's weights (None: `tiny` or a hub id): rows compared as from one init must show the same
             "init_digest": model_digest(cfg.retriever.model),
+            # the vectorised CPU kernels that ran (they round differently; the reproduction pins AVX2)
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "peak_memory_mib": self.peak_memory,  # over this process's steps (CPU: peak RSS; CUDA: max allocated)
             # mean over this run's steps of ||grad passage tower|| / ||grad query tower|| (None: shared towers)
             "grad_ratio_passage_query": sum(grad_ratios) / len(grad_ratios) if grad_ratios else None,
