@@ -1,5 +1,5 @@
 """One entry-point convention (docs/architecture.md): every script in scripts/ is a docstring, imports (and
-constants such as its default config file) and one call
+constants such as its default config file, and the set-up that must precede torch: `BEFORE_TORCH`) and one call
 into the package under `if __name__ == "__main__":`, made inside `rag_train.cli.exit_on_fault` (directly, or through
 `run_recipe`, which enters it), so every script ends a known fault with one `error:` line and the exit statuses of
 docs/reliability.md. Checked on the scripts' syntax trees, and through two scripts whose faults used to end
@@ -24,6 +24,11 @@ OWN_FAULT_HANDLING = {
 }
 
 
+# process setup a script may call between its imports, because it must run before torch loads (so not in main):
+# the reproduction's pinned CPU kernels (rag_lab/reproduction/kernels.py)
+BEFORE_TORCH = {"pin_cpu_kernels"}
+
+
 def is_call(node: ast.AST, name: str | None = None) -> bool:
     if not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Call)):
         return False
@@ -44,6 +49,8 @@ def convention_problems(path: Path) -> list[str]:
         if isinstance(node, ast.Assign) and all(isinstance(t, ast.Name) and t.id.isupper() for t in node.targets):
             continue  # a constant: the recipe's default config file
         if path.name in OWN_FAULT_HANDLING and isinstance(node, ast.If):  # its sys.path line for a bare machine
+            continue
+        if any(is_call(node, name) for name in BEFORE_TORCH):
             continue
         problems.append(f"line {node.lineno}: {type(node).__name__} at the top level (only imports: the work "
                         "belongs in a package function)")
@@ -80,6 +87,10 @@ def test_the_checker_refuses_what_the_convention_forbids(tmp_path):
         "good.py": '"""x"""\nfrom m import main\n'
                    'if __name__ == "__main__":\n    with exit_on_fault():\n        main()\n',
         "recipe.py": '"""x"""\nif __name__ == "__main__":\n    run_recipe(A, B, c, d)\n',
+        "pinned.py": '"""x"""\nimport os\npin_cpu_kernels(os.environ)\nfrom m import main\n'
+                     'if __name__ == "__main__":\n    with exit_on_fault():\n        main()\n',
+        "setup.py": '"""x"""\nimport os\nsetup(os.environ)\nfrom m import main\n'
+                    'if __name__ == "__main__":\n    with exit_on_fault():\n        main()\n',
     }
     found = {}
     for name, text in cases.items():
@@ -89,7 +100,8 @@ def test_the_checker_refuses_what_the_convention_forbids(tmp_path):
         "logic.py": ["line 3: Assign at the top level (only imports: the work belongs in a package function)"],
         "bare.py": ["its call is not made inside `with exit_on_fault():` (nor through run_recipe)"],
         "two.py": ["its `with exit_on_fault():` holds more than one call"],
-        "good.py": [], "recipe.py": []}
+        "good.py": [], "recipe.py": [], "pinned.py": [],
+        "setup.py": ["line 3: Expr at the top level (only imports: the work belongs in a package function)"]}
 
 
 def run_script(*args: str) -> subprocess.CompletedProcess:
