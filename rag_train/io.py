@@ -361,17 +361,23 @@ def record_model_files(directory: str | Path, exclude: tuple[str, ...] = ()) -> 
                                                                                                   *exclude))})
 
 
-def verify_model_files(directory: str | Path) -> None:
-    """CorruptFileError naming the first file of a saved model that is missing, truncated or altered with respect to
-    the record saved with it, so that a damaged weight file is named instead of loading as a model that outputs
-    nothing. A folder without a record (a Hugging Face download) passes."""
-    directory = Path(directory)
+def model_records(directory: Path) -> Iterator[tuple[Path, dict[str, dict]]]:
+    """(record file, {relative path: {"bytes", "sha256"}}) of each record saved with a model folder's files."""
     for name in MODEL_RECORDS:
         record = directory / name
         if record.is_file():
             files = read_json(record).get("files")
             if isinstance(files, dict):
-                verify_checksums(directory, files, record)
+                yield record, files
+
+
+def verify_model_files(directory: str | Path) -> None:
+    """CorruptFileError naming the first file of a saved model that is missing, truncated or altered with respect to
+    the record saved with it, so that a damaged weight file is named instead of loading as a model that outputs
+    nothing. A folder without a record (a Hugging Face download) passes."""
+    directory = Path(directory)
+    for record, files in model_records(directory):
+        verify_checksums(directory, files, record)
 
 
 def model_digest(name_or_path: Optional[str | Path]) -> Optional[str]:
@@ -382,9 +388,8 @@ def model_digest(name_or_path: Optional[str | Path]) -> Optional[str]:
     directory = Path(name_or_path) if name_or_path else None
     if directory is None or not directory.is_dir():
         return None
-    files = next((read_json(directory / name).get("files") for name in MODEL_RECORDS if (directory / name).is_file()),
-                 None)
-    if not isinstance(files, dict):
+    files = next((files for _, files in model_records(directory)), None)
+    if files is None:
         files = folder_checksums(directory, exclude=MODEL_RECORDS)
     listing = json.dumps({rel: entry["sha256"] for rel, entry in files.items()}, sort_keys=True)
     return hashlib.sha256(listing.encode()).hexdigest()

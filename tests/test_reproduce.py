@@ -41,7 +41,7 @@ from rag_lab.reproduction.plan import RETRIEVER_CONFIG, Plan, Run, run_all
 from rag_lab.reproduction.report import write_report
 from rag_lab.reproduction.sections import collect, register, sections
 from rag_train.config import load_config
-from rag_train.io import model_digest
+from rag_train.io import CheckError, model_digest
 from rag_train.train.schema import RetrieverTrainConfig, RLMConfig
 from rag_train.train.warm_start import stage_settings
 
@@ -1167,8 +1167,6 @@ def test_rows_of_one_comparison_must_share_their_inits_weights(tmp_path):
     """Plan.complete_seeds (corrector_regime's and corrector_refresh's rows) refuses runs whose metrics.json names
     different init weights (`init_digest`), naming both folders: an LM rebuilt on another machine differs in its last
     bits, and rows from two builds are no pairs. Runs without a digest (older runs, `tiny`) are not checked."""
-    from rag_train.io import CheckError
-
     plan = Plan(tmp_path, [0, 1], [64], tmp_path / "out")
     runs = {row: (lambda seed, row=row: Run("train_retriever.py", RETRIEVER_CONFIG, tmp_path / f"{row}-seed{seed}"))
             for row in ("stale", "exhaustive")}

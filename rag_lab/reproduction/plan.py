@@ -163,8 +163,9 @@ class Plan:
     def complete_seeds(self, runs: dict[str, Callable[[int], Run]]) -> dict[str, list[dict]]:
         """Each row's runs (`runs[row](seed)`) in seed order, from the seeds whose every row has finished: a seed part
         way through would pair its finished rows with other seeds' in the means."""
-        by_seed = [{row: self.metrics_of(run(seed)) for row, run in runs.items()} for seed in self.seeds]
-        one_init({runs[row](seed).out: m for seed, rows in zip(self.seeds, by_seed) for row, m in rows.items()})
+        planned = [{row: run(seed) for row, run in runs.items()} for seed in self.seeds]
+        by_seed = [{row: self.metrics_of(run) for row, run in rows.items()} for rows in planned]
+        one_init({run.out: m for rows, found in zip(planned, by_seed) for run, m in zip(rows.values(), found.values())})
         complete = [rows for rows in by_seed if all(m is not None for m in rows.values())]
         return {row: [rows[row] for rows in complete] for row in runs}
 
