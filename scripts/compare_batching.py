@@ -13,10 +13,19 @@ without banks: batching.probe_gradients).
 
 Each run is its own process with its own folder under --runs; a finished run (metrics.json) is reused.
 `python scripts/reproduce.py --only large_batches` runs it in the paper's regime (docs/large_batches.md).
+
+On an x86-64 host with AVX2 its runs use ATen's AVX2 kernels, as the committed evidence did, unless ATEN_CPU_CAPABILITY
+is set (rag_lab/reproduction/kernels.py).
 """
 
-from rag_lab.experiments import compare_batching_main
-from rag_train.cli import exit_on_fault
+import os
+
+from rag_lab.reproduction.kernels import pin_cpu_kernels
+
+pin_cpu_kernels(os.environ)  # before torch loads: the evidence's AVX2 kernels (rag_lab/reproduction/kernels.py)
+
+from rag_lab.experiments import compare_batching_main  # noqa: E402
+from rag_train.cli import exit_on_fault  # noqa: E402
 
 if __name__ == "__main__":
     with exit_on_fault():

@@ -152,6 +152,12 @@ def test_report_from_given_metrics(tmp_path):
             "retrieval-pretrained init (from random init, which the paper never ran: 20.0); paper 9.7 (T5)") in text
     assert ("(no counterpart in the paper).** The initial model's R@1 (step 0) is 0.0. Measured R@1 order: "
             "stale 50.0 < corrector 60.0 < exhaustive 70.0.\n"
+            "- corrector − stale: measured +10.0 points (corrector ahead on 1/1 seeds), no paper counterpart → by the "
+            "rule **undecided**.\n"  # one seed: no test; the pairs' lines come from the rule alone here
+            "- exhaustive − stale: measured +20.0 points (exhaustive ahead on 1/1 seeds), no paper counterpart → by "
+            "the rule **undecided**.\n"
+            "- exhaustive − corrector: measured +10.0 points (exhaustive ahead on 1/1 seeds), no paper counterpart → "
+            "by the rule **undecided**.\n"
             "- The corrector closes 50% of the stale → exhaustive R@1 gap "
             "(50.0 → 70.0), with 0 re-embedded passages.") in text
     assert "smaller is faster: **undecided**" in text  # one seed per size: no paired test

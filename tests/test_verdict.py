@@ -121,6 +121,9 @@ def test_seed_000s_pair_claims_take_their_word_from_the_rule():
         "**reproduces**.", "**does not reproduce**.", "**reproduces (on par)**.",
         "**does not reproduce (paper: on par)**.", "**undecided**."]
     assert lines[0].startswith("- a − b: measured +11.0 points (a ahead on 3/3 seeds; paired t 19.05, p 0.003)")
+    unpaired = pair_claims(rows, {}, [("a", "b"), ("d", "b"), ("f", "b")], lambda m: m["r"])  # no paper: the rule
+    assert [line.split("→ ")[1] for line in unpaired] == [
+        "by the rule **a beats b**.", "by the rule **level**.", "by the rule **undecided**."]
 
 
 def test_dynnibal_beats_snm_only_by_the_rule():

@@ -27,19 +27,23 @@ def _verdict(rule: Verdict, better: str, paper: float) -> str:
 def pair_claims(rows: dict[str, list[dict]], paper: dict[str, float], pairs: list[tuple[str, str]], value,
                 unit: str = "points") -> list[str]:
     """One line per (better, worse) pair of the paper: measured mean difference, per-seed wins, the paper's, and the
-    verdict by the rule (rag_lab/reproduction/verdict.py, runs paired in seed order)."""
+    verdict by the rule (rag_lab/reproduction/verdict.py, runs paired in seed order). With no paper numbers at all (an
+    init the paper never ran) each pair still gets the rule's own word, with no claim to reproduce."""
     lines = []
     for better, worse in pairs:
         a, b = rows.get(better) or [], rows.get(worse) or []
-        if not a or not b or better not in paper or worse not in paper:
+        if not a or not b or (paper and (better not in paper or worse not in paper)):
             continue
         rule = compare(better, [100 * value(m) for m in a], worse, [100 * value(m) for m in b])
         diff = statistics.mean(100 * value(m) for m in a) - statistics.mean(100 * value(m) for m in b)
         wins = sum(d > 0 for d in rule.diffs)
-        ref = paper[better] - paper[worse]
         test = f"; {rule.test()}" if rule.test() else ""
-        lines.append(f"- {better} − {worse}: measured {diff:+.1f} {unit} ({better} ahead on {wins}/{rule.n} "
-                     f"seeds{test}), paper {ref:+.1f} → **{_verdict(rule, better, ref)}**.")
+        measured = f"- {better} − {worse}: measured {diff:+.1f} {unit} ({better} ahead on {wins}/{rule.n} seeds{test})"
+        if not paper:
+            lines.append(f"{measured}, no paper counterpart → by the rule **{rule.phrase()}**.")
+            continue
+        ref = paper[better] - paper[worse]
+        lines.append(f"{measured}, paper {ref:+.1f} → **{_verdict(rule, better, ref)}**.")
     return lines
 
 
