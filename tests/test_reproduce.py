@@ -1187,6 +1187,7 @@ def test_rows_of_one_comparison_must_share_their_inits_weights(tmp_path):
     finish("exhaustive", 1, None)
     got = plan.complete_seeds(runs)
     assert [m["recall"]["1"] for m in got["stale"]] == [0.5, 0.6] and len(got["exhaustive"]) == 2
+    assert plan.paired(runs) == got
     finish("exhaustive", 1, "b" * 64)
     with pytest.raises(CheckError, match=r"stale-seed0 and .*exhaustive-seed1 started from different weights "
                                          r"\(init_digest aaaaaaaaaaaa and bbbbbbbbbbbb\)"):
@@ -1205,3 +1206,19 @@ def test_the_reproduction_pins_avx2_kernels_where_the_cpu_has_them():
     assert pin_cpu_kernels(env, "aarch64", with_avx2) is None and env == {}
     env = {"ATEN_CPU_CAPABILITY": "avx512"}
     assert pin_cpu_kernels(env, "x86_64", with_avx2) == "avx512" and env == {"ATEN_CPU_CAPABILITY": "avx512"}
+
+
+def test_rows_are_paired_over_the_seeds_they_all_finished(tmp_path):
+    """Plan.paired (Tables 1 and 3, the ablation, dynnibal, large_batches, generative, described): seed 1 of one row
+    missing drops seed 1 from every row, so the paired test never sets one row's seed 2 against another's seed 1; a
+    row never run is empty and leaves the others as they are (complete_seeds would empty them all)."""
+    plan = Plan(tmp_path, [0, 1, 2], [64], tmp_path / "out")
+    runs = {row: (lambda seed, row=row: Run("train_retriever.py", RETRIEVER_CONFIG, tmp_path / f"{row}-seed{seed}"))
+            for row in ("stale", "corrector", "snm")}
+    for row, seed in [("stale", 0), ("stale", 1), ("stale", 2), ("corrector", 0), ("corrector", 2)]:
+        (tmp_path / f"{row}-seed{seed}").mkdir()
+        (tmp_path / f"{row}-seed{seed}" / "metrics.json").write_text(json.dumps(retriever_metrics(seed / 10)))
+    got = plan.paired(runs)
+    assert {row: [m["recall"]["1"] for m in found] for row, found in got.items()} == {
+        "stale": [0.0, 0.2], "corrector": [0.0, 0.2], "snm": []}
+    assert plan.complete_seeds(runs) == {"stale": [], "corrector": [], "snm": []}

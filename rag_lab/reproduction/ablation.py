@@ -38,7 +38,8 @@ def runs(plan: Plan) -> list[Run]:
 
 
 def collect(plan: Plan) -> dict[int, list[dict]]:
-    return {h: plan.found([run(plan, h, seed) for seed in plan.seeds]) for h in plan.hidden}
+    """{hidden size: [metrics by seed]}, over the seeds every size finished (`Plan.paired`)."""
+    return plan.paired({h: lambda seed, h=h: run(plan, h, seed) for h in plan.hidden})
 
 
 def ablation_markdown(rows: dict[int, list[dict]], references: dict[str, list[dict]]) -> str:

@@ -115,8 +115,8 @@ def collect(plan: Plan) -> dict:
     """{"tuned": the first world's name, "worlds": {world: {init: {row: [metrics by seed]}}}}."""
     worlds = plan.budget_of(SECTION).worlds
     return {"tuned": world_name(*worlds[0]),
-            "worlds": {world_name(*w): {i: {r: plan.found([run(plan, w, i, r, seed) for seed in plan.seeds])
-                                            for r in ROWS} for i in INITS} for w in worlds}}
+            "worlds": {world_name(*w): {i: plan.paired({r: lambda seed, w=w, i=i, r=r: run(plan, w, i, r, seed)
+                                                        for r in ROWS}) for i in INITS} for w in worlds}}
 
 
 def init_table(rows: dict[str, list[dict]]) -> str:

@@ -172,7 +172,7 @@ def collect(plan: Plan) -> dict:
     """{"runs": {init: {row: [metrics by seed]}}, "passages", "snm_targets" (at equal memory), "targets" (every SNM
     row's), "world"}."""
     world = plan.budget_of(SECTION).world
-    return {"runs": {i: {r: plan.found([run(plan, i, r, seed) for seed in plan.seeds]) for r in ROWS} for i in INITS},
+    return {"runs": {i: plan.paired({r: lambda seed, i=i, r=r: run(plan, i, r, seed) for r in ROWS}) for i in INITS},
             "passages": world[0], "snm_targets": snm_targets_of(plan), "targets": snm_row_targets(plan),
             "world": "described, {} passages, toy_seed {}".format(*world)}
 

@@ -158,16 +158,18 @@ def dense_titles_of(plan: Plan, seed: int) -> Optional[dict]:
 
 
 def collect(plan: Plan) -> dict:
-    found, seeds = plan.found, plan.seeds
+    """Each group's rows over the seeds all of them finished (`Plan.paired`); the dense runs' title-level figures."""
+    paired = plan.paired
     return {
         "world": "{} passages, toy_seed {}".format(*plan.budget_of(SECTION).world),
         "splits": splits_manifest(plan),
-        "main": {v: found([run(plan, v, s) for s in seeds]) for v in VARIANTS},
-        "fractions": {f: {v: found([run(plan, v, s, fraction=f) for s in seeds]) for v in COMPARED}
+        "main": paired({v: lambda s, v=v: run(plan, v, s) for v in VARIANTS}),
+        "fractions": {f: paired({v: lambda s, v=v, f=f: run(plan, v, s, fraction=f) for v in COMPARED})
                       for f in FRACTIONS},
-        "sizes": {size: {v: found([run(plan, v, s, size=size) for s in seeds]) for v in COMPARED} for size in SIZES},
-        "bridge": {v: found([run(plan, v, s, bridge=True) for s in seeds]) for v in COMPARED},
-        "dense": [m for m in (dense_titles_of(plan, seed) for seed in seeds) if m],
+        "sizes": {size: paired({v: lambda s, v=v, size=size: run(plan, v, s, size=size) for v in COMPARED})
+                  for size in SIZES},
+        "bridge": paired({v: lambda s, v=v: run(plan, v, s, bridge=True) for v in COMPARED}),
+        "dense": [m for m in (dense_titles_of(plan, seed) for seed in plan.seeds) if m],
     }
 
 

@@ -73,7 +73,7 @@ def prepare(plan: Plan, threads) -> None:
 def collect(plan: Plan) -> dict:
     """{"results": {label: [metrics by seed]}, "curves": Figure 5's points (from the runs, or their evidence)}."""
     budget = plan.budget_of(SECTION)
-    results = {label: plan.found([run(plan, label, seed) for seed in plan.seeds]) for label in setups(plan)}
+    results = plan.paired({label: lambda seed, label=label: run(plan, label, seed) for label in setups(plan)})
     if plan.evidence is not None:
         path = plan.evidence / CURVES
         curves = json.loads(path.read_text()) if path.is_file() else {}

@@ -160,14 +160,28 @@ class Plan:
     def found(self, runs: list[Run]) -> list[dict]:
         return [m for m in map(self.metrics_of, runs) if m is not None]
 
-    def complete_seeds(self, runs: dict[str, Callable[[int], Run]]) -> dict[str, list[dict]]:
-        """Each row's runs (`runs[row](seed)`) in seed order, from the seeds whose every row has finished: a seed part
-        way through would pair its finished rows with other seeds' in the means."""
+    def by_seed(self, runs: dict[str, Callable[[int], Run]]) -> list[dict[str, Optional[dict]]]:
+        """Per seed, each row's metrics (None: not finished); CheckError where the finished rows started from
+        different weights (`one_init`). Each row's Run is planned once: planning can load a config."""
         planned = [{row: run(seed) for row, run in runs.items()} for seed in self.seeds]
         by_seed = [{row: self.metrics_of(run) for row, run in rows.items()} for rows in planned]
         one_init({run.out: m for rows, found in zip(planned, by_seed) for run, m in zip(rows.values(), found.values())})
-        complete = [rows for rows in by_seed if all(m is not None for m in rows.values())]
+        return by_seed
+
+    def complete_seeds(self, runs: dict[str, Callable[[int], Run]]) -> dict[str, list[dict]]:
+        """Each row's runs (`runs[row](seed)`) in seed order, from the seeds whose every row has finished: a seed part
+        way through would pair its finished rows with other seeds' in the means."""
+        complete = [rows for rows in self.by_seed(runs) if all(m is not None for m in rows.values())]
         return {row: [rows[row] for rows in complete] for row in runs}
+
+    def paired(self, runs: dict[str, Callable[[int], Run]]) -> dict[str, list[dict]]:
+        """`complete_seeds` for sections that may run in part: a row with no finished run at all is left empty
+        instead of emptying the others, and the rest pair over the seeds where every one of them finished (the
+        paired tests pair rows by position, so a seed part way through must not shift one row against another)."""
+        by_seed = self.by_seed(runs)
+        present = {row for rows in by_seed for row, m in rows.items() if m is not None}
+        complete = [rows for rows in by_seed if all(rows[row] is not None for row in present)]
+        return {row: [rows[row] for rows in complete] if row in present else [] for row in runs}
 
     def invocations(self) -> list[dict]:
         """The log of earlier invocations that ran sections into this folder (the report lists their commands)."""

@@ -64,10 +64,10 @@ def prepare(plan: Plan, threads) -> None:
 
 
 def collect(plan: Plan) -> dict:
-    """{"pretrain": its metrics or None, "runs": {init: {strategy: [metrics by seed]}}}."""
+    """{"pretrain": its metrics or None, "runs": {init: {strategy: [metrics by seed]}}}, each init's rows over the
+    seeds they all finished (`Plan.paired`)."""
     return {"pretrain": plan.metrics_of(pretrain(plan)),
-            "runs": {i: {s: plan.found([run(plan, i, s, seed) for seed in plan.seeds]) for s in TABLE1}
-                     for i in INITS}}
+            "runs": {i: plan.paired({s: lambda seed, i=i, s=s: run(plan, i, s, seed) for s in TABLE1}) for i in INITS}}
 
 
 def table1_markdown(rows: dict[str, list[dict]], init: str) -> str:

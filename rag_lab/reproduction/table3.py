@@ -67,9 +67,10 @@ def prepare(plan: Plan, threads) -> None:
 
 
 def collect(plan: Plan) -> dict:
-    """{"runs": {strategy: [metrics by seed]}, "lm": the same from the LM init}."""
-    return {"runs": {s: plan.found([run(plan, s, seed) for seed in plan.seeds]) for s in TABLE3},
-            "lm": {s: plan.found([run_lm(plan, s, seed) for seed in plan.seeds]) for s in TABLE3_LM}}
+    """{"runs": {strategy: [metrics by seed]}, "lm": the same from the LM init}, over the seeds every row of the
+    init finished (`Plan.paired`)."""
+    return {"runs": plan.paired({s: lambda seed, s=s: run(plan, s, seed) for s in TABLE3}),
+            "lm": plan.paired({s: lambda seed, s=s: run_lm(plan, s, seed) for s in TABLE3_LM})}
 
 
 def table3_markdown(rows: dict[str, list[dict]], paper_table: dict = PAPER_TABLE3) -> str:
