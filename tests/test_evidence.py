@@ -110,13 +110,14 @@ def test_from_evidence_names_a_missing_folder(tmp_path, in_repo):
         command.main(["--from-evidence", str(tmp_path / "none")])
 
 
-COMMITTED = [(Path("docs/evidence/corrector_regime"), Path("docs/evidence/corrector_regime/report"))]
+COMMITTED = [(Path("docs/evidence/reproduction"), Path("docs/generated")),
+             (Path("docs/evidence/corrector_regime"), Path("docs/evidence/corrector_regime/report"))]
 
 
 @pytest.mark.parametrize("evidence, report", COMMITTED, ids=[str(e) for e, _ in COMMITTED])
 def test_every_committed_report_is_what_its_committed_evidence_gives(evidence, report, in_repo):
-    """The reports under docs/evidence, regenerated from their runs' committed summaries: a number edited by hand,
-    or evidence added without regenerating the report, fails here."""
+    """docs/generated/reproduction.md and the reports under docs/evidence, regenerated from their runs' committed
+    summaries: a number edited by hand, or evidence added without regenerating the report, fails here."""
     command.main(["--from-evidence", str(evidence), "--out", str(report), "--check"])
 
 
