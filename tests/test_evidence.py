@@ -111,7 +111,8 @@ def test_from_evidence_names_a_missing_folder(tmp_path, in_repo):
 
 
 COMMITTED = [(Path("docs/evidence/reproduction"), Path("docs/generated")),
-             (Path("docs/evidence/corrector_regime"), Path("docs/evidence/corrector_regime/report"))]
+             (Path("docs/evidence/corrector_regime"), Path("docs/evidence/corrector_regime/report")),
+             (Path("docs/evidence/large_batches"), Path("docs/evidence/large_batches/report"))]
 
 
 @pytest.mark.parametrize("evidence, report", COMMITTED, ids=[str(e) for e, _ in COMMITTED])
