@@ -84,6 +84,22 @@ def test_evidence_written_from_run_folders_is_the_committed_fixture(tmp_path, mo
     assert all((evidence / name).stat().st_size < 4000 for name in written)
 
 
+def test_evidence_holds_the_only_sections_runs_alone(tmp_path, monkeypatch, machine):
+    """One runs folder holds Table 1's and Table 3's runs; `--only table3 --evidence` writes Table 3's summary and the
+    meta, not Table 1's runs (they are another section's), and the report from that evidence has no Table 1 rows."""
+    monkeypatch.chdir(tmp_path)
+    make_runs(Path("runs"))
+    command.main(["--quick", "--report-only", "--only", "table3", "--seeds", "0", "--runs", "runs", "--out", "report",
+                  "--evidence", "evidence"])
+    written = sorted(p.relative_to(tmp_path / "evidence").as_posix() for p in (tmp_path / "evidence").rglob("*.json"))
+    assert written == ["reproduce.json", "table3/corrector-seed0.json"]
+    assert ((tmp_path / "evidence" / "table3/corrector-seed0.json").read_bytes()
+            == (ROOT / FIXTURE / "table3/corrector-seed0.json").read_bytes())
+    command.main(["--from-evidence", "evidence", "--out", "again"])
+    assert "| exhaustive | 1 | 600 |" in (tmp_path / "report" / "reproduction.md").read_text()  # from the runs
+    assert "| exhaustive | 1 | 600 |" not in (tmp_path / "again" / "reproduction.md").read_text()
+
+
 def test_report_from_the_committed_evidence_is_the_committed_report(tmp_path, in_repo):
     """--from-evidence needs no run folder: its seeds, budget and runs folder come from the evidence."""
     command.main(["--from-evidence", str(FIXTURE), "--out", str(tmp_path)])

@@ -77,7 +77,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="launch nothing; print every run the sections would launch, one JSON object per line "
                              "(section, script, config, out, overrides, finished), each run once, in launch order")
     parser.add_argument("--evidence", type=Path, default=None,
-                        help="also write every finished run's summary into this folder (docs/evidence: committed)")
+                        help="also write the summary of every finished run of the --only sections into this folder "
+                             "(docs/evidence: committed)")
     parser.add_argument("--from-evidence", type=Path, default=None,
                         help="launch nothing; write the report from the summaries in this folder, not from --runs "
                              "(its seeds, budget and runs folder are the ones the summaries were written with)")
@@ -163,7 +164,7 @@ def reproduce(args: argparse.Namespace, argv) -> None:
     if args.evidence is not None:
         written = write_evidence(plan, args.evidence, {
             "machine": machine, "seeds": args.seeds, "hidden": args.hidden, "runs": str(args.runs),
-            "budget": "quick" if args.quick else "full", "invocations": invocations})
+            "budget": "quick" if args.quick else "full", "invocations": invocations}, args.only)
         print(f"[reproduce] evidence: {written} runs in {args.evidence}", flush=True)
     print(f"[reproduce] report: {path} ({time.time() - started:.0f} s)", flush=True)
 

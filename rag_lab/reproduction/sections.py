@@ -109,17 +109,21 @@ def collect(plan: Plan) -> dict:
             "sections": {name: section.collect(plan) for name, section in sections().items()}}
 
 
-def write_evidence(plan: Plan, folder: Path, meta: dict) -> int:
-    """Every finished run's summary, the sections' own evidence files and the report's `meta` under `folder` (after
-    collect, which computes what the sections' files hold); returns how many runs had finished."""
+def write_evidence(plan: Plan, folder: Path, meta: dict, only: list[str]) -> int:
+    """The summary of every finished run of the sections `only` (the runs they reuse from other sections included),
+    their own evidence files and the report's `meta` under `folder` (after collect, which computes what the sections'
+    files hold); returns how many runs had finished. Another section's runs in the same runs folder stay out: each
+    section's evidence folder holds what its report reads and nothing else."""
     names = evidence.Placeholders(plan.runs, ROOT)
+    chosen = {name: section for name, section in sections().items() if name in only}
+    runs = {run.out: run for section in chosen.values() for run in section.runs(plan)}
     written = 0
-    for run in every_run(plan):
+    for run in runs.values():
         summary = evidence.summary(run.script, run.config, run.out, run.overrides, names)
         if summary is not None:
             atomic_write_json(evidence.evidence_path(folder, plan.runs, run.out), summary)
             written += 1
-    for section in sections().values():
+    for section in chosen.values():
         for path, value in section.evidence_files(plan).items():
             atomic_write_json(folder / path, names.value(value))
     atomic_write_json(folder / evidence.META, meta)  # as given: the report names its runs folder
