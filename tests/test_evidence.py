@@ -128,7 +128,8 @@ def test_from_evidence_names_a_missing_folder(tmp_path, in_repo):
 
 COMMITTED = [(Path("docs/evidence/reproduction"), Path("docs/generated")),
              (Path("docs/evidence/corrector_regime"), Path("docs/evidence/corrector_regime/report")),
-             (Path("docs/evidence/large_batches"), Path("docs/evidence/large_batches/report"))]
+             (Path("docs/evidence/large_batches"), Path("docs/evidence/large_batches/report")),
+             (Path("docs/evidence/dynnibal"), Path("docs/evidence/dynnibal/report"))]
 
 
 @pytest.mark.parametrize("evidence, report", COMMITTED, ids=[str(e) for e, _ in COMMITTED])
@@ -148,13 +149,14 @@ def doc_snippets(doc: Path) -> list[str]:
     return blocks
 
 
-def test_a_docs_table_printed_from_evidence_is_what_its_snippet_prints(in_repo, capsys):
-    """docs/corrector_regime.md renders the second untuned world's rows with the section's own code from the committed
-    evidence, and shows the snippet beside the table: run here, each snippet's output must appear in the doc as
-    written (a number edited by hand, or evidence added without re-rendering the table, fails)."""
-    doc = ROOT / "docs" / "corrector_regime.md"
+@pytest.mark.parametrize("name", ["corrector_regime.md", "dynnibal.md"])
+def test_a_docs_table_printed_from_evidence_is_what_its_snippet_prints(name, in_repo, capsys):
+    """docs/corrector_regime.md and docs/dynnibal.md render their tables with the sections' own code from the
+    committed evidence, and show the snippet beside the table: run here, each snippet's output must appear in the doc
+    as written (a number edited by hand, or evidence added without re-rendering the table, fails)."""
+    doc = ROOT / "docs" / name
     snippets = doc_snippets(doc)
-    assert snippets, "docs/corrector_regime.md has no snippet reading docs/evidence/"
+    assert snippets, f"docs/{name} has no snippet reading docs/evidence/"
     for code in snippets:
         exec(compile(code, str(doc), "exec"), {})
         printed = capsys.readouterr().out.strip()

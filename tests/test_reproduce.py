@@ -680,6 +680,29 @@ def test_quick_dynnibal_section_runs_seed_001s_rows(seed_sections):
         assert f"Dynnibal (warm start, refreshes, full refresh) {share:.0f}% (per seed: {share:.0f}%)" in section
     else:
         assert "**undecided (exhaustive is not above uniform: no gap)**" in section
+    tree = m["dynnibal"]["strategy_summary"]
+    share = 100 * tree["tree_rebuilt_points"] / (tree["refreshes"] * passages)
+    assert (f"Dynnibal (warm start, refreshes, full refresh): 3 Nyström refreshes, {share:.0f}% of the rows rebuilt "
+            f"per refresh (1 seed)") in section
+
+
+def test_dynnibal_tree_maintenance_line_counts_the_rows_rebuilt():
+    """The share of the rows a row's refreshes rebuilt, by hand: 2 refreshes of 100 rows that rebuilt 200 points
+    rebuilt everything (the line says the runs cannot time an update); 150 of 200 on another seed is 75%."""
+    def run(rebuilt: int) -> dict:
+        return {"strategy_summary": {"refreshes": 2, "tree_rebuilt_points": rebuilt}}
+
+    whole = dynnibal.tree_lines({"dynnibal": [run(200), run(200)]}, passages=100)
+    assert whole == ["Tree maintenance (seed 001 updates its trees in place where covering and separation still hold, "
+                     "and rebuilds only the subtrees where they fail): Dynnibal (warm start, refreshes, full refresh): "
+                     "2 Nyström refreshes, 100% of the rows rebuilt per refresh (2 seeds). No refresh kept a subtree, "
+                     "so these runs cannot time an update against a rebuild ([dynnibal.md](../dynnibal.md) measures "
+                     "why)."]
+    part = dynnibal.tree_lines({"dynnibal": [run(200), run(150)], "dynnibal-paper-ratio": [run(100)]}, passages=100)
+    assert part[0].endswith("Dynnibal (warm start, refreshes, full refresh): 2 Nyström refreshes, 75-100% of the rows "
+                            "rebuilt per refresh (2 seeds); Dynnibal, host cache at the paper's d'/d (128 / 768): 2 "
+                            "Nyström refreshes, 50% of the rows rebuilt per refresh (1 seed).")
+    assert dynnibal.tree_lines({"uniform": [{"strategy_summary": {}}]}, passages=100) == []
 
 
 def _recording_runs(tmp_path: Path, monkeypatch, fail: str = "", hold: bool = True) -> tuple[list[Run], list]:
