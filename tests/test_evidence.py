@@ -5,6 +5,7 @@ reproduction in test_reproduce.py writes and checks evidence of real runs)."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -101,9 +102,14 @@ def test_evidence_holds_the_only_sections_runs_alone(tmp_path, monkeypatch, mach
 
 
 def test_report_from_the_committed_evidence_is_the_committed_report(tmp_path, in_repo):
-    """--from-evidence needs no run folder: its seeds, budget and runs folder come from the evidence."""
+    """--from-evidence needs no run folder: its seeds, budget and runs folder come from the evidence. The links to
+    the docs are re-rooted to the folder written into: from tests/fixtures/evidence_report they climb three folders
+    to docs/, from a scratch folder they take the path from there."""
     command.main(["--from-evidence", str(FIXTURE), "--out", str(tmp_path)])
-    assert (tmp_path / "reproduction.md").read_bytes() == (EXPECTED / "reproduction.md").read_bytes()
+    expected = (EXPECTED / "reproduction.md").read_text()
+    assert expected.count("](../../../docs/") == 4 and "](../" not in expected.replace("](../../../docs/", "")
+    docs = os.path.relpath(ROOT / "docs", tmp_path)
+    assert (tmp_path / "reproduction.md").read_text() == expected.replace("](../../../docs/", f"]({docs}/")
     command.main(["--from-evidence", str(FIXTURE), "--out", str(EXPECTED), "--check"])  # writes nothing there
     assert not (EXPECTED / "figures").exists()
 

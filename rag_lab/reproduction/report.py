@@ -4,10 +4,12 @@ claim from its own runs."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Optional
 
 from rag_lab.reproduction.budgets import FULL, QUICK
+from rag_lab.reproduction.plan import ROOT
 from rag_lab.reproduction.sections import Report, sections
 from rag_lab.reproduction.verdict import RULE
 from rag_train.io import atomic_write_text, remove_temporaries_of
@@ -85,5 +87,13 @@ def write_report(results: dict, meta: dict, out: Path, into: Optional[Path] = No
     lines = preamble(results, meta)
     for section in sections().values():
         lines += section.render(report)
-    atomic_write_text(path, "\n".join(lines).rstrip() + "\n")  # StorageError on a full disk
+    text = "\n".join(lines).rstrip() + "\n"
+    atomic_write_text(path, text.replace("](../", f"]({docs_from(out)}/"))  # StorageError on a full disk
     return path
+
+
+def docs_from(out: Path) -> str:
+    """The docs/ folder relative to the report's folder: the sections link the docs as seen from docs/generated
+    (`../dynnibal.md`), and a report kept elsewhere (docs/evidence/<section>/report) re-roots those links so that they
+    reach the same pages from there."""
+    return Path(os.path.relpath(ROOT / "docs", out.resolve())).as_posix()
