@@ -59,9 +59,10 @@ def seed_sections(tmp_path_factory) -> Path:
     invocation instead of four), writing each finished run's evidence beside the runs. The tests below each read their
     section's runs and report from it."""
     runs = tmp_path_factory.mktemp("seed_sections") / "runs"
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "reproduce.py"), "--quick", "--only", *SEED_SECTIONS,
-                    "--runs", str(runs), "--jobs", "2", "--evidence", str(runs.parent / "evidence")],
-                   check=True, capture_output=True)
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "reproduce.py"), "--quick", "--only", *SEED_SECTIONS,
+                           "--runs", str(runs), "--jobs", "2", "--evidence", str(runs.parent / "evidence")],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, f"exit status {proc.returncode}; its stderr ends:\n{proc.stderr[-6000:]}"
     return runs
 
 
