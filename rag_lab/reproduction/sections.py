@@ -98,9 +98,11 @@ def execute(plan: Plan, names: list[str], threads: Optional[int], jobs: int = 1)
     return tally
 
 
-def every_run(plan: Plan) -> list[Run]:
-    """Every section's runs, each folder once, in the sections' order."""
-    return list({run.out: run for section in sections().values() for run in section.runs(plan)}.values())
+def every_run(plan: Plan, names: Optional[list[str]] = None) -> list[Run]:
+    """Every section's runs (or only the sections `names`', the runs they reuse from others included), each folder
+    once, in the sections' order."""
+    chosen = [section for name, section in sections().items() if names is None or name in names]
+    return list({run.out: run for section in chosen for run in section.runs(plan)}.values())
 
 
 def collect(plan: Plan) -> dict:
@@ -115,15 +117,13 @@ def write_evidence(plan: Plan, folder: Path, meta: dict, only: list[str]) -> int
     files hold); returns how many runs had finished. Another section's runs in the same runs folder stay out: each
     section's evidence folder holds what its report reads and nothing else."""
     names = evidence.Placeholders(plan.runs, ROOT)
-    chosen = {name: section for name, section in sections().items() if name in only}
-    runs = {run.out: run for section in chosen.values() for run in section.runs(plan)}
     written = 0
-    for run in runs.values():
+    for run in every_run(plan, only):
         summary = evidence.summary(run.script, run.config, run.out, run.overrides, names)
         if summary is not None:
             atomic_write_json(evidence.evidence_path(folder, plan.runs, run.out), summary)
             written += 1
-    for section in chosen.values():
+    for section in (section for name, section in sections().items() if name in only):
         for path, value in section.evidence_files(plan).items():
             atomic_write_json(folder / path, names.value(value))
     atomic_write_json(folder / evidence.META, meta)  # as given: the report names its runs folder
