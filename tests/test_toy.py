@@ -4,6 +4,7 @@ import collections
 import json
 import math
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,6 +21,14 @@ from rag_train.data.toy_files import ensure_toy_world, generate_toy_world, toy_p
 from rag_train.models.tiny import tiny_t5_config
 
 from conftest import read_jsonl
+
+TOY_WORLD_DOC = Path(__file__).resolve().parents[1] / "docs" / "toy_world.md"
+
+
+def stated_in_the_doc(sentence: str) -> None:
+    """docs/toy_world.md states the test world's figures (2000 passages, seed 0) as computed here: a figure that moves
+    with the generator, or one edited by hand, fails."""
+    assert sentence in " ".join(TOY_WORLD_DOC.read_text().split()), sentence
 
 NAME = re.compile(r"[A-Z][a-z]+ [A-Z][a-z]+")
 
@@ -62,12 +71,16 @@ def test_passages_are_short_unique_people_two_each(toy_world, passages):
     assert len(rows) == 2000 and [p["id"] for p in rows] == [f"p{i}" for i in range(2000)]
     words = [len(p["text"].split()) for p in rows]
     assert 20 <= min(words) and max(words) <= 50
+    stated_in_the_doc(f"{min(words)}-{max(words)} words per passage")
     titles = collections.Counter(p["title"] for p in rows)
     assert len(titles) == 1000 and set(titles.values()) == {2}
     # first and family names are each shared by many people: titles alone are weak evidence
     firsts = collections.Counter(t.split()[0] for t in titles)
     families = collections.Counter(t.split()[1] for t in titles)
     assert max(firsts.values()) >= 5 and max(families.values()) >= 5
+    per_name = 2 * len(titles) / (len(firsts) + len(families))
+    stated_in_the_doc(f"{len(titles):,} people, {len(firsts)} first names and {len(families)} family names, "
+                      f"{per_name:.1f} people per name on average")
 
 
 MENTOR_SENTENCE = re.compile(r"(?:was trained by|learned everything from) ([A-Z][a-z]+ [A-Z][a-z]+)\.|"
@@ -174,6 +187,7 @@ def test_version_3_keeps_every_version_2_file_but_hotpotqa(tmp_path):
 
 
 def test_closed_world_majority_answer_per_template_fails(toy_world):
+    em = {}
     for family in FAMILIES:
         by_template = collections.defaultdict(collections.Counter)
         for q in read_jsonl(toy_world[f"{family}-train"]):
@@ -181,6 +195,9 @@ def test_closed_world_majority_answer_per_template_fails(toy_world):
         dev = read_jsonl(toy_world[f"{family}-dev"])
         hits = [by_template[NAME.sub("E", q["question"])].most_common(1)[0][0] == q["answers"][0] for q in dev]
         assert np.mean(hits) < 0.1, family
+        em[family] = 100 * np.mean(hits)
+    stated_in_the_doc(f"baseline gets {em['nq']:.1f}% EM on `nq` dev, {em['tqa']:.1f}% on `tqa`, "
+                      f"{em['hotpotqa']:.1f}% on `hotpotqa` and {em['mentor_bridge']:.1f}% on `mentor_bridge`")
 
 
 def bm25_top1(passages, questions, k1=1.2, b=0.75):
@@ -207,12 +224,14 @@ def bm25_top1(passages, questions, k1=1.2, b=0.75):
 
 
 def test_lexical_retrieval_does_not_solve_the_world(toy_world, passages):
-    rows = list(passages.values())
+    rows, accuracy = list(passages.values()), {}
     for family in ("nq", "tqa"):
         dev = read_jsonl(toy_world[f"{family}-dev"])
         top1 = bm25_top1(rows, dev)
-        accuracy = np.mean([pid in q["gold_ids"] for pid, q in zip(top1, dev)])
-        assert 0.2 < accuracy < 0.85, (family, accuracy)  # names help, but hard negatives share them
+        accuracy[family] = np.mean([pid in q["gold_ids"] for pid, q in zip(top1, dev)])
+        assert 0.2 < accuracy[family] < 0.85, (family, accuracy)  # names help, but hard negatives share them
+    stated_in_the_doc(f"top-1 accuracy on dev is {100 * accuracy['nq']:.1f}% for `nq` and "
+                      f"{100 * accuracy['tqa']:.1f}% for `tqa`")
 
 
 def test_retrieval_files_are_dpr_with_hard_negatives(toy_world, passages):
