@@ -1,5 +1,5 @@
 """T5 attention kernels on CPU: eager (this project) against transformers' SDPA (rag_lab/bench/attention.py;
-docs/rlm_toy.md).
+docs/rlm_toy_log.md).
 
     python scripts/bench_attention.py --threads 2
 """

@@ -4,7 +4,7 @@ cache, tokeniser seconds and pass seconds side by side (both must end with the s
     python scripts/bench_token_cache.py                       # exhaustive refresh every 25 of 100 steps
     python scripts/bench_token_cache.py strategy.name=snm train.steps=100
 
-Logic and options: rag_lab/bench/token_cache.py (docs/rlm_toy.md holds the figures).
+Logic and options: rag_lab/bench/token_cache.py (docs/rlm_toy_log.md holds the figures).
 """
 
 from rag_lab.bench.token_cache import main

@@ -1,4 +1,4 @@
-"""T5 attention kernels on CPU (rag_train/models/attention.py; docs/rlm_toy.md reports the figures).
+"""T5 attention kernels on CPU (rag_train/models/attention.py; docs/rlm_toy_log.md reports the figures).
 
 Two measurements, each side by side in one process, the variants interleaved round by round so that a host
 that speeds up or slows down during the run moves both alike:

@@ -4,7 +4,7 @@ FlexAttention (`models/fast_t5.py`) for the retriever's towers where `retriever.
 T5 always adds a float bias to its attention scores (the relative position bias). transformers hands SDPA that bias
 as a float mask, rebuilt as [B, H, L, L] from bias and padding in every layer; no fused kernel wins that back.
 * CPU, forward + backward (`python scripts/bench_attention.py`, two threads, the same weights both ways;
-  docs/rlm_toy.md): eager 1.15-1.20x faster at the toy towers' and reader's sizes (d 64, d 128), 1.02-1.10x from
+  docs/rlm_toy_log.md): eager 1.15-1.20x faster at the toy towers' and reader's sizes (d 64, d 128), 1.02-1.10x from
   d 256 to T5-base. Every T5 of a process that runs on CPU runs eager (`eager_t5_attention_on_cpu`), on a GPU
   machine too.
 * CUDA, the encoder's forward without gradient under bf16 autocast, as `embed_rows` runs it (one H200, T5-base

@@ -1,6 +1,6 @@
 """The RLM's retriever gate and its state: when perplexity distillation may start moving the retriever, and
 when it must stop (Algorithm 2 leaves both implicit; distilling a reader that cannot read yet destroys the
-retriever, docs/rlm_toy.md)."""
+retriever, docs/rlm_toy_log.md)."""
 
 from __future__ import annotations
 

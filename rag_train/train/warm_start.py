@@ -211,7 +211,7 @@ def warm_start_reader(cfg: RLMConfig, reader: torch.nn.Module, tokenizer, corpus
     device = run.accelerator.device
     reader.to(device).train()
     # T5's own pre-training optimizer: steps scaled by each weight's RMS. Under AdamW a random-init tiny T5
-    # learned to copy several times slower (lr 1e-3) or not at all (2e-3; docs/rlm_toy.md).
+    # learned to copy several times slower (lr 1e-3) or not at all (2e-3; docs/rlm_toy_log.md).
     optimizer = Adafactor(reader.parameters(), lr=cfg.warm_start.reader_lr, scale_parameter=True,
                           relative_step=False, warmup_init=False)
     scheduler = linear_warmup(optimizer, min(100, steps // 10))
