@@ -155,9 +155,12 @@ def doc_snippets(doc: Path) -> list[str]:
     return blocks
 
 
-@pytest.mark.parametrize("name", ["corrector_regime.md", "dynnibal.md", "rlm_toy.md", "toy_world.md"])
+SNIPPET_DOCS = ["corrector_regime.md", "dynnibal.md", "large_batches.md", "rlm_toy.md", "toy_world.md"]
+
+
+@pytest.mark.parametrize("name", SNIPPET_DOCS)
 def test_a_docs_table_printed_from_evidence_is_what_its_snippet_prints(name, in_repo, capsys):
-    """docs/corrector_regime.md, docs/dynnibal.md, docs/rlm_toy.md and docs/toy_world.md render their tables (with
+    """docs/corrector_regime.md, dynnibal.md, large_batches.md, rlm_toy.md and toy_world.md render their tables (with
     the sections' own code where a section made the runs) from the committed evidence, and show the snippet beside the
     table: run here, each snippet's output must appear in the doc as written (a number edited by hand, or evidence
     added without re-rendering the table, fails)."""
