@@ -127,6 +127,20 @@ def test_a_report_edited_by_hand_is_caught(tmp_path, in_repo):
         command.main(["--from-evidence", str(FIXTURE), "--out", str(tmp_path), "--check"])
 
 
+def test_a_report_goes_to_docs_generated_only_from_a_run_of_every_section(in_repo):
+    """The committed report is replaced only by a full run (or an explicit --out): a run of some sections, a quick run
+    and a report from one section's evidence write beside their runs or evidence (a `--only dynnibal` run once
+    replaced docs/generated/reproduction.md with a report of that section alone)."""
+    every = list(command.sections())
+    assert command.parse_args([]).out == Path("docs/generated")
+    assert command.parse_args(["--only", *every]).out == Path("docs/generated")
+    assert command.parse_args(["--only", "dynnibal"]).out == Path("runs/reproduce/report")
+    assert command.parse_args(["--only", "dynnibal", "--runs", "R"]).out == Path("R/report")
+    assert command.parse_args(["--quick"]).out == Path("runs/reproduce-quick/report")
+    assert command.parse_args(["--from-evidence", str(FIXTURE)]).out == FIXTURE / "report"
+    assert command.parse_args(["--only", "dynnibal", "--out", "docs/generated"]).out == Path("docs/generated")
+
+
 def test_from_evidence_names_a_missing_folder(tmp_path, in_repo):
     with pytest.raises(FileNotFoundError, match="reproduce.json: no evidence there"):
         command.main(["--from-evidence", str(tmp_path / "none")])

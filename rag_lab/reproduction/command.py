@@ -1,12 +1,13 @@
 """Reproduce seed 000's comparisons on the toy world end to end and write the report (docs/generated/reproduction.md).
 
     nice -n 10 python scripts/reproduce.py                      # every section, default budgets and seeds
-    python scripts/reproduce.py --only table1 ablation --seeds 0 1 2
+    python scripts/reproduce.py --only table1 ablation --seeds 0 1 2   # some sections: report in <runs>/report
     python scripts/reproduce.py --quick                         # tiny budgets, small world: a smoke test
     python scripts/reproduce.py --report-only                   # rewrite the report from finished runs
-    python scripts/reproduce.py --evidence docs/evidence        # ... and commit each finished run's summary
-    python scripts/reproduce.py --from-evidence docs/evidence   # rewrite the report from those summaries alone
-    python scripts/reproduce.py --from-evidence docs/evidence --check   # fail where a committed table differs
+    python scripts/reproduce.py --evidence docs/evidence/E      # ... and commit each finished run's summary
+    python scripts/reproduce.py --from-evidence docs/evidence/E # rewrite the report (into E/report) from them alone
+    python scripts/reproduce.py --from-evidence docs/evidence/reproduction --out docs/generated --check
+                                                                # fail where a committed table differs
 
 Every training run is its own process (`python scripts/train_*.py` with the environment `accelerate launch
 --num_processes 1 --cpu` would set, so that a failed run's exit status is this script's) with its own folder
@@ -64,7 +65,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--hidden", nargs="+", type=int, default=None, help="ablation sizes; default 64 256 1024")
     parser.add_argument("--runs", type=Path, default=None, help="default runs/reproduce (quick: runs/reproduce-quick)")
     parser.add_argument("--out", type=Path, default=None,
-                        help="folder for reproduction.md and figures/ (default docs/generated; quick: <runs>/report)")
+                        help="folder for reproduction.md and figures/ (default: docs/generated when every section "
+                             "runs; <runs>/report with --quick or --only a part of them, <evidence>/report with "
+                             "--from-evidence, so a partial report never replaces the committed one)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads per run (default 1: the tiny models gain little from a second thread, and "
                              "two threads stall badly when another job holds a core)")
@@ -100,8 +103,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.seeds = args.seeds or list(budget.seeds)
     args.hidden = args.hidden or list(budget.hidden)
     args.runs = args.runs or Path("runs/reproduce-quick" if args.quick else "runs/reproduce")
-    args.out = args.out or (args.runs / "report" if args.quick else Path("docs/generated"))
+    args.out = args.out or default_out(args)
     return args
+
+
+def default_out(args: argparse.Namespace) -> Path:
+    """docs/generated only for a full run of every section: a quick or partial run, or a report from a section's
+    evidence, writes beside its runs or evidence, never over the committed report."""
+    if args.from_evidence is not None:
+        return args.from_evidence / "report"
+    if args.quick or args.only != list(sections()):
+        return args.runs / "report"
+    return Path("docs/generated")
 
 
 def main(argv=None) -> None:
