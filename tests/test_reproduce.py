@@ -912,6 +912,25 @@ def test_quick_generative_section_runs_seed_003s_four_tables(seed_sections):
         in section
 
 
+def test_generative_section_shows_where_the_dev_curves_flatten():
+    """The seen-dev R-precision of each main row at every evaluation (mean over seeds, the final one included) and its
+    change over the last interval, by hand: the issue's "trained until the dev curves flatten" read from the runs."""
+    def run(*points):
+        *history, (steps, final) = points
+        return {"history": [{"step": s, "seen": {"r_precision": r}} for s, r in history], "steps": steps,
+                "datasets": {"seen": {"r_precision": final}}}
+
+    main = {"vanilla": [run((0, 0.0), (2000, 0.10), (4000, 0.30)), run((0, 0.0), (2000, 0.20), (4000, 0.32))],
+            "base": [run((0, 0.0), (2000, 0.25), (4000, 0.31)), run((0, 0.0), (2000, 0.27), (4000, 0.33))],
+            "async": []}
+    lines = generative.flattening(main)
+    assert lines[2].splitlines() == ["| step | vanilla decoding | Np Decoding BASE |", "|---|---|---|",
+                                     "| 0 | 0.0 | 0.0 |", "| 2000 | 15.0 | 26.0 |", "| 4000 | 31.0 | 32.0 |"]
+    assert lines[4] == ("Change over the last evaluation interval, R-precision points: vanilla decoding +16.0 (steps "
+                        "2,000 -> 4,000), Np Decoding BASE +6.0 (steps 2,000 -> 4,000).")
+    assert generative.flattening({"vanilla": [run((4, 0.2))]}) == []  # one evaluation: no curve to read
+
+
 @pytest.mark.xdist_group("seed_sections")
 def test_quick_described_section_runs_seed_000s_table1_from_three_inits(seed_sections):
     """`reproduce.py --quick --only described` end to end (`seed_sections`): every row from every init on the world,

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from rag_lab.analysis.generative_compare import dense_title_metrics
-from rag_lab.experiments import cell
+from rag_lab.experiments import cell, curve_table, seed_mean_curve
 from rag_lab.reproduction import evidence
 from rag_lab.reproduction.evidence import DENSE_TITLES
 from rag_lab.reproduction.plan import RETRIEVER_CONFIG, ROOT, Plan, Run, build_lm
@@ -232,6 +232,29 @@ def contra_claim(main: dict[str, list[dict]]) -> list[str]:
             f"**{verdict}** ({rule.summary()})."]
 
 
+def seen_curve(m: dict) -> list[tuple[int, float]]:
+    """(step, seen-dev R-precision) at every evaluation of a run, its final one included."""
+    points = [(e["step"], e["seen"]["r_precision"]) for e in m.get("history", []) if "seen" in e]
+    return points + [(m["steps"], m["datasets"]["seen"]["r_precision"])]
+
+
+def flattening(main: dict[str, list[dict]]) -> list[str]:
+    """Seen-dev R-precision over training, mean over the seeds, and each row's change over its last evaluation
+    interval: whether the budget trained vanilla and Np Decoding until their dev curves flatten (seed 003 trains to
+    convergence; a gain measured while one row still rises says little)."""
+    rows = {VARIANTS[v][0]: runs for v, runs in main.items() if runs}
+    changes = []
+    for label, runs in rows.items():
+        steps, means, _, _ = seed_mean_curve(runs, seen_curve)
+        if len(steps) > 1:
+            changes.append(f"{label} {100 * (means[-1] - means[-2]):+.1f} (steps {steps[-2]:,} -> {steps[-1]:,})")
+    if not changes:
+        return []
+    return ["Seen-dev R-precision over training (mean over the seeds; the last step is the end of training):", "",
+            curve_table(rows, seen_curve), "",
+            "Change over the last evaluation interval, R-precision points: " + ", ".join(changes) + "."]
+
+
 def generative_section(results: Optional[dict]) -> list[str]:
     if not results or not any(results["main"].values()):
         return []
@@ -249,8 +272,10 @@ def generative_section(results: Optional[dict]) -> list[str]:
         *[_row(VARIANTS[v][0], runs) for v, runs in results["main"].items() if runs]]
     if results["dense"]:
         lines.append(_row("dual encoder (title level)", results["dense"]))
-    lines += [_chance_row(splits), "", *np_gain(results["main"]), *contra_claim(results["main"]), "",
-              "### (b) Data efficiency: share of the training questions", "", *_header("method, training questions")]
+    lines += [_chance_row(splits), "", *np_gain(results["main"]), *contra_claim(results["main"]), ""]
+    curve = flattening(results["main"])
+    lines += [*curve, ""] if curve else []
+    lines += ["### (b) Data efficiency: share of the training questions", "", *_header("method, training questions")]
     for variant in COMPARED:
         for fraction in FRACTIONS:
             runs = results["fractions"].get(fraction, {}).get(variant, [])
