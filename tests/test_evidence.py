@@ -149,7 +149,8 @@ def test_from_evidence_names_a_missing_folder(tmp_path, in_repo):
 COMMITTED = [(Path("docs/evidence/reproduction"), Path("docs/generated")),
              (Path("docs/evidence/corrector_regime"), Path("docs/evidence/corrector_regime/report")),
              (Path("docs/evidence/large_batches"), Path("docs/evidence/large_batches/report")),
-             (Path("docs/evidence/dynnibal"), Path("docs/evidence/dynnibal/report"))]
+             (Path("docs/evidence/dynnibal"), Path("docs/evidence/dynnibal/report")),
+             (Path("docs/evidence/generative"), Path("docs/evidence/generative/report"))]
 
 
 @pytest.mark.parametrize("evidence, report", COMMITTED, ids=[str(e) for e, _ in COMMITTED])
