@@ -60,6 +60,35 @@ def test_chance_is_a_uniform_guess_among_the_people_sharing_the_first_name(descr
                                                           abs=0.006)
 
 
+def test_trained_chance_is_a_guess_among_the_people_each_fraction_trains_on(splits):
+    """The manifest's chance among the trained people, against a count of first names over each training file's gold
+    titles (every seen-dev person is among them)."""
+    trained_chance = json.loads(splits["manifest"].read_text())["trained_chance"]
+    firsts = [row["positive_ctxs"][0]["title"].split()[0] for row in read_jsonl(splits["seen-dev"])]
+    for percent in FRACTIONS:
+        titles = {row["positive_ctxs"][0]["title"] for row in read_jsonl(splits[f"train-{percent}"])}
+        people = collections.Counter(title.split()[0] for title in titles)
+        for k in (1, 5, 10):
+            expected = 100 * sum(min(1, k / people[f]) for f in firsts) / len(firsts)
+            assert trained_chance[f"train-{percent}"][str(k)] == pytest.approx(expected, abs=0.006)
+    assert trained_chance["train-10"]["1"] > trained_chance["train-100"]["1"]  # fewer people share a name in 10%
+
+
+def test_a_manifest_without_a_figure_is_completed_with_the_same_split_files(splits):
+    """Splits of the same settings whose manifest an older writer wrote (no trained_chance) are written again: the
+    files come out byte for byte as before, the manifest gains the figure; other settings are still refused."""
+    folder = splits["manifest"].parent
+    before = {name: path.read_bytes() for name, path in splits.items()}
+    manifest = json.loads(before["manifest"])
+    older = {key: value for key, value in manifest.items() if key != "trained_chance"}
+    splits["manifest"].write_text(json.dumps(older))
+    world = manifest["world_dir"]
+    make_splits(world, folder, dev_questions=DEV)
+    assert {name: path.read_bytes() for name, path in splits.items()} == before
+    with pytest.raises(FileExistsError, match="--overwrite"):
+        make_splits(world, folder, dev_questions=DEV + 1)
+
+
 def test_fractions_are_nested_prefixes_of_the_worlds_training_questions(described_world, splits):
     world_train = read_jsonl(described_world["described-train"])
     full = read_jsonl(splits["train-100"])

@@ -19,7 +19,9 @@ all of the described family, written as DPR JSONL (question, answers, positive_c
 
 `python scripts/make_toy_splits.py --world DIR --out DIR` writes them; runs name them with `data.train=` and
 `data.dev=[...]` (the world stays the toy world: its passages, tokenizer and LM inits). The folder's manifest records
-the world's fingerprint; an existing folder of other splits is not replaced without --overwrite.
+the world's fingerprint, the sizes, chance (a uniform guess among the world's people sharing the question's first
+name; for seen-dev also among the people each fraction trains on) and the description's R@1 ceiling; an existing
+folder of other splits is not replaced without --overwrite.
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ FRACTIONS = (100, 30, 10)  # percent of the world's described-train questions
 BRIDGE_FILES = ("train", "seen-dev", "unseen-dev")  # the multi-hop splits of the mentor_bridge family
 SPLITS_VERSION = 2  # 2: the bridge files
 CHUNK = 16384
+# the manifest's figures; a folder of these settings whose manifest lacks one (an older writer's) is written again,
+# to the same split files
+DERIVED = ("counts", "people", "chance", "ceiling", "trained_chance")
 
 
 def fraction_count(total: int, percent: int) -> int:
@@ -70,6 +75,19 @@ def first_name_chance(world: ToyWorld, questions: list[dict], ks: tuple[int, ...
     question states): the mean over questions of min(1, k / that count)."""
     counts = np.bincount(world.name_parts(np.arange(world.persons))[0], minlength=world.n_first)
     firsts = world.name_parts(np.array([_person(q) for q in questions], dtype=np.int64))[0]
+    return {str(k): round(100.0 * float(np.mean(np.minimum(1.0, k / counts[firsts]))), 2) for k in ks}
+
+
+def trained_first_name_chance(world: ToyWorld, trained: list[dict], questions: list[dict],
+                              ks: tuple[int, ...] = (1, 5, 10)) -> dict[str, float]:
+    """Recall@k (%) of a uniform guess among the people asked in `trained` who share the question's first name: what
+    a generator that writes only people it was trained on gets without knowing which one. Every question's person must
+    be among them (the seen-dev people are in every fraction)."""
+    people = np.unique(np.array([_person(q) for q in trained], dtype=np.int64))
+    counts = np.bincount(world.name_parts(people)[0], minlength=world.n_first)
+    firsts = world.name_parts(np.array([_person(q) for q in questions], dtype=np.int64))[0]
+    if not counts[firsts].all():
+        raise ValueError("a question's person was not asked in training: no guess among the trained people fits it")
     return {str(k): round(100.0 * float(np.mean(np.minimum(1.0, k / counts[firsts]))), 2) for k in ks}
 
 
@@ -126,9 +144,10 @@ def make_splits(world_dir: str | Path, out_dir: str | Path, dev_questions: int =
                 "world_dir": str(world_dir.resolve()), "dev_questions": dev_questions, "fractions": list(FRACTIONS)}
     if paths["manifest"].is_file():
         found = read_json(paths["manifest"])
-        if {key: found.get(key) for key in expected} == expected and all(p.is_file() for p in paths.values()):
+        same = {key: found.get(key) for key in expected} == expected
+        if same and all(p.is_file() for p in paths.values()) and all(key in found for key in DERIVED):
             return paths
-        if not overwrite:
+        if not same and not overwrite:
             raise FileExistsError(f"{paths['manifest']}: splits of other settings or another world are there "
                                   f"(field 'world' {str(found.get('world'))[:12]}...); "
                                   "pass --overwrite to replace them")
@@ -158,6 +177,8 @@ def make_splits(world_dir: str | Path, out_dir: str | Path, dev_questions: int =
     atomic_write_json(paths["manifest"], {
         **expected, "counts": counts, "people": {name: len({_person(q) for q in qs}) for name, qs in sets.items()},
         "chance": {name: first_name_chance(world, sets[name]) for name in dev},
+        "trained_chance": {f"train-{p}": trained_first_name_chance(world, sets[f"train-{p}"], sets["seen-dev"])
+                           for p in FRACTIONS},
         "ceiling": {name: description_ceiling(world, split, sets[name]) for name, split in dev.items()}})
     return paths
 
