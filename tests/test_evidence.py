@@ -170,15 +170,16 @@ def doc_snippets(doc: Path) -> list[str]:
     return blocks
 
 
-SNIPPET_DOCS = ["corrector_regime.md", "dynnibal.md", "large_batches.md", "rlm_toy.md", "toy_world.md"]
+SNIPPET_DOCS = ["corrector_regime.md", "dynnibal.md", "generative_retrieval.md", "large_batches.md", "rlm_toy.md",
+                "toy_world.md"]
 
 
 @pytest.mark.parametrize("name", SNIPPET_DOCS)
 def test_a_docs_table_printed_from_evidence_is_what_its_snippet_prints(name, in_repo, capsys):
-    """docs/corrector_regime.md, dynnibal.md, large_batches.md, rlm_toy.md and toy_world.md render their tables (with
-    the sections' own code where a section made the runs) from the committed evidence, and show the snippet beside the
-    table: run here, each snippet's output must appear in the doc as written (a number edited by hand, or evidence
-    added without re-rendering the table, fails)."""
+    """docs/corrector_regime.md, dynnibal.md, generative_retrieval.md, large_batches.md, rlm_toy.md and toy_world.md
+    render their tables (with the sections' own code where a section made the runs) from the committed evidence, and
+    show the snippet beside the table: run here, each snippet's output must appear in the doc as written (a number
+    edited by hand, or evidence added without re-rendering the table, fails)."""
     doc = ROOT / "docs" / name
     snippets = doc_snippets(doc)
     assert snippets, f"docs/{name} has no snippet reading docs/evidence/"

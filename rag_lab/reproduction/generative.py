@@ -54,7 +54,7 @@ class GenerativeBudget:
     dense: tuple[str, ...]  # the dual encoder's overrides
 
 
-# 12,000 steps: at 6,000 vanilla and BASE were both still rising (docs/generative_retrieval.md); the dev curve every
+# 12,000 steps: at 6,000 vanilla and BASE were both still rising (docs/generative_retrieval_log.md); the dev curve every
 # 2,000 steps shows where they flatten
 FULL = GenerativeBudget(world=(6000, 1), dev_questions=300, overrides=("train.steps=12000", "train.eval_every=2000"),
                         # the paper's N = 20 epochs: 64 epochs in 12,000 steps, rebuilds after epochs 20, 40, 60
@@ -360,6 +360,6 @@ SECTION = register(Section(
          "vanilla and BASE on 30% / 10% of the training questions and with a d 64 generator; seen and unseen "
          "(zero-shot) people; generator and CE encoder the world's span-corruption toy T5 "
          "(rag_lab/reproduction/generative.py); 12,000 steps (ASYNC rebuilding every 20 epochs, the paper's N). About "
-         "10-20 min per run on one core, 39 runs with 3 seeds (at 6,000 steps 26 of them took 2 h with --jobs 2).",
+         "3-10 min per run on one core; the 39 runs of 3 seeds took 2.6 h with --jobs 2 on 2 cores.",
     full=FULL, quick=QUICK, runs=runs, render=render, collect=collect, prepare=prepare, finish=finish,
     evidence_files=evidence_files))

@@ -1,9 +1,9 @@
 """Question splits of a described toy world for generative retrieval, where a target title cannot be copied.
 
 A generative retriever writes its target's title. In the named families every question contains that title (the
-person's name), so a model that learns to copy solves them (docs/generative_retrieval.md). A described question names
-its person by first name and another fact (rag_train/data/toy_described.py): the title is never in it. The splits,
-all of the described family, written as DPR JSONL (question, answers, positive_ctxs) into their own folder:
+person's name), so a model that learns to copy solves them (docs/generative_retrieval_log.md). A described question
+names its person by first name and another fact (rag_train/data/toy_described.py): the title is never in it. The
+splits, all of the described family, written as DPR JSONL (question, answers, positive_ctxs) into their own folder:
 
   train-100 / train-30 / train-10  nested prefixes of the world's `described-train` questions (its seeded order):
                                    100%, 30% and 10% of them (seed 003's data-efficiency claim)
