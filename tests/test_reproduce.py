@@ -1212,6 +1212,53 @@ def test_list_runs_prints_the_plan_without_launching(tmp_path, capsys):
     assert sorted(p.name for p in runs.iterdir()) == ["ablation"]  # nothing prepared or written
 
 
+def test_match_launches_the_runs_it_names_and_what_they_start_from(tmp_path, capsys, monkeypatch):
+    """`--match`: Table 3's corrector runs of the LM init over seeds 0 and 1 bring the closed-book warm start they
+    start from (the run their `warm_start.from_run` names: one, shared), not the other rows; in launch order, by hand
+    from the whole plan's folders and overrides. Launching goes through the same selection (a fake `run_all` records
+    what it is given); a pattern that matches nothing stops before any preparation, naming the pattern; --match with
+    --report-only is refused."""
+    from rag_lab.reproduction import command
+    from rag_lab.reproduction import sections as sections_module
+
+    runs = tmp_path / "runs"
+    args = ["--quick", "--seeds", "0", "1", "--runs", str(runs), "--only", "table3"]
+    command.main([*args, "--list-runs"])
+    everything = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+
+    def by_hand(chosen_names):
+        chosen = [run for run in everything if run["out"] in chosen_names]
+        starts = {o.split("=", 1)[1] for run in chosen for o in run["overrides"]
+                  if o.startswith("warm_start.from_run=")}
+        return [run["out"] for run in everything if run["out"] in chosen_names or run["out"] in starts]
+
+    command.main([*args, "--match", "table3-lm/corrector-*", "--list-runs"])
+    listed = [json.loads(line)["out"] for line in capsys.readouterr().out.splitlines()]
+    correctors = {str(runs / "table3-lm" / f"corrector-seed{seed}") for seed in (0, 1)}
+    assert listed == by_hand(correctors) and len(listed) == 3
+    command.main([*args, "--match", "table3/frozen-seed1", "--list-runs"])
+    assert [json.loads(line)["out"] for line in capsys.readouterr().out.splitlines()] == by_hand(
+        {str(runs / "table3" / "frozen-seed1")})
+
+    launched = []
+    monkeypatch.setattr(sections_module, "run_all", lambda given, threads, jobs: launched.append(
+        [str(run.out) for run in given]) or [True] * len(given))
+    idle = dataclasses.replace(sections_module.sections()["table3"], prepare=lambda plan, threads: None,
+                               finish=lambda plan: None)
+    monkeypatch.setattr(sections_module, "sections", lambda: {"table3": idle})
+    monkeypatch.setattr(command, "collect", lambda plan: {})
+    monkeypatch.setattr(command, "write_report", lambda results, meta, out: out / "reproduction.md")
+    command.main([*args, "--match", "table3-lm/corrector-*", "--out", str(tmp_path / "report")])
+    assert launched == [listed]
+    empty = tmp_path / "empty"
+    with pytest.raises(SystemExit, match=r"--match table3/nothing-\*: no run that table3 plans"):
+        command.main([*args, "--runs", str(empty), "--match", "table3/nothing-*"])
+    assert not empty.exists()  # stopped before preparing or logging
+    with pytest.raises(SystemExit):
+        command.main([*args, "--match", "table3/*", "--report-only"])
+    assert "--report-only / --from-evidence launch nothing" in capsys.readouterr().err
+
+
 def test_rows_of_one_comparison_must_share_their_inits_weights(tmp_path):
     """Plan.complete_seeds (corrector_regime's and corrector_refresh's rows) refuses runs whose metrics.json names
     different init weights (`init_digest`), naming both folders: an LM rebuilt on another machine differs in its last

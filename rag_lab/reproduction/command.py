@@ -36,6 +36,7 @@ import tempfile
 import textwrap
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -43,7 +44,7 @@ from rag_lab.reproduction.budgets import FULL, QUICK
 from rag_lab.reproduction.evidence import read_meta
 from rag_lab.reproduction.plan import Plan
 from rag_lab.reproduction.report import write_report
-from rag_lab.reproduction.sections import collect, execute, sections, write_evidence
+from rag_lab.reproduction.sections import collect, execute, sections, select, write_evidence
 
 
 def sections_help() -> str:
@@ -75,6 +76,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="runs of a section at a time (each with --threads threads; a run that starts from another "
                              "run's output waits for it)")
     parser.add_argument("--quick", action="store_true", help="tiny budgets on a 300-passage world, for testing")
+    parser.add_argument("--match", nargs="+", default=None, metavar="PATTERN",
+                        help="launch only the planned runs whose folder under --runs matches one of these shell "
+                             "patterns (e.g. 'generative/*-seed[34]': more seeds for some rows), and the runs they "
+                             "start from; --list-runs shows the folders; the report still covers every finished run")
     parser.add_argument("--report-only", action="store_true", help="launch nothing; rewrite the report")
     parser.add_argument("--list-runs", action="store_true",
                         help="launch nothing; print every run the sections would launch, one JSON object per line "
@@ -89,6 +94,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="with --from-evidence: write nothing; fail where a report in --out differs from what "
                              "the evidence gives")
     args = parser.parse_args(argv)
+    if args.match and (args.report_only or args.from_evidence is not None):
+        parser.error("--match picks runs to launch; --report-only / --from-evidence launch nothing")
     if args.jobs < 1:
         parser.error(f"--jobs {args.jobs}: must be at least 1")
     if args.check and args.from_evidence is None:
@@ -122,7 +129,8 @@ def main(argv=None) -> None:
     5, one `error:` line): a run that failed ends this process with the run's status."""
     args = parse_args(argv)
     if args.list_runs:
-        for line in planned_runs(Plan(args.runs, args.seeds, args.hidden, args.out, quick=args.quick), args.only):
+        plan = Plan(args.runs, args.seeds, args.hidden, args.out, quick=args.quick)
+        for line in planned_runs(plan, args.only, args.match):
             print(json.dumps(line))
         return
     try:
@@ -135,12 +143,13 @@ def main(argv=None) -> None:
         raise SystemExit(status) from None
 
 
-def planned_runs(plan: Plan, names: list[str]) -> list[dict]:
-    """What `execute` would launch for the sections `names`, without preparing or launching anything: the way to see
-    a plan before hours of runs, and to compare two versions' plans (a run's folder and overrides are its identity)."""
+def planned_runs(plan: Plan, names: list[str], match: Optional[list[str]] = None) -> list[dict]:
+    """What `execute` would launch for the sections `names` (and `match`), without preparing or launching anything:
+    the way to see a plan before hours of runs, and to compare two versions' plans (a run's folder and overrides are
+    its identity)."""
     lines, seen = [], set()
     for name in names:
-        for run in sections()[name].runs(plan):
+        for run in select(sections()[name].runs(plan), plan.runs, match):
             if run.out not in seen:
                 seen.add(run.out)
                 lines.append({"section": name, "script": run.script, "config": str(run.config), "out": str(run.out),
@@ -151,8 +160,11 @@ def planned_runs(plan: Plan, names: list[str]) -> list[dict]:
 def reproduce(args: argparse.Namespace, argv) -> None:
     started, load_before = time.time(), os.getloadavg()
     plan = Plan(args.runs, args.seeds, args.hidden, args.out, args.from_evidence, quick=args.quick)
+    if args.match and not planned_runs(plan, args.only, args.match):
+        raise SystemExit(f"error: --match {' '.join(args.match)}: no run that {' '.join(args.only)} plans has a folder "
+                         f"under {args.runs} that matches (python scripts/reproduce.py --list-runs shows them)")
     if not args.report_only:
-        tally = execute(plan, args.only, args.threads, args.jobs)
+        tally = execute(plan, args.only, args.threads, args.jobs, args.match)
         niceness = os.nice(0)
         command = " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
         plan.log_invocation({

@@ -70,7 +70,7 @@ class Run:
         return run_once(ROOT / "scripts" / self.script, self.config, self.out, self.overrides, threads=threads)
 
 
-def _names(override: str, folder: Path) -> bool:
+def points_into(override: str, folder: Path) -> bool:
     """Whether a `key=value` override points at `folder` or inside it (a pretrained retriever, a shared warm start)."""
     value = Path(override.split("=", 1)[-1])
     return value == folder or folder in value.parents
@@ -81,7 +81,7 @@ def run_all(runs: list[Run], threads: Optional[int], jobs: int = 1) -> list[bool
     once that run has finished. Returns, per run, whether it had finished before. After a failure nothing more is
     launched; the runs in flight finish, then the failure is raised."""
     before = [run.metrics() is not None for run in runs]
-    waits = {run.out: {other.out for other in runs if other is not run and any(_names(o, other.out)
+    waits = {run.out: {other.out for other in runs if other is not run and any(points_into(o, other.out)
                                                                                for o in run.overrides)} for run in runs}
     pending, finished = list(runs), set()
     with ThreadPoolExecutor(max_workers=jobs) as pool:

@@ -6,6 +6,7 @@ the evidence of all of them through one `Plan`."""
 
 from __future__ import annotations
 
+import fnmatch
 import functools
 import time
 from dataclasses import dataclass, field
@@ -14,7 +15,7 @@ from typing import Any, Callable, Optional
 
 import rag_lab.reproduction as package
 from rag_lab.reproduction import evidence
-from rag_lab.reproduction.plan import ROOT, Plan, Run, run_all
+from rag_lab.reproduction.plan import ROOT, Plan, Run, points_into, run_all
 from rag_train.io import atomic_write_json
 from rag_train.plugins import Registry
 
@@ -79,15 +80,31 @@ class Tally:
     reused: int = 0
 
 
-def execute(plan: Plan, names: list[str], threads: Optional[int], jobs: int = 1) -> Tally:
+def select(runs: list[Run], root: Path, patterns: Optional[list[str]]) -> list[Run]:
+    """The runs whose folder under `root` matches one of the shell `patterns` (every run when there are none), with
+    every run of `runs` that a chosen one starts from (a warm start, a pretrained retriever), in `runs`' order."""
+    if not patterns:
+        return runs
+    chosen = {run.out for run in runs
+              if any(fnmatch.fnmatchcase(run.out.relative_to(root).as_posix(), p) for p in patterns)}
+    while True:
+        needed = {other.out for run in runs if run.out in chosen for other in runs
+                  if any(points_into(o, other.out) for o in run.overrides)}
+        if needed <= chosen:
+            return [run for run in runs if run.out in chosen]
+        chosen |= needed
+
+
+def execute(plan: Plan, names: list[str], threads: Optional[int], jobs: int = 1,
+            match: Optional[list[str]] = None) -> Tally:
     """Runs the sections `names` in order, each run once even where sections share it (the curves reuse Table 1 and
-    3), up to `jobs` runs of a section at a time."""
+    3), up to `jobs` runs of a section at a time; with `match`, only the runs `select` picks."""
     tally = Tally()
     done: set[Path] = set()
     for name in names:
         section, started = sections()[name], time.time()
         section.prepare(plan, threads)
-        runs = [run for run in section.runs(plan) if run.out not in done]
+        runs = [run for run in select(section.runs(plan), plan.runs, match) if run.out not in done]
         done.update(run.out for run in runs)
         for finished_before in run_all(runs, threads, jobs):
             tally.reused += finished_before
