@@ -70,20 +70,14 @@ def seen_questions(world: ToyWorld, family: str, start: int, seen: set[int], cou
                      f"training; ask for fewer dev questions than {count}")
 
 
-def first_name_chance(world: ToyWorld, questions: list[dict], ks: tuple[int, ...] = (1, 5, 10)) -> dict[str, float]:
-    """Recall@k (%) of a uniform guess among the world's people who share the question's first name (which the
-    question states): the mean over questions of min(1, k / that count)."""
-    counts = np.bincount(world.name_parts(np.arange(world.persons))[0], minlength=world.n_first)
-    firsts = world.name_parts(np.array([_person(q) for q in questions], dtype=np.int64))[0]
-    return {str(k): round(100.0 * float(np.mean(np.minimum(1.0, k / counts[firsts]))), 2) for k in ks}
-
-
-def trained_first_name_chance(world: ToyWorld, trained: list[dict], questions: list[dict],
-                              ks: tuple[int, ...] = (1, 5, 10)) -> dict[str, float]:
-    """Recall@k (%) of a uniform guess among the people asked in `trained` who share the question's first name: what
-    a generator that writes only people it was trained on gets without knowing which one. Every question's person must
-    be among them (the seen-dev people are in every fraction)."""
-    people = np.unique(np.array([_person(q) for q in trained], dtype=np.int64))
+def first_name_chance(world: ToyWorld, questions: list[dict], trained: Optional[list[dict]] = None,
+                      ks: tuple[int, ...] = (1, 5, 10)) -> dict[str, float]:
+    """Recall@k (%) of a uniform guess among the people who share the question's first name (which the question
+    states): the mean over questions of min(1, k / that count). The people are the world's, or with `trained` those
+    asked there: what a generator that writes only people it was trained on gets without knowing which one (every
+    question's person must be among them; the seen-dev people are in every fraction)."""
+    people = (np.arange(world.persons) if trained is None
+              else np.unique(np.array([_person(q) for q in trained], dtype=np.int64)))
     counts = np.bincount(world.name_parts(people)[0], minlength=world.n_first)
     firsts = world.name_parts(np.array([_person(q) for q in questions], dtype=np.int64))[0]
     if not counts[firsts].all():
@@ -177,7 +171,7 @@ def make_splits(world_dir: str | Path, out_dir: str | Path, dev_questions: int =
     atomic_write_json(paths["manifest"], {
         **expected, "counts": counts, "people": {name: len({_person(q) for q in qs}) for name, qs in sets.items()},
         "chance": {name: first_name_chance(world, sets[name]) for name in dev},
-        "trained_chance": {f"train-{p}": trained_first_name_chance(world, sets[f"train-{p}"], sets["seen-dev"])
+        "trained_chance": {f"train-{p}": first_name_chance(world, sets["seen-dev"], sets[f"train-{p}"])
                            for p in FRACTIONS},
         "ceiling": {name: description_ceiling(world, split, sets[name]) for name, split in dev.items()}})
     return paths
